@@ -1,0 +1,223 @@
+"""The nanolight pretrained-checkpoint format: save and load a whole model.
+
+A checkpoint is a directory:
+
+    config.json         LlamaConfig fields (rope_scaling omitted when null), plus
+                          "format": "nanolight", "format_version": 1,
+                          "sharding": null   -- reserved: a sharded (multi-file / per-rank) layout
+                                                will describe its files here; null = one file,
+                          "hf_extra": {...}  -- HF-only keys (bos/eos/pad token ids) carried
+                                                through HF -> nanolight -> HF unchanged
+    model.safetensors   full (unsharded) tensors under nanolight parameter names; with tied
+                        embeddings only `model.embed_tokens.weight` is stored
+    tokenizer files     optional, copied verbatim so `AutoTokenizer.from_pretrained(dir)` works
+
+Directories are written atomically: into a temporary sibling that is renamed into place at the
+end, so an interrupted or failed save never leaves a half-written checkpoint at the target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from nanolight.models.llama import LlamaForCausalLM
+from nanolight.models.llama_config import LlamaConfig
+
+FORMAT_NAME = "nanolight"
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+# Files a tokenizer (and HF generation defaults) may consist of; copied when present.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+__all__ = ["load_pretrained", "save_pretrained", "read_checkpoint", "write_checkpoint", "atomic_directory"]
+
+
+# ---------------------------------------------------------------------- atomic directories
+@contextlib.contextmanager
+def atomic_directory(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary directory that replaces `path` only if the block succeeds.
+
+    Refuses (FileExistsError) when `path` exists and is not empty unless `overwrite`, so a save
+    never silently clobbers another model. On any error the temporary directory is removed and
+    `path` is left exactly as it was.
+    """
+    path = Path(path).absolute()
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"save path {path} exists and is not a directory; choose another path")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        held = ", ".join(sorted(p.name for p in path.iterdir())[:5])
+        raise FileExistsError(
+            f"save path {path} already holds files ({held}); refusing to replace them. "
+            "Pass --overwrite (overwrite=True) to replace it, or choose another path"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():  # empty, or overwrite: move it aside first so the swap is two renames
+            trash = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.replace(path, trash / "old")
+            os.replace(tmp, path)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy the tokenizer files found in `src` into `dst`; returns the names copied."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copy2(Path(src) / name, Path(dst) / name)
+            copied.append(name)
+    return copied
+
+
+# ---------------------------------------------------------------------- raw read / write
+def write_checkpoint(
+    directory: str | Path,
+    config: LlamaConfig,
+    state_dict: dict[str, torch.Tensor],
+    hf_extra: dict[str, Any] | None = None,
+) -> None:
+    """Write config.json + model.safetensors into an existing directory (no atomicity here)."""
+    fields = config.to_dict()
+    if fields["rope_scaling"] is None:
+        # Omitted when unused: transformers' AutoTokenizer reads this config.json too, and warns
+        # on any `rope_scaling` key (deprecated in 5.x). Absent reads back as None.
+        del fields["rope_scaling"]
+    meta = {
+        **fields,
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "sharding": None,
+        "hf_extra": hf_extra or {},
+    }
+    Path(directory, CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    save_file(tensors, str(Path(directory, WEIGHTS_FILE)), metadata={"format": "pt"})
+
+
+def read_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """Read a nanolight checkpoint directory -> (config, state_dict, hf_extra)."""
+    path = Path(path)
+    cfg_file = path / CONFIG_FILE
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"no nanolight checkpoint at {path}: {CONFIG_FILE} is missing")
+    meta = json.loads(cfg_file.read_text())
+    if meta.get("format") != FORMAT_NAME:
+        hint = " (it looks like a Hugging Face model: convert it with scripts/convert_hf_to_nanolight.py)"
+        raise ValueError(
+            f"{cfg_file} is not a nanolight checkpoint (format={meta.get('format')!r})"
+            + (hint if "model_type" in meta or "architectures" in meta else "")
+        )
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{cfg_file} has format_version={meta.get('format_version')!r}; this nanolight reads "
+            f"version {FORMAT_VERSION} only"
+        )
+    if meta.get("sharding") is not None:
+        raise ValueError(f"{cfg_file} describes a sharded checkpoint; load_pretrained reads single-file ones")
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        raise FileNotFoundError(f"nanolight checkpoint {path} has no {WEIGHTS_FILE}")
+    with safe_open(str(weights), framework="pt") as f:
+        state_dict = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    return LlamaConfig.from_dict(meta), state_dict, dict(meta.get("hf_extra") or {})
+
+
+# ---------------------------------------------------------------------- model level
+def model_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """The tensors to store: every parameter once (a tied lm_head is not stored)."""
+    sd = dict(model.state_dict())
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
+def check_state_dict(config: LlamaConfig, state_dict: dict[str, torch.Tensor]) -> None:
+    """Compare names and shapes with a model of `config`; name every offending tensor."""
+    with torch.device("meta"):
+        expected = model_state_dict(LlamaForCausalLM(_buildable(config)))
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint tensors do not match the config: missing {missing}, unexpected {unexpected}"
+        )
+    for name, t in expected.items():
+        if tuple(state_dict[name].shape) != tuple(t.shape):
+            raise ValueError(
+                f"tensor {name} has shape {tuple(state_dict[name].shape)} but the config implies {tuple(t.shape)}"
+            )
+
+
+def save_pretrained(
+    model: LlamaForCausalLM,
+    path: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    overwrite: bool = False,
+    hf_extra: dict[str, Any] | None = None,
+) -> Path:
+    """Save a (single-device, unsharded) model as a nanolight checkpoint directory, atomically."""
+    with atomic_directory(path, overwrite=overwrite) as tmp:
+        write_checkpoint(tmp, model.config, model_state_dict(model), hf_extra)
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, tmp)
+    return Path(path)
+
+
+def load_pretrained(
+    path: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    attn_implementation: str | None = None,
+) -> LlamaForCausalLM:
+    """Load a nanolight checkpoint -> `LlamaForCausalLM` in eval mode; `model(input_ids)` -> logits.
+
+    `dtype=None` keeps the stored dtype. `attn_implementation` overrides the saved one (e.g.
+    "flash_attention_2" on a GPU).
+    """
+    config, state_dict, _ = read_checkpoint(path)
+    if attn_implementation is not None:
+        config.attn_implementation = attn_implementation
+    check_state_dict(config, state_dict)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    if config.tie_word_embeddings:
+        state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    model.tie_weights()
+    model.to(device=device, dtype=dtype)
+    return model.eval()
+
+
+def _buildable(config: LlamaConfig) -> LlamaConfig:
+    """A copy that can be built anywhere (flash-attn availability is irrelevant to shapes)."""
+    return LlamaConfig.from_dict({**config.to_dict(), "attn_implementation": "sdpa"})

@@ -1,0 +1,283 @@
+"""Llama / SmolLM causal language model in plain PyTorch.
+
+Read top to bottom like nanoGPT's model.py: RMSNorm, attention with one fused qkv projection,
+a SwiGLU MLP with one fused gate_up projection, the decoder block, the model. There is no
+parallel code here. Tensor parallelism is applied from outside using `LlamaForCausalLM.tp_plan`
+(data: module name -> "column" | "row" | "vocab"); to make that possible the fused weights are
+laid out so that a contiguous slice of rows is a whole set of heads / MLP units (see
+`CausalSelfAttention` and `SwiGLU`), and every module derives its local head or unit count from
+its weight's shape, so a tp-sharded module runs this same forward.
+
+Module names are stable (`model.layers.{i}.self_attn.qkv_proj`, ...): the TP plan, the pipeline
+split and checkpoints all key on them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanolight.models.llama_config import LlamaConfig
+from nanolight.models.llama_rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+__all__ = ["LlamaConfig", "LlamaForCausalLM", "causal_lm_loss", "flash_attn_available"]
+
+IGNORE_INDEX = -100
+_SDPA_HAS_GQA = torch.__version__ >= "2.5"  # `enable_gqa` argument of scaled_dot_product_attention
+
+
+def flash_attn_available() -> bool:
+    """True when the flash-attn package is importable and a CUDA GPU is present."""
+    return importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
+
+
+def _check_attn_implementation(name: str) -> None:
+    """Fail at build time, not at the first forward on 512 GPUs."""
+    if name == "flash_attention_2" and not flash_attn_available():
+        raise RuntimeError(
+            "attn_implementation='flash_attention_2' needs the flash-attn package and a CUDA GPU "
+            f"(flash-attn installed: {importlib.util.find_spec('flash_attn') is not None}, "
+            f"CUDA available: {torch.cuda.is_available()}); install it with `pip install nanolight[flash]` "
+            "on a GPU machine or use attn_implementation='sdpa'"
+        )
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over tokens whose label is not -100. logits (B, T, V), labels (B, T).
+
+    The inputs are already aligned (logits at t predict labels at t: the caller shifted the
+    labels and put -100 where nothing is predicted). Computed in fp32 as HF does.
+    The tensor-parallel strategy swaps `LlamaForCausalLM.loss_fn` for a vocab-parallel version
+    with this same signature.
+    """
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX
+    )
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, normalised in fp32 (bf16 squares lose too much precision)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    """Grouped-query attention (MHA when n_kv == n_heads, MQA when n_kv == 1).
+
+    qkv_proj rows are grouped per kv head g: [q_{g*r}, ..., q_{g*r+r-1}, k_g, v_g], each head_dim
+    rows, r = n_heads / n_kv. So rows [a, b) of whole groups hold exactly the query heads that use
+    those kv heads, and a tensor-parallel rank's contiguous shard is self-contained.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.q_per_kv = config.num_attention_heads // config.num_key_value_heads  # r
+        self.attn_implementation = config.attn_implementation
+        n_q, n_kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, n_kv * (self.q_per_kv + 2) * hd, bias=False)
+        self.o_proj = nn.Linear(n_q * hd, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        r, hd = self.q_per_kv, self.head_dim
+        qkv = self.qkv_proj(x).view(B, T, -1, r + 2, hd)  # (B, T, n_kv_local, r + 2, head_dim)
+        n_kv = qkv.size(2)
+        q = qkv[:, :, :, :r].reshape(B, T, n_kv * r, hd).transpose(1, 2)  # (B, n_heads_local, T, head_dim)
+        k = qkv[:, :, :, r].transpose(1, 2)  # (B, n_kv_local, T, head_dim)
+        v = qkv[:, :, :, r + 1].transpose(1, 2)  # (B, n_kv_local, T, head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = self._attend(q, k, v)  # (B, n_heads_local, T, head_dim)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads_local * head_dim)
+        return self.o_proj(y)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.attn_implementation == "flash_attention_2":
+            from flash_attn import flash_attn_func  # optional dependency, checked at build time
+
+            # flash-attn wants (B, T, heads, head_dim) and handles GQA itself.
+            y = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+            return y.transpose(1, 2)
+        r = q.size(1) // k.size(1)
+        if self.attn_implementation == "sdpa" and _SDPA_HAS_GQA:
+            # sdpa maps query head h to kv head h // r itself, without materialising copies of k, v.
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=r > 1)
+        # Each kv head serves the r consecutive query heads of its group.
+        k = k.repeat_interleave(r, dim=1)  # (B, n_heads_local, T, head_dim)
+        v = v.repeat_interleave(r, dim=1)
+        if self.attn_implementation == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # eager: the textbook formula, kept as the reference the fused kernels are tested against.
+        T = q.size(2)
+        att = (q @ k.transpose(-2, -1)) * (self.head_dim**-0.5)  # (B, n_heads_local, T, T)
+        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+        att = att.masked_fill(future, float("-inf"))
+        att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
+        return att @ v
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul.
+
+    gate_up_proj rows are interleaved per intermediate unit: [gate_0, up_0, gate_1, up_1, ...],
+    so any contiguous, even-sized row slice holds matching gate/up pairs (tp-shardable).
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x).unflatten(-1, (-1, 2))  # (B, T, intermediate_local, 2)
+        gate, up = gate_up.unbind(-1)  # two (B, T, intermediate_local)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = CausalSelfAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder stack and final norm: token ids (B, T) -> hidden states (B, T, C)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # (B, T, C)
+        cos, sin = self.rotary_tables(input_ids.shape, position_ids, x)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+    def rotary_tables(
+        self, shape: torch.Size, position_ids: torch.Tensor | None, like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (B, T, head_dim) for positions 0..T-1 or `position_ids` ((T,) or (B, T)).
+
+        Separate so a pipeline stage without the embedding can rebuild them from its input.
+        """
+        B, T = shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=like.device)
+        position_ids = position_ids.expand(B, T)
+        c = self.config
+        inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, device=like.device)
+        return rope_cos_sin(position_ids, inv_freq, like.dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The causal LM: `model(input_ids)` -> logits (B, T, V); with labels -> mean token loss.
+
+    Labels are aligned with input_ids (labels == input_ids for plain LM training); the model
+    shifts them itself and ignores -100, as HF does.
+
+    Initialisation (`init_weights`, run by the constructor unless built on the meta device):
+    every Linear and the embedding ~ N(0, initializer_range), every RMSNorm weight = 1.
+    Deterministic given the torch seed (or `generator`), parameters drawn one after another in
+    `named_parameters()` order.
+    """
+
+    # Tensor-parallel plan: module-name pattern -> style. Data only; the strategy applies it.
+    tp_plan: dict[str, str] = {
+        "model.embed_tokens": "vocab",
+        "model.layers.*.self_attn.qkv_proj": "column",
+        "model.layers.*.self_attn.o_proj": "row",
+        "model.layers.*.mlp.gate_up_proj": "column",
+        "model.layers.*.mlp.down_proj": "row",
+        "lm_head": "column",
+    }
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        config.validate()
+        _check_attn_implementation(config.attn_implementation)
+        self.config = config
+        self.loss_fn = causal_lm_loss
+        device = torch.empty(0).device  # the caller's default device (honours `with torch.device(...)`)
+        # Always build on meta, then materialise + init_weights unless the caller wants meta:
+        # one init scheme, no wasted PyTorch default init, and a model built directly on a device
+        # equals a meta build + to_empty + init_weights under the same seed.
+        with torch.device("meta"):
+            self.model = LlamaModel(config)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self.init_weights()
+
+    def tie_weights(self) -> None:
+        """Make lm_head.weight the same Parameter as the embedding when the config ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> LlamaForCausalLM:
+        """Materialise a meta-device model. Re-ties: moving off meta replaces Parameter objects."""
+        super().to_empty(device=device, recurse=recurse)
+        self.tie_weights()
+        return self
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = self.model(input_ids, position_ids)  # (B, T, C)
+        logits = self.lm_head(h)  # (B, T, V)
+        if labels is None:
+            return logits
+        # logits at t predict the token at t+1: shift the labels left (the last position predicts
+        # nothing, -100) rather than slicing logits, which would copy the largest activation.
+        shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T)
+        return self.loss_fn(logits, shifted)
+
+    # ------------------------------------------------------------------ initialisation
+    def init_param(self, name: str, tensor: torch.Tensor, generator: torch.Generator | None = None) -> None:
+        """Initialise one parameter in place, given its `named_parameters()` name.
+
+        Works on any tensor of the parameter's FULL shape, which is how a tensor-parallel
+        strategy gets topology-independent init: draw the full tensor here, keep its slice.
+        Norm weights -> 1; everything else (linears, embedding) -> N(0, initializer_range).
+        """
+        with torch.no_grad():
+            if name.endswith("norm.weight"):
+                tensor.fill_(1.0)
+            else:
+                tensor.normal_(0.0, self.config.initializer_range, generator=generator)
+
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """(Re)initialise every parameter, in `named_parameters()` order (tied weights once)."""
+        self.tie_weights()
+        for name, param in self.named_parameters():
+            self.init_param(name, param.data, generator)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

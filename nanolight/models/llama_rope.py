@@ -1,0 +1,59 @@
+"""Rotary position embeddings (RoPE), with Llama 3's frequency scaling.
+
+Convention (matches HF transformers' Llama, so converted weights need no permutation): a head
+vector is split into two halves [x1, x2] and rotated as [x1*cos - x2*sin, x2*cos + x1*sin],
+with frequency i shared by dims i and i + head_dim/2 ("rotate_half"), not interleaved pairs.
+
+The tables are recomputed every forward from the config instead of being cached in a buffer:
+it costs a (T, head_dim) outer product, and it keeps the model free of non-persistent buffers
+that a meta-device build + `to_empty()` would leave uninitialised.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None, device=None) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/head_dim), i < head_dim/2, llama3-scaled if asked. (head_dim/2,)"""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if rope_scaling is not None:
+        inv_freq = _llama3_scale(inv_freq, rope_scaling)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1 "NTK-by-parts": keep high frequencies, divide low ones by `factor`, blend between.
+
+    Wavelengths shorter than original_len/high_freq_factor are untouched; longer than
+    original_len/low_freq_factor are slowed by `factor`; the band in between is interpolated
+    linearly in original_len/wavelength. (Meta's reference and HF's `_compute_llama3_parameters`.)
+    """
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(in_band, blended, scaled)
+
+
+def rope_cos_sin(
+    position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for the given positions. position_ids (B, T) -> two (B, T, head_dim)."""
+    freqs = position_ids[..., None].float() * inv_freq.float()  # (B, T, head_dim/2), fp32 for long contexts
+    angles = torch.cat((freqs, freqs), dim=-1)  # (B, T, head_dim): dims i and i+head_dim/2 share a frequency
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, n_heads, T, head_dim) by position; cos/sin are (B, T, head_dim)."""
+    cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, head_dim): broadcast over heads
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin

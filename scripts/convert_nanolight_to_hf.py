@@ -1,0 +1,44 @@
+"""Convert a nanolight checkpoint directory into a Hugging Face LlamaForCausalLM directory.
+
+    python scripts/convert_nanolight_to_hf.py --checkpoint-path <src> --save-path <dir> [--overwrite]
+
+Also runs under `torchrun --nproc_per_node=1`; with more processes only rank 0 converts
+(the others would write the same directory). Errors exit with status 1 and one line on stderr;
+the save path is written atomically, so a failed run leaves nothing there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+try:
+    import nanolight.checkpoint.hf as hf
+except ImportError:  # run from a source checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import nanolight.checkpoint.hf as hf
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint-path", required=True, help="a nanolight checkpoint directory")
+    parser.add_argument(
+        "--save-path", required=True, help="output directory (a Hugging Face LlamaForCausalLM directory)"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty save path")
+    args = parser.parse_args(argv)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    try:
+        out = hf.convert_nanolight_to_hf(args.checkpoint_path, args.save_path, overwrite=args.overwrite)
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

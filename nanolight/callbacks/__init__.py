@@ -1,0 +1,19 @@
+"""Callbacks: the `Callback` base (Lightning's hook names) and the built-ins."""
+
+from nanolight.callbacks.base import Callback
+from nanolight.callbacks.early_stopping import EarlyStopping
+from nanolight.callbacks.lr_monitor import LearningRateMonitor
+from nanolight.callbacks.model_checkpoint import ModelCheckpoint
+from nanolight.callbacks.nan_guard import NaNGuard
+from nanolight.callbacks.progress import RichProgressBar
+from nanolight.callbacks.throughput import ThroughputMonitor
+
+__all__ = [
+    "Callback",
+    "EarlyStopping",
+    "LearningRateMonitor",
+    "ModelCheckpoint",
+    "NaNGuard",
+    "RichProgressBar",
+    "ThroughputMonitor",
+]

@@ -1,0 +1,96 @@
+"""`ThroughputMonitor`: tokens/s, samples/s, TFLOP/s per device and MFU.
+
+Tokens are counted by the trainer (``input_ids.numel()`` of every micro-batch x data-parallel
+size, see ``trainer.progress``). FLOPs per token come from ``module.flops_per_token()`` (the
+model owns that arithmetic) or the constructor. MFU needs the device's peak: looked up in
+`PEAK_FLOPS` by CUDA device name and precision, or given as ``peak_flops``; on CPU (unknown
+peak) MFU is omitted.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from nanolight.callbacks.base import Callback
+
+# Dense peak FLOP/s per device, from vendor datasheets (no sparsity). "32" = plain fp32 (no TF32).
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989e12, "32": 67e12},
+    "H100 PCIe": {"bf16": 756e12, "32": 51e12},
+    "H100": {"bf16": 989e12, "32": 67e12},
+    "A100": {"bf16": 312e12, "32": 19.5e12},
+    "L40S": {"bf16": 362e12, "32": 91.6e12},
+    "L4": {"bf16": 121e12, "32": 30.3e12},
+    "A10": {"bf16": 125e12, "32": 31.2e12},
+    "4090": {"bf16": 165e12, "32": 82.6e12},
+}
+
+
+def lookup_peak_flops(device: torch.device, precision: str) -> float | None:
+    """Peak FLOP/s of ``device`` at ``precision`` (None if unknown, e.g. CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    kind = "bf16" if precision.startswith("bf16") else "32"
+    for key, peaks in PEAK_FLOPS.items():  # more specific names first ("H100 PCIe" before "H100")
+        if all(part in name for part in key.split()):
+            return peaks[kind]
+    return None
+
+
+class ThroughputMonitor(Callback):
+    """Logs ``throughput/{tokens,samples}_per_sec``, ``throughput/tflops_per_device`` and
+    ``throughput/mfu`` on logging steps, averaged over the steps since the previous log."""
+
+    def __init__(self, flops_per_token: float | None = None, peak_flops: float | None = None) -> None:
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self._t0: float | None = None
+        self._tokens0 = self._samples0 = 0
+        self._excluded = 0.0  # seconds spent in validation since the last mark
+        self._val_t0: float | None = None
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.flops_per_token is None and callable(getattr(pl_module, "flops_per_token", None)):
+            self.flops_per_token = float(pl_module.flops_per_token())
+        if self.peak_flops is None:
+            self.peak_flops = lookup_peak_flops(trainer.strategy.root_device, trainer.strategy.precision.mode)
+        self._mark(trainer)
+
+    def _mark(self, trainer: Any) -> None:
+        self._t0 = time.perf_counter()
+        self._tokens0, self._samples0 = trainer.progress["tokens"], trainer.progress["samples"]
+        self._excluded = 0.0
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not (trainer.is_step_end and trainer.should_log) or self._t0 is None:
+            return
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # only on logging steps: timings need finished kernels
+        dt = max(time.perf_counter() - self._t0 - self._excluded, 1e-9)
+        tokens = trainer.progress["tokens"] - self._tokens0
+        metrics = {"throughput/samples_per_sec": (trainer.progress["samples"] - self._samples0) / dt}
+        if tokens:
+            metrics["throughput/tokens_per_sec"] = tokens / dt
+            if self.flops_per_token:
+                per_device = tokens / dt * self.flops_per_token / trainer.world_size
+                metrics["throughput/tflops_per_device"] = per_device / 1e12
+                if self.peak_flops:
+                    metrics["throughput/mfu"] = per_device / self.peak_flops
+        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
+        trainer.log_metrics(metrics)
+        self._mark(trainer)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._val_t0 = time.perf_counter()
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._val_t0 is not None:  # validation time is not training time
+            self._excluded += time.perf_counter() - self._val_t0
+            self._val_t0 = None

@@ -1,0 +1,107 @@
+"""`WandbLogger`: Weights & Biases, online when logged in, offline otherwise -- never a prompt.
+
+"Logged in" means an API key is available without asking: ``WANDB_API_KEY`` or a ``.netrc``
+entry for the W&B host. Without one the run is written offline under ``<save_dir>/wandb`` and
+can be uploaded later with ``wandb sync``.
+"""
+
+from __future__ import annotations
+
+import netrc
+import os
+from pathlib import Path
+from typing import Any
+
+from lightning_utilities.core.rank_zero import rank_zero_only
+
+from nanolight.loggers.base import Logger
+
+
+def has_wandb_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+class WandbLogger(Logger):
+    """Args: ``project``, ``name``, ``offline`` (force offline), ``save_dir`` (default: the
+    trainer's ``default_root_dir``), ``log_model`` (True: upload the last checkpoint at the end;
+    "all": every checkpoint), extra ``wandb.init`` kwargs (``id``, ``resume``, ``tags``, ...)."""
+
+    def __init__(
+        self,
+        project: str | None = None,
+        name: str | None = None,
+        offline: bool = False,
+        save_dir: str | Path | None = None,
+        log_model: bool | str = False,
+        **init_kwargs: Any,
+    ) -> None:
+        self.project, self._name, self.offline = project, name, offline
+        self._save_dir = str(save_dir) if save_dir is not None else None
+        self.log_model, self.init_kwargs = log_model, init_kwargs
+        self._run: Any = None
+        self._last_checkpoint: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self._name or "wandb"
+
+    @property
+    def save_dir(self) -> str | None:
+        return self._save_dir
+
+    def set_default_save_dir(self, path: str | Path) -> None:
+        if self._save_dir is None:
+            self._save_dir = str(path)
+
+    @property
+    def mode(self) -> str:
+        return "offline" if self.offline or not has_wandb_credentials() else "online"
+
+    @property
+    def experiment(self) -> Any:
+        """The ``wandb`` run, created on first use (rank zero only)."""
+        if self._run is None:
+            import wandb
+
+            save_dir = Path(self._save_dir or ".")
+            save_dir.mkdir(parents=True, exist_ok=True)
+            self._run = wandb.init(
+                project=self.project, name=self._name, dir=str(save_dir), mode=self.mode, **self.init_kwargs
+            )
+        return self._run
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.experiment.log(dict(metrics), step=step)
+
+    @rank_zero_only
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        self.experiment.config.update(params, allow_val_change=True)
+
+    @rank_zero_only
+    def after_save_checkpoint(self, path: str) -> None:
+        self._last_checkpoint = path
+        if self.log_model == "all":
+            self._log_checkpoint(path)
+
+    def _log_checkpoint(self, path: str) -> None:
+        import wandb
+
+        artifact = wandb.Artifact(f"model-{self.experiment.id}", type="model", metadata={"path": path})
+        artifact.add_dir(path)
+        self.experiment.log_artifact(artifact, aliases=[Path(path).name, "latest"])
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        if self._run is None:
+            return
+        if self.log_model is True and self._last_checkpoint and Path(self._last_checkpoint).is_dir():
+            self._log_checkpoint(self._last_checkpoint)
+        self._run.finish(exit_code=0 if status == "success" else 1)
+        self._run = None

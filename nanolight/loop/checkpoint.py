@@ -1,0 +1,96 @@
+"""Building and restoring the trainer part of a checkpoint (the strategy writes the files).
+
+Kept out of ``trainer.py`` so the loop reads top to bottom; every value here is a tensor or a
+plain container, so ``torch.load(weights_only=True)`` reads it back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning_utilities.core.rank_zero import rank_zero_warn
+
+from nanolight.checkpoint.trainer_state import (
+    LAST_POINTER,
+    capture_rng_state,
+    load_torch_file,
+    resolve_checkpoint,
+)
+
+if TYPE_CHECKING:
+    from nanolight.trainer import NanoTrainer
+
+FORMAT = "nanolight-trainer-v1"
+
+
+def build_state(trainer: NanoTrainer) -> dict[str, Any]:
+    """Everything but weights/optimizer: progress, loop position, schedulers, callbacks, RNG."""
+    state: dict[str, Any] = {
+        "format": FORMAT,
+        "progress": dict(trainer.progress),
+        "loop": trainer._loop_state(),
+        "schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
+        "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
+        "rng": capture_rng_state(),
+    }
+    for cb in trainer.callbacks:
+        cb.on_save_checkpoint(trainer, trainer.lightning_module, state)
+    trainer.lightning_module.on_save_checkpoint(state)
+    return state
+
+
+def restore_state(trainer: NanoTrainer, path: Path) -> dict[str, Any]:
+    """Load ``path`` through the strategy and put the trainer/callbacks back where they were.
+
+    Order: weights (the strategy checks they match the model), module ``on_load_checkpoint``,
+    callbacks' ``on_load_checkpoint`` then their ``load_state_dict`` (as in Lightning); the
+    optimizer/scheduler/progress part follows in `restore_training_state`.
+    """
+    module, strategy = trainer.lightning_module, trainer.strategy
+    state = strategy.load_checkpoint(path, load_optimizer=False)
+    module.on_load_checkpoint(state)
+    for cb in trainer.callbacks:
+        cb.on_load_checkpoint(trainer, module, state)
+    saved = state.get("callbacks", {})
+    for cb in trainer.callbacks:
+        if cb.state_key in saved:
+            cb.load_state_dict(saved[cb.state_key])
+    return state
+
+
+def restore_training_state(trainer: NanoTrainer, path: Path, state: dict[str, Any]) -> None:
+    strategy = trainer.strategy
+    files = strategy.checkpoint_files()
+    if (path / files["optimizer"]).exists():
+        strategy.load_optimizer_state_dict(load_torch_file(path / files["optimizer"], strategy.root_device))
+    scheds = state.get("schedulers", [])
+    if len(scheds) != len(trainer.lr_scheduler_configs):
+        raise ValueError(
+            f"checkpoint holds {len(scheds)} LR scheduler state(s), configure_optimizers returned "
+            f"{len(trainer.lr_scheduler_configs)}"
+        )
+    for cfg, sd in zip(trainer.lr_scheduler_configs, scheds, strict=True):
+        cfg.scheduler.load_state_dict(sd)
+    trainer.progress.update(state.get("progress", {}))
+    trainer._resume_loop = state.get("loop")
+    trainer._resume_rng = state.get("rng")
+
+
+def resolve_ckpt_path(trainer: NanoTrainer, ckpt_path: str | Path | None) -> Path | None:
+    """``"last"`` -> the newest complete checkpoint (None + a warning if there is none)."""
+    if ckpt_path is None:
+        return None
+    if str(ckpt_path) == LAST_POINTER:
+        dirs = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if cb.dirpath is not None]
+        dirs.append(Path(trainer.default_root_dir) / "checkpoints")
+        for d in dirs:
+            found = resolve_checkpoint(d / LAST_POINTER)
+            if found is not None:
+                return found
+        rank_zero_warn(f'ckpt_path="last" but no checkpoint found under {dirs[-1]}; training from scratch.')
+        return None
+    found = resolve_checkpoint(ckpt_path)
+    if found is None:
+        raise FileNotFoundError(f"checkpoint {ckpt_path} does not exist")
+    return found

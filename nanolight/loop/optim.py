@@ -1,0 +1,108 @@
+"""Normalise what ``configure_optimizers`` returns (Lightning's forms) into optimizers + schedulers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_FORMS = (
+    "an Optimizer; a list/tuple of Optimizers; ([optimizers], [schedulers]); "
+    '{"optimizer": opt, "lr_scheduler": sched or {"scheduler": sched, "interval": "step"|"epoch", '
+    '"frequency": n}}; or a list of such dicts'
+)
+
+
+@dataclass
+class SchedulerConfig:
+    """One LR scheduler and when to step it (Lightning's defaults: every 1 epoch)."""
+
+    scheduler: Any
+    interval: str = "epoch"
+    frequency: int = 1
+    monitor: str | None = None
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.interval not in ("step", "epoch"):
+            raise ValueError(f'lr_scheduler "interval" must be "step" or "epoch", got {self.interval!r}')
+        if not isinstance(self.frequency, int) or self.frequency < 1:
+            raise ValueError(f'lr_scheduler "frequency" must be a positive int, got {self.frequency!r}')
+        if not hasattr(self.scheduler, "step") or not hasattr(self.scheduler, "state_dict"):
+            raise TypeError(
+                f"lr_scheduler must be a torch LR scheduler (with step/state_dict), got "
+                f"{type(self.scheduler).__name__}"
+            )
+
+
+def _bad(got: Any, why: str) -> TypeError:
+    return TypeError(f"configure_optimizers() returned {type(got).__name__}: {why}. Expected {_FORMS}.")
+
+
+def _scheduler(obj: Any, where: Any) -> SchedulerConfig:
+    if isinstance(obj, dict):
+        if "scheduler" not in obj:
+            raise _bad(where, f'the lr_scheduler dict has no "scheduler" key (keys: {sorted(obj)})')
+        unknown = set(obj) - {"scheduler", "interval", "frequency", "monitor", "name", "strict"}
+        if unknown:
+            raise _bad(where, f"unknown lr_scheduler keys {sorted(unknown)}")
+        obj = {k: v for k, v in obj.items() if k != "strict"}
+        return SchedulerConfig(**obj)
+    return SchedulerConfig(obj)
+
+
+def _from_dict(d: dict, where: Any) -> tuple[torch.optim.Optimizer, list[SchedulerConfig]]:
+    if "optimizer" not in d:
+        raise _bad(where, f'the dict has no "optimizer" key (keys: {sorted(d)})')
+    unknown = set(d) - {"optimizer", "lr_scheduler", "monitor"}
+    if unknown:
+        raise _bad(where, f"unknown keys {sorted(unknown)}")
+    opt = d["optimizer"]
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise _bad(where, f'"optimizer" is a {type(opt).__name__}, not a torch.optim.Optimizer')
+    scheds = []
+    if d.get("lr_scheduler") is not None:
+        cfg = _scheduler(d["lr_scheduler"], where)
+        if cfg.monitor is None and "monitor" in d:
+            cfg.monitor = d["monitor"]
+        scheds.append(cfg)
+    return opt, scheds
+
+
+def parse_optimizers(out: Any) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
+    """Return (optimizers, schedulers) or raise a TypeError that lists the accepted forms."""
+    if out is None:
+        raise _bad(out, "nothing was returned (did you forget `return`?)")
+    if isinstance(out, torch.optim.Optimizer):
+        return [out], []
+    if isinstance(out, dict):
+        opt, scheds = _from_dict(out, out)
+        return [opt], scheds
+    if isinstance(out, (list, tuple)):
+        if len(out) == 2 and all(isinstance(x, (list, tuple)) for x in out):
+            opts, raw = out
+            if not all(isinstance(o, torch.optim.Optimizer) for o in opts) or not opts:
+                raise _bad(out, "the first list must hold torch.optim.Optimizer objects")
+            return list(opts), [_scheduler(s, out) for s in raw]
+        if out and all(isinstance(x, torch.optim.Optimizer) for x in out):
+            return list(out), []
+        if out and all(isinstance(x, dict) for x in out):
+            pairs = [_from_dict(d, out) for d in out]
+            return [p[0] for p in pairs], [s for p in pairs for s in p[1]]
+        kinds = sorted({type(x).__name__ for x in out}) or ["<empty>"]
+        raise _bad(out, f"a sequence of {kinds}")
+    raise _bad(out, "not an optimizer")
+
+
+def step_scheduler(sc: SchedulerConfig, metrics: dict[str, torch.Tensor]) -> None:
+    """Step one scheduler; ReduceLROnPlateau gets its monitored metric."""
+    if isinstance(sc.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        value = metrics.get(sc.monitor or "")
+        if value is None:
+            raise KeyError(
+                f"ReduceLROnPlateau monitors {sc.monitor!r}, which was not logged; available: {sorted(metrics)}"
+            )
+        sc.scheduler.step(float(value))
+    else:
+        sc.scheduler.step()

@@ -1,0 +1,191 @@
+"""Built-in callbacks and precision modes on a tiny CPU model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _trainer_helpers import MLPModule, loader, make_data
+from torch import nn
+from torch.utils.data import DataLoader
+
+from nanolight.callbacks import (
+    Callback,
+    EarlyStopping,
+    ModelCheckpoint,
+    NaNGuard,
+    RichProgressBar,
+    ThroughputMonitor,
+)
+from nanolight.module import NanoModule
+from nanolight.trainer import NanoTrainer
+
+
+def _trainer(tmp_path, **kw) -> NanoTrainer:
+    kw.setdefault("logger", False)
+    kw.setdefault("enable_progress_bar", False)
+    kw.setdefault("enable_checkpointing", False)
+    return NanoTrainer(default_root_dir=tmp_path, **kw)
+
+
+class ParamDtype(Callback):
+    def __init__(self) -> None:
+        self.seen: set = set()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.seen |= {(p.dtype, p.grad.dtype) for p in pl_module.parameters()}
+
+
+class AutocastProbe(MLPModule):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.out_dtype = self.model(x).dtype
+        return super().training_step(batch, batch_idx)
+
+
+def test_bf16_mixed_keeps_fp32_params_and_grads(tmp_path):
+    probe, module = ParamDtype(), AutocastProbe()
+    trainer = _trainer(
+        tmp_path, max_steps=3, precision="bf16-mixed", accumulate_grad_batches=2, callbacks=[probe]
+    )
+    trainer.fit(module, loader(make_data(32), 4))
+    assert probe.seen == {(torch.float32, torch.float32)}
+    assert module.out_dtype == torch.bfloat16  # the forward ran under autocast
+    assert math.isfinite(float(trainer.callback_metrics["train/loss"]))
+
+
+def test_bf16_true_casts_params(tmp_path):
+    module = MLPModule()
+    _trainer(tmp_path, max_steps=1, precision="bf16-true").fit(module, loader(make_data(16), 4))
+    assert {p.dtype for p in module.parameters()} == {torch.bfloat16}
+
+
+class NaNAt(MLPModule):
+    def __init__(self, bad_steps: set[int]) -> None:
+        super().__init__()
+        self.bad_steps = bad_steps
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.trainer.global_step + 1 in self.bad_steps else loss
+
+
+def test_nan_guard_skips_step(tmp_path):
+    guard, module = NaNGuard(action="skip"), NaNAt({2})
+    trainer = _trainer(tmp_path, max_steps=2, callbacks=[guard])
+    with pytest.warns(UserWarning, match="non-finite train/loss=nan at step 2: skipping the optimizer step"):
+        trainer.fit(module, loader(make_data(16), 4))
+    before = [p.detach().clone() for p in module.parameters()]
+    # step 2 skipped: weights equal those after one step of a clean run
+    clean = MLPModule()
+    _trainer(tmp_path, max_steps=1).fit(clean, loader(make_data(16), 4))
+    assert all(torch.equal(a, b) for a, b in zip(before, clean.parameters(), strict=True))
+    assert guard.skipped_steps == [2] and trainer.global_step == 2 and not trainer.should_stop
+
+
+def test_nan_guard_stop_names_step_and_metric(tmp_path):
+    guard = NaNGuard(action="stop")
+    trainer = _trainer(tmp_path, max_steps=10, callbacks=[guard])
+    with pytest.warns(UserWarning, match=r"non-finite train/loss=nan at step 3"):
+        trainer.fit(NaNAt({3}), loader(make_data(64), 4))
+    assert trainer.global_step == 3 and guard.stopped_reason == "non-finite train/loss=nan at step 3"
+
+
+class ValLossSequence(MLPModule):
+    """val/loss = 1, 0.5, 0.6, 0.7, 0.8, ... (improves once, then gets worse)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.values = iter([1.0, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
+
+    def on_validation_epoch_start(self) -> None:
+        self.current = next(self.values)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", self.current)
+
+
+def test_early_stopping(tmp_path):
+    es = EarlyStopping(monitor="val/loss", patience=2)
+    trainer = _trainer(tmp_path, max_steps=100, val_check_interval=1, limit_val_batches=1, callbacks=[es])
+    data = loader(make_data(64), 4)
+    trainer.fit(ValLossSequence(), data, data)
+    assert trainer.global_step == 4 and trainer.should_stop  # best at step 2, no improvement at 3, 4
+    assert es.best == 0.5 and "did not improve" in es.reason
+
+
+def test_model_checkpoint_top_k_and_keep_last_n(tmp_path):
+    top = ModelCheckpoint(dirpath=tmp_path / "top", every_n_train_steps=1, monitor="val/loss", save_top_k=2)
+    newest = ModelCheckpoint(
+        dirpath=tmp_path / "newest", every_n_train_steps=2, keep_last_n=2, save_last=False
+    )
+    trainer = _trainer(
+        tmp_path, max_steps=7, val_check_interval=1, limit_val_batches=1, callbacks=[top, newest]
+    )
+    data = loader(make_data(64), 4)
+    with pytest.warns(UserWarning, match="not logged yet at step 1"):
+        trainer.fit(ValLossSequence(), data, data)
+    # checkpoints save at the end of step s, before that step's validation: step s sees val of s-1.
+    # scores: step2=1.0, step3=0.5, step4=0.6, step5=0.7, ... -> best two: step-3, step-4; newest kept
+    assert sorted(p.name for p in (tmp_path / "top").iterdir()) == ["last", "step-3", "step-4", "step-7"]
+    assert top.best_model_path.endswith("step-3") and top.best_model_score == 0.5
+    assert sorted(p.name for p in (tmp_path / "newest").iterdir()) == ["step-4", "step-6"]
+    assert (tmp_path / "top" / "last").read_text().strip() == "step-7"
+
+
+def test_fast_dev_run(tmp_path):
+    trainer = NanoTrainer(fast_dev_run=2, default_root_dir=tmp_path, enable_progress_bar=False)
+    data = loader(make_data(64), 4)
+    trainer.fit(MLPModule(), data, data)
+    assert trainer.global_step == 2 and trainer.loggers == [] and trainer.checkpoint_callbacks == []
+    assert "val/loss" in trainer.callback_metrics
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.csv").exists()
+
+
+class TokenLM(NanoModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32))
+
+    def training_step(self, batch, batch_idx):
+        logits = self.model(batch["input_ids"])
+        return nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def flops_per_token(self) -> float:
+        return 6.0 * sum(p.numel() for p in self.parameters())
+
+
+def test_throughput_monitor_and_progress_bar_without_tty(tmp_path, capsys):
+    ids = torch.randint(0, 32, (64, 8))
+    data = DataLoader([{"input_ids": r, "labels": r} for r in ids], batch_size=4)
+    tm = ThroughputMonitor(peak_flops=1e12)
+    trainer = _trainer(
+        tmp_path,
+        max_steps=4,
+        accumulate_grad_batches=2,
+        log_every_n_steps=2,
+        callbacks=[tm, RichProgressBar()],
+    )
+    trainer.fit(TokenLM(), data)
+    assert trainer.progress["tokens"] == 4 * 2 * 4 * 8 and trainer.progress["samples"] == 32
+    m = trainer.logged_metrics
+    assert m["throughput/tokens_per_sec"] > 0
+    assert m["throughput/tflops_per_device"] == pytest.approx(
+        m["throughput/tokens_per_sec"] * tm.flops_per_token / 1e12
+    )
+    assert m["throughput/mfu"] == pytest.approx(m["throughput/tflops_per_device"])  # peak = 1 TFLOP/s
+    out = capsys.readouterr().out
+    assert "step 2/4  loss" in out and "step 4/4" in out  # plain lines when stdout is not a tty
+
+
+def test_throughput_without_peak_omits_mfu(tmp_path):
+    ids = torch.randint(0, 32, (16, 8))
+    data = DataLoader([{"input_ids": r, "labels": r} for r in ids], batch_size=4)
+    trainer = _trainer(tmp_path, max_steps=2, log_every_n_steps=1, callbacks=[ThroughputMonitor()])
+    trainer.fit(TokenLM(), data)
+    assert "throughput/tflops_per_device" in trainer.logged_metrics
+    assert "throughput/mfu" not in trainer.logged_metrics  # CPU: unknown peak

@@ -1,0 +1,147 @@
+"""Tokenizers: the embedded byte-level BPE (trained once on the embedded corpus) or any HF one.
+
+The embedded tokenizer is saved as a normal Hugging Face tokenizer directory, so everything
+downstream -- tokenization, checkpoints that ship a tokenizer, `AutoTokenizer.from_pretrained`
+in user code -- treats it exactly like `HuggingFaceTB/SmolLM-135M`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+from collections.abc import Callable, Iterator
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from nanolight.data.cache import build_once, fingerprint
+from nanolight.data.config import EMBEDDED, DataConfig
+
+EOS = "<|endoftext|>"
+_FORMAT = 1
+
+
+def train_bpe_tokenizer(texts: Iterator[str], out_dir: str, vocab_size: int) -> None:
+    """Train a byte-level BPE on `texts` and save it as a HF tokenizer directory.
+
+    Byte-level means no unknown characters ever (every byte is a token), which matters for code.
+    One special token, `<|endoftext|>`, doubles as eos/bos/unk/pad: the model only needs the
+    document separator, and a single id keeps `len(tokenizer) == vocab_size` exactly.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token=EOS, bos_token=EOS, unk_token=EOS, pad_token=EOS
+    )
+    fast.save_pretrained(out_dir)
+
+
+def _jsonl_texts(path: str, max_bytes: int) -> Iterator[str]:
+    """Documents of a JSONL corpus, in order, until `max_bytes` of text have been yielded."""
+    total = 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            text = json.loads(line)["text"]
+            total += len(text)
+            if total > max_bytes:
+                return
+            yield text
+
+
+def embedded_tokenizer_dir(
+    cfg: DataConfig,
+    corpus_path: str,
+    *,
+    barrier: Callable[[], None] | None = None,
+    is_builder: bool = True,
+) -> str:
+    """Directory of the embedded tokenizer trained on `corpus_path`, trained on first use."""
+    key = fingerprint(
+        {
+            "corpus": os.path.basename(corpus_path),  # the corpus file name is its own content key
+            "vocab": cfg.embedded_vocab_size,
+            "train_mb": cfg.tokenizer_train_mb,
+            "format": _FORMAT,
+        }
+    )
+    path = os.path.join(cfg.cache_root, "tokenizers", f"embedded-{key}")
+
+    def build(tmp: str) -> None:
+        texts = _jsonl_texts(corpus_path, int(cfg.tokenizer_train_mb * 1e6))
+        first = list(itertools.islice(texts, 1))
+        if not first:
+            raise RuntimeError(f"cannot train the embedded tokenizer: {corpus_path} holds no text")
+        train_bpe_tokenizer(itertools.chain(first, texts), tmp, cfg.embedded_vocab_size)
+
+    return build_once(path, build, barrier=barrier, is_builder=is_builder)
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    """`AutoTokenizer.from_pretrained` with fix-it errors; the tokenizer must define an EOS token."""
+    looks_local = name_or_path.startswith(("/", "./", "../", "~")) or os.path.isdir(name_or_path)
+    path = os.path.expanduser(name_or_path)
+    if looks_local and not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"data.tokenizer={name_or_path!r}: no such directory. Point it at a directory written by "
+            "save_pretrained (with tokenizer.json), a hub name like HuggingFaceTB/SmolLM-135M, or `embedded`"
+        )
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise OSError(
+            f"data.tokenizer={name_or_path!r} could not be loaded ({err}). Check the name/path and, for a "
+            "hub name, the network; use data.tokenizer=embedded to train a local one offline"
+        ) from err
+    if tok.eos_token_id is None:
+        raise ValueError(
+            f"tokenizer {name_or_path!r} has no eos_token: documents are separated by EOS when packed. "
+            "Use a tokenizer with an eos_token (or set tokenizer.eos_token before building the data)"
+        )
+    return tok
+
+
+def tokenizer_identity(tok: PreTrainedTokenizerBase) -> str:
+    """Hash of the tokenizer's full definition (vocab, merges, normalizer), for cache keys.
+
+    Hashing the definition rather than the name means a re-trained or edited tokenizer at the
+    same path invalidates the token cache, and the same tokenizer under two names shares it.
+    """
+    backend = getattr(tok, "backend_tokenizer", None)
+    blob = backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))
+    blob += f"|eos={tok.eos_token_id}|len={len(tok)}"
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def vocab_size(tok: PreTrainedTokenizerBase) -> int:
+    """Number of token ids the model's embedding must cover (`len(tokenizer)`, incl. added tokens).
+
+    The recipe compares it with `model.vocab_size`: a tokenizer larger than the model's vocab
+    would index past the embedding.
+    """
+    return len(tok)
+
+
+def resolve_tokenizer(
+    cfg: DataConfig,
+    corpus_path: str | None,
+    *,
+    barrier: Callable[[], None] | None = None,
+    is_builder: bool = True,
+) -> PreTrainedTokenizerBase:
+    """The tokenizer `cfg.tokenizer` names; `embedded` trains one on `corpus_path` (once)."""
+    if cfg.tokenizer != EMBEDDED:
+        return load_tokenizer(cfg.tokenizer)
+    if corpus_path is None:
+        raise ValueError("data.tokenizer=embedded needs the embedded corpus; internal call without it")
+    return load_tokenizer(embedded_tokenizer_dir(cfg, corpus_path, barrier=barrier, is_builder=is_builder))

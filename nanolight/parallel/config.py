@@ -1,0 +1,113 @@
+"""`ParallelConfig`: the validated parallel degrees (the Hydra schema behind `+parallel.*`).
+
+Why a dataclass that validates itself: a bad layout should fail on the command line, before a
+single process is spawned, with a message that names the numbers and says how to fix them —
+not as a shape error deep inside a collective on rank 5.
+
+Vocabulary and tensor parallelism: tp must divide `vocab_size`. We do not pad the vocabulary
+silently, because a padded vocabulary changes the checkpoint's tensor shapes and the softmax
+denominators; the fix-it message names the next multiple of tp to put in the model config
+instead (SmolLM's 49152 is divisible by every power of two up to 2**14).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+PP_SCHEDULES = ("1f1b", "afab")  # one-forward-one-backward, all-forward-all-backward
+ZERO_STAGES = (0, 1)
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees and options. `dp="auto"` fills the world: dp = world_size // (tp * pp).
+
+    `dp` is typed `Any` (an int or the string "auto") because OmegaConf structured configs do
+    not support `int | str` unions.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: Any = 1
+    zero_stage: int = 0
+    pp_schedule: str = "1f1b"
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check each field alone; raises ValueError with a fix-it message."""
+        for name in ("tp", "pp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"parallel.{name}={value!r} must be a positive integer, e.g. +parallel.{name}=2"
+                )
+        if self.dp != "auto" and (isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1):
+            raise ValueError(
+                f"parallel.dp={self.dp!r} must be a positive integer or 'auto' (fill the world: "
+                "dp = world_size // (tp * pp)), e.g. +parallel.dp=auto"
+            )
+        if self.zero_stage not in ZERO_STAGES:
+            raise ValueError(
+                f"parallel.zero_stage={self.zero_stage!r} is not supported; choose one of {ZERO_STAGES} "
+                "(1 shards optimizer state and fp32 master weights over dp)"
+            )
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(
+                f"parallel.pp_schedule={self.pp_schedule!r} is unknown; choose one of {PP_SCHEDULES} "
+                "('1f1b' = one-forward-one-backward, 'afab' = all-forward-all-backward)"
+            )
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"parallel.sequence_parallel={self.sequence_parallel!r} must be true or false")
+
+    def resolve_dp(self, world_size: int) -> int:
+        """The data-parallel degree for a world of `world_size` processes; checks tp*pp*dp == world."""
+        model_parallel = self.tp * self.pp
+        if self.dp == "auto":
+            if world_size % model_parallel != 0:
+                raise ValueError(
+                    f"world size {world_size} is not a multiple of tp*pp = {self.tp}*{self.pp} = "
+                    f"{model_parallel}, so dp='auto' cannot fill it; launch a multiple of {model_parallel} "
+                    "processes or change tp/pp"
+                )
+            return world_size // model_parallel
+        self.check_world_size(world_size)
+        return int(self.dp)
+
+    def check_world_size(self, world_size: int) -> None:
+        """Under torchrun/SLURM the world is given: it must equal tp*pp*dp exactly."""
+        if self.dp == "auto":
+            self.resolve_dp(world_size)
+            return
+        expected = self.tp * self.pp * self.dp
+        if world_size != expected:
+            raise ValueError(
+                f"world size {world_size} != tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {expected}; "
+                f"launch {expected} processes (e.g. torchrun --nproc-per-node={expected}) or set "
+                "+parallel.dp=auto to fill the world"
+            )
+
+    def check_model(self, num_attention_heads: int, num_key_value_heads: int, vocab_size: int) -> None:
+        """tp must split attention heads, kv heads and the vocabulary into whole, equal shards."""
+        tp = self.tp
+        checks = (
+            ("num_attention_heads", num_attention_heads, "each tp rank computes whole query heads"),
+            ("num_key_value_heads", num_key_value_heads, "each tp rank holds whole kv heads (GQA groups)"),
+        )
+        for name, value, why in checks:
+            if value % tp != 0:
+                divisors = [d for d in range(1, value + 1) if value % d == 0]
+                raise ValueError(
+                    f"tensor parallelism tp={tp} does not divide {name}={value} ({why}); "
+                    f"choose tp from {divisors}"
+                )
+        if vocab_size % tp != 0:
+            padded = -(-vocab_size // tp) * tp
+            raise ValueError(
+                f"tensor parallelism tp={tp} does not divide vocab_size={vocab_size} (the embedding and "
+                f"lm_head are split into equal vocabulary shards); pad the model's vocab_size to "
+                f"{padded} (the next multiple of {tp}) or choose another tp"
+            )

@@ -1,0 +1,207 @@
+"""Apply a model's declarative TP plan to the plain model, and the TP bookkeeping around it.
+
+The model says *what* (`LlamaForCausalLM.tp_plan`: module-name pattern -> "column" | "row" |
+"vocab"); this file says *how*:
+
+    style     module becomes                        notes
+    vocab     VocabParallelEmbedding                output all-reduced (SP: reduce-scattered on T)
+    column    ColumnParallelLinear(no gather)       output stays sharded for the next row layer
+    row       RowParallelLinear(input parallel)     output all-reduced (SP: reduce-scattered on T)
+    column on the output head (`lm_head`)           logits stay vocab-sharded; `model.loss_fn`
+                                                    becomes the vocab-parallel cross-entropy, and
+                                                    `model(ids)` without labels gathers the logits
+
+Parameter names do not change, so checkpoints, the optimizer and pipeline split see the same
+keys; `shard_dims` tells which dim of each parameter is split. Everything else (norms) is
+replicated over tp.
+
+Sequence parallelism: activations between TP regions are (B, T/tp, H). The sequence is
+all-gathered on entry to the *parent* of each column layer (`self_attn`, `mlp`) rather than in
+the layer, because the parent reads `T` from its input's shape (attention reshapes by it) and
+must see the full sequence; the column layer then does no entry collective itself. (The
+output head's parent is the model root, so `lm_head` gathers the sequence itself.) Each rank
+then runs the norms on its own tokens only, so their replicated weights get partial gradients:
+`sync_replicated_grads` sums them over tp after backward.
+
+Tied embeddings: the embedding and `lm_head` both split the vocabulary into the same
+contiguous rows, so after re-tying, `lm_head` uses the embedding's shard as is.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from nanolight.parallel.tensor_parallel import comm
+from nanolight.parallel.tensor_parallel.cross_entropy import VocabParallelCrossEntropyLoss
+from nanolight.parallel.tensor_parallel.layers import (
+    TP_LAYERS,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+STYLES = ("column", "row", "vocab")
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    plan: Mapping[str, str],
+    group: Any,
+    sequence_parallel: bool = False,
+    output_module: str = "lm_head",
+) -> nn.Module:
+    """Replace `model`'s modules per `plan` in place (on meta, or copying weight slices) and return it."""
+    rank, size = comm.tp_world(group)
+    unknown = {p: s for p, s in plan.items() if s not in STYLES}
+    if unknown:
+        raise ValueError(f"unknown tensor-parallel style(s) {unknown}; valid styles are {STYLES}")
+    matched: set[str] = set()
+    sp_entries: set[str] = set()  # parents that all-gather the sequence for their column layers
+    for name, module in list(model.named_modules()):
+        pattern = next((p for p in plan if fnmatch.fnmatchcase(name, p)), None)
+        if pattern is None:
+            continue
+        matched.add(pattern)
+        parent = name.rpartition(".")[0]
+        gathered_by_parent = sequence_parallel and plan[pattern] == "column" and parent != ""
+        if gathered_by_parent:
+            sp_entries.add(parent)
+        new = _parallel_twin(module, plan[pattern], group, sequence_parallel, gathered_by_parent)
+        _copy_slice(module, new, rank, size)
+        model.set_submodule(name, new)
+    missing = sorted(set(plan) - matched)
+    if missing:
+        raise ValueError(
+            f"tensor-parallel plan pattern(s) {missing} match no module of {type(model).__name__}"
+        )
+    for parent in sorted(sp_entries):
+        model.get_submodule(parent).register_forward_pre_hook(_GatherSequence(group))
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # lm_head shares the vocab-parallel embedding's shard (same vocab rows)
+    if output_module in dict(model.named_modules()) and hasattr(model, "loss_fn"):
+        model.loss_fn = VocabParallelCrossEntropyLoss(group)
+        model.register_forward_hook(_GatherLogits(group), with_kwargs=True)
+    return model
+
+
+def _parallel_twin(
+    module: nn.Module, style: str, group: Any, sp: bool, gathered_by_parent: bool
+) -> nn.Module:
+    """The TP layer replacing `module`, on the same device and dtype as its weight."""
+    w = module.weight
+    kw = {"device": w.device, "dtype": w.dtype}
+    if style == "vocab":
+        if not isinstance(module, nn.Embedding):
+            raise TypeError(f"'vocab' style needs an nn.Embedding, got {type(module).__name__}")
+        return VocabParallelEmbedding(
+            module.num_embeddings, module.embedding_dim, group, sequence_parallel=sp, **kw
+        )
+    if not isinstance(module, nn.Linear) or module.bias is not None:
+        raise TypeError(f"'{style}' style needs a bias-free nn.Linear, got {module!r}")
+    if style == "column":
+        return ColumnParallelLinear(
+            module.in_features,
+            module.out_features,
+            group,
+            sequence_parallel=sp,
+            input_is_gathered=gathered_by_parent,
+            **kw,
+        )
+    return RowParallelLinear(module.in_features, module.out_features, group, sequence_parallel=sp, **kw)
+
+
+def _copy_slice(dense: nn.Module, parallel: nn.Module, rank: int, size: int) -> None:
+    """Give a TP layer built from a materialised dense layer exactly its slice of the weight."""
+    if dense.weight.is_meta:
+        return
+    with torch.no_grad():
+        parallel.weight.copy_(dense.weight.chunk(size, dim=parallel.tp_shard_dim)[rank])
+
+
+class _GatherSequence:
+    """Forward pre-hook: gather the sequence chunks of the first positional input (B, T/tp, H)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+        return (comm.gather_from_sp(args[0], self.group), *args[1:])
+
+
+class _GatherLogits:
+    """Forward hook: without labels the model returns logits; gather their vocab shards."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        labels = kwargs.get("labels", args[1] if len(args) > 1 else None)
+        if labels is None and isinstance(output, Tensor) and output.dim() >= 2:
+            return comm.gather_from_tp(output, self.group)  # tp ranks exchange vocab slices
+        return output
+
+
+def shard_dims(model: nn.Module, remove_duplicate: bool = True) -> dict[str, int | None]:
+    """Parameter name -> the dim split over tp (None: replicated).
+
+    Tied parameters appear once (as in `named_parameters()`), unless `remove_duplicate=False`,
+    which lists every alias (as `state_dict()` keys do).
+    """
+    owner = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for p_name, _ in mod.named_parameters(recurse=False, remove_duplicate=False):
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            owner[full] = mod.tp_shard_dim if isinstance(mod, TP_LAYERS) else None
+    return {name: owner[name] for name, _ in model.named_parameters(remove_duplicate=remove_duplicate)}
+
+
+def gather_full(tensor: Tensor, dim: int | None, group: Any) -> Tensor:
+    """The unsharded tensor, on every tp rank (tp ranks exchange their shards)."""
+    return tensor if dim is None else comm.all_gather_tensor(tensor.detach(), dim, group).contiguous()
+
+
+def take_shard(full: Tensor, dim: int | None, group: Any) -> Tensor:
+    """This rank's slice of an unsharded tensor (no communication)."""
+    if dim is None:
+        return full
+    rank, size = comm.tp_world(group)
+    return full.chunk(size, dim=dim)[rank]
+
+
+def sync_replicated_grads(model: nn.Module, group: Any) -> None:
+    """With sequence parallelism, sum replicated parameters' gradients over tp.
+
+    Each tp rank ran the norms on its own T/tp tokens, so a norm weight's gradient is a partial
+    sum; without sequence parallelism every rank saw every token and this is not needed. Call
+    once after the last micro-batch's backward (the sum is linear, so accumulation commutes).
+    """
+    dims = shard_dims(model)
+    grads = [p.grad for name, p in model.named_parameters() if dims[name] is None and p.grad is not None]
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)  # tp ranks sum their partial norm-weight gradients
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def grad_norm_squared(model: nn.Module, group: Any) -> Tensor:
+    """Squared global L2 norm of the gradients over the tp group, replicated params counted once."""
+    dims = shard_dims(model)
+    sharded, replicated = [], []
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            (replicated if dims[name] is None else sharded).append(p.grad.detach().float().pow(2).sum())
+    device = next(model.parameters()).device
+    local = torch.stack(sharded).sum() if sharded else torch.zeros((), device=device)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(local, group=group)  # tp ranks sum the squared norms of their shards
+    return local + (torch.stack(replicated).sum() if replicated else 0.0)

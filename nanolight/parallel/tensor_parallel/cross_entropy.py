@@ -1,0 +1,91 @@
+"""Vocab-parallel cross-entropy: the loss over logits sharded on the vocabulary dimension.
+
+Why: the lm_head is column-parallel, so rank r holds logits for ids [r*V/tp, (r+1)*V/tp) only.
+Gathering them would materialise (tokens x V) on every rank — for SmolLM's 49k vocabulary
+that is the largest activation in the model. Instead, the softmax statistics are combined
+with two small all-reduces over (tokens,) vectors:
+
+    m      = max_r  max_v logits_r[:, v]                      all-reduce MAX
+    s, z_t = sum_r (sum_v exp(logits_r - m)), target logit    all-reduce SUM (one, stacked)
+    loss   = mean over valid tokens of  log(s) - (z_t - m)
+
+Backward needs no communication: d loss / d logits_r = (softmax_r - onehot_r) / n_valid.
+Matches `F.cross_entropy(logits, target, ignore_index=-100)` (mean over non-ignored tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from nanolight.parallel.tensor_parallel.comm import tp_world
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, target: Tensor, group: Any, ignore_index: int) -> Tensor:
+        rank, size = tp_world(group)
+        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+        vocab_local = logits.shape[-1]
+        start = rank * vocab_local
+        logits = logits.reshape(-1, vocab_local).float()
+        target = target.reshape(-1)
+
+        # tp ranks exchange their per-token max logit (MAX): a common shift keeps exp() finite.
+        max_logit = logits.max(dim=-1).values
+        if size > 1:
+            dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - max_logit.unsqueeze(-1)
+
+        owned = (target >= start) & (target < start + vocab_local)
+        local_target = (target - start).masked_fill(~owned, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
+        exp = shifted.exp()
+        stats = torch.stack([exp.sum(dim=-1), target_logit])  # (2, tokens)
+        # tp ranks exchange partial sum-exp and the target logit (only its owner's is nonzero).
+        if size > 1:
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+        sum_exp, target_logit = stats[0], stats[1]
+
+        valid = target != ignore_index
+        n_valid = valid.sum()
+        per_token = (torch.log(sum_exp) - target_logit).masked_fill(~valid, 0.0)
+        loss = per_token.sum() / n_valid  # NaN when no token is valid, like F.cross_entropy
+
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, owned, valid, n_valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor | None, None, None, None]:
+        softmax, local_target, owned, valid, n_valid = ctx.saved_tensors
+        grad = softmax  # reuse the saved buffer: backward runs once
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_target] -= owned.to(grad.dtype)
+        grad.mul_((valid.to(grad.dtype) * (grad_loss / n_valid)).unsqueeze(-1))
+        return grad.view(ctx.logits_shape).to(ctx.logits_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: Tensor, target: Tensor, group: Any, ignore_index: int = -100
+) -> Tensor:
+    """Mean cross-entropy of vocab-sharded `logits` (..., V/tp) against full-vocab `target` (...)."""
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree on token dims"
+        )
+    return _VocabParallelCrossEntropy.apply(logits, target, group, ignore_index)
+
+
+class VocabParallelCrossEntropyLoss(nn.Module):
+    """`model.loss_fn` under tensor parallelism: `loss_fn(local_logits, labels) -> mean loss`."""
+
+    def __init__(self, group: Any, ignore_index: int = -100) -> None:
+        super().__init__()
+        self.group, self.ignore_index = group, ignore_index
+
+    def forward(self, logits: Tensor, target: Tensor) -> Tensor:
+        return vocab_parallel_cross_entropy(logits, target, self.group, self.ignore_index)

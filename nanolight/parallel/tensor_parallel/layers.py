@@ -1,0 +1,172 @@
+"""Tensor-parallel layers: each holds a contiguous slice of its dense twin's weight.
+
+    ColumnParallelLinear   weight rows (output features) split:   W = [W_0; W_1; ...]   y_r = x W_r^T
+    RowParallelLinear      weight columns (input features) split: W = [W_0, W_1, ...]   y = sum_r x_r W_r^T
+    VocabParallelEmbedding embedding rows (vocabulary) split:     rank r owns ids [r*V/tp, (r+1)*V/tp)
+
+The parameter is always called `weight` and each class records which dim is sharded
+(`tp_shard_dim`), so state-dict keys are those of the plain model and a full tensor is one
+`torch.cat(shards, dim=tp_shard_dim)` away: checkpoints load at any layout.
+
+With `sequence_parallel=True` the activations *between* TP regions are split along the
+sequence (dim 1 of (B, T, H)): a column layer all-gathers the sequence first, a row layer
+(and the embedding) reduce-scatters its output instead of all-reducing it. Same bytes on the
+wire as all-reduce, but norms, residuals and dropout run on T/tp tokens per rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from nanolight.parallel.tensor_parallel import comm
+
+
+def _shard_size(total: int, size: int, what: str) -> int:
+    if total % size != 0:
+        raise ValueError(f"{what}={total} is not divisible by the tensor-parallel size {size}")
+    return total // size
+
+
+class ColumnParallelLinear(nn.Module):
+    """Linear layer whose output features are split over the tp group (no bias: Llama has none).
+
+    `gather_output=False` leaves the output sharded on the last dim, which is what the next
+    row-parallel layer (or the vocab-parallel loss) wants: no communication at the exit.
+    `input_is_gathered=True` (sequence parallelism only) means the caller already all-gathered
+    the sequence with `comm.gather_from_sp`, e.g. once for a whole attention block.
+    """
+
+    tp_shard_dim = 0
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: Any,
+        *,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        input_is_gathered: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.tp_rank, self.tp_size = comm.tp_world(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.input_is_gathered = input_is_gathered
+        local_out = _shard_size(out_features, self.tp_size, "out_features")
+        self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.input_is_gathered:
+            pass  # the caller already ran gather_from_sp, whose backward reduce-scatters for us
+        elif self.sequence_parallel:
+            x = comm.gather_from_sp(x, self.group)  # (B, T/tp, H) -> (B, T, H)
+        else:
+            x = comm.copy_to_tp(x, self.group)
+        y = F.linear(x, self.weight)  # (..., out/tp)
+        return comm.gather_from_tp(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(local {self.weight.shape[0]}), tp={self.tp_size}, gather_output={self.gather_output}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """Linear layer whose input features are split over the tp group.
+
+    Its input is the sharded output of a column-parallel layer (`input_is_parallel=True`), so
+    each rank computes a partial sum of the output; the partials are all-reduced (or, with
+    sequence parallelism, reduce-scattered along the sequence).
+    """
+
+    tp_shard_dim = 1
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: Any,
+        *,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.tp_rank, self.tp_size = comm.tp_world(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        local_in = _shard_size(in_features, self.tp_size, "in_features")
+        self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.input_is_parallel:
+            x = comm.scatter_to_tp(x, self.group)
+        partial = F.linear(x, self.weight)  # (..., out): this rank's share of the sum
+        if self.sequence_parallel:
+            return comm.reduce_scatter_to_sp(partial, self.group)  # (B, T/tp, out)
+        return comm.reduce_from_tp(partial, self.group)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
+            f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose vocabulary rows are split over the tp group.
+
+    Each rank looks up the ids it owns and writes zeros for the others; summing over the group
+    (all-reduce, or reduce-scatter along the sequence with sequence parallelism) then gives
+    every rank the full embedding. Rank r owns ids [r * V/tp, (r + 1) * V/tp).
+    """
+
+    tp_shard_dim = 0
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        group: Any,
+        *,
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.tp_rank, self.tp_size = comm.tp_world(group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.sequence_parallel = sequence_parallel
+        local = _shard_size(num_embeddings, self.tp_size, "num_embeddings (vocab_size)")
+        self.vocab_start, self.vocab_end = self.tp_rank * local, (self.tp_rank + 1) * local
+        self.weight = nn.Parameter(torch.empty(local, embedding_dim, device=device, dtype=dtype))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        foreign = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(foreign, 0)
+        partial = F.embedding(local_ids, self.weight).masked_fill(foreign.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return comm.reduce_scatter_to_sp(partial, self.group)  # (B, T/tp, H)
+        return comm.reduce_from_tp(partial, self.group)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, local ids [{self.vocab_start}, {self.vocab_end}), "
+            f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}"
+        )
+
+
+TP_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)

@@ -1,0 +1,124 @@
+"""Multi-process test harness: run a function on N gloo CPU ranks, collect results, never hang.
+
+`run_distributed(fn, world_size, *args)` starts `world_size` fresh processes (from a
+forkserver: no inherited torch threads or process groups), each initialises a gloo world on a free local
+port with a short collective timeout and calls `fn(rank, world_size, *args)`. The parent
+returns the per-rank return values, or raises with the first failing rank's traceback. A
+wall-clock deadline kills every child, so a deadlocked collective fails the test instead of
+hanging CI. `fn` must be a module-level function (it is pickled by name).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _context() -> Any:
+    """A forkserver that imported torch once per test session: each rank then starts in
+    milliseconds instead of re-importing torch (seconds), and still inherits no threads or
+    process groups from the pytest process (plain fork would)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "nanolight.parallel"])
+    return ctx
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple,
+    results: Any,
+    pg_timeout: float,
+) -> None:
+    torch.set_num_threads(1)  # N ranks share a few CPU cores; oversubscription only slows us down
+    # what torchrun would set, so code that asks the launcher finds a running world
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout),
+        )
+        out = fn(rank, world_size, *args)
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - report everything to the parent, incl. assertion errors
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 90.0, pg_timeout: float = 30.0
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank."""
+    ctx = _context()
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, pg_timeout), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    outputs: dict[int, Any] = {}
+    try:
+        while len(outputs) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"distributed test did not finish in {timeout:.0f}s; ranks done: {sorted(outputs)}"
+                )
+            try:
+                rank, status, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
+                if dead:
+                    raise RuntimeError(
+                        f"rank(s) {dead} died without reporting (exit codes "
+                        f"{[procs[r].exitcode for r in dead]})"
+                    ) from None
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            outputs[rank] = payload
+    except BaseException:
+        for p in procs:  # peers of a failed rank may be blocked in a collective: do not wait
+            p.kill()
+        raise
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return [outputs[r] for r in range(world_size)]

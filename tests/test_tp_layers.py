@@ -1,0 +1,130 @@
+"""Each tensor-parallel layer matches its dense twin, forward and backward (gloo, CPU, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _dist import run_distributed
+from torch import nn
+
+from nanolight.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+
+B, T, H, OUT, V = 2, 8, 16, 24, 32  # every size divisible by tp in {2, 4}
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(actual, expected, **TOL, msg=lambda m: f"{what}: {m}")
+
+
+def _seq(x: torch.Tensor, rank: int, size: int, sp: bool) -> torch.Tensor:
+    """This rank's sequence chunk when sequence parallel, else the full tensor."""
+    return x.chunk(size, dim=1)[rank] if sp else x
+
+
+def _check_column(rank: int, size: int, sp: bool, gather_output: bool) -> None:
+    group = dist.group.WORLD
+    dense = nn.Linear(H, OUT, bias=False)
+    x = torch.randn(B, T, H, requires_grad=True)
+    gy = torch.randn(B, T, OUT)
+    dense(x).backward(gy)  # reference: y = x W^T over everything
+
+    layer = ColumnParallelLinear(H, OUT, group, gather_output=gather_output, sequence_parallel=sp)
+    layer.weight.data.copy_(dense.weight.detach().chunk(size, 0)[rank])
+    x_local = _seq(x.detach(), rank, size, sp).requires_grad_()
+    y = layer(x_local)
+    expected_y = dense(x).detach()
+    if gather_output:
+        _close(y, expected_y, "column output (gathered)")
+        y.backward(gy)
+    else:
+        _close(y, expected_y.chunk(size, -1)[rank], "column output shard")
+        y.backward(gy.chunk(size, -1)[rank])
+    _close(x_local.grad, _seq(x.grad, rank, size, sp), "column input grad")
+    _close(layer.weight.grad, dense.weight.grad.chunk(size, 0)[rank], "column weight grad")
+
+
+def _check_row(rank: int, size: int, sp: bool, input_is_parallel: bool) -> None:
+    group = dist.group.WORLD
+    dense = nn.Linear(OUT, H, bias=False)
+    x = torch.randn(B, T, OUT, requires_grad=True)
+    gy = torch.randn(B, T, H)
+    y_ref = dense(x)
+    y_ref.backward(gy)
+
+    layer = RowParallelLinear(OUT, H, group, input_is_parallel=input_is_parallel, sequence_parallel=sp)
+    layer.weight.data.copy_(dense.weight.detach().chunk(size, 1)[rank])
+    x_local = (x.detach().chunk(size, -1)[rank] if input_is_parallel else x.detach()).requires_grad_()
+    y = layer(x_local)
+    _close(y, _seq(y_ref.detach(), rank, size, sp), "row output")
+    y.backward(_seq(gy, rank, size, sp))
+    expected_gx = x.grad.chunk(size, -1)[rank] if input_is_parallel else x.grad
+    _close(x_local.grad, expected_gx, "row input grad")
+    _close(layer.weight.grad, dense.weight.grad.chunk(size, 1)[rank], "row weight grad")
+
+
+def _check_embedding(rank: int, size: int, sp: bool) -> None:
+    group = dist.group.WORLD
+    dense = nn.Embedding(V, H)
+    ids = torch.randint(0, V, (B, T))
+    gy = torch.randn(B, T, H)
+    y_ref = dense(ids)
+    y_ref.backward(gy)
+
+    layer = VocabParallelEmbedding(V, H, group, sequence_parallel=sp)
+    layer.weight.data.copy_(dense.weight.detach().chunk(size, 0)[rank])
+    y = layer(ids)
+    _close(y, _seq(y_ref.detach(), rank, size, sp), "embedding output")
+    y.backward(_seq(gy, rank, size, sp))
+    _close(layer.weight.grad, dense.weight.grad.chunk(size, 0)[rank], "embedding weight grad")
+
+
+def _check_cross_entropy(rank: int, size: int) -> None:
+    group = dist.group.WORLD
+    logits = (5 * torch.randn(B, T, V)).requires_grad_()
+    target = torch.randint(0, V, (B, T))
+    target[0, :3] = -100  # ignored tokens do not count in the mean
+    loss_ref = F.cross_entropy(logits.view(-1, V), target.view(-1), ignore_index=-100)
+    loss_ref.backward()
+
+    local = logits.detach().chunk(size, -1)[rank].requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, target, group)
+    _close(loss, loss_ref.detach(), "cross-entropy loss")
+    (2.0 * loss).backward()  # a non-unit upstream gradient must scale the result
+    _close(local.grad, 2.0 * logits.grad.chunk(size, -1)[rank], "cross-entropy logits grad")
+
+
+def _all_layers(rank: int, size: int, sp: bool) -> bool:
+    torch.manual_seed(1234)  # identical dense weights and inputs on every rank
+    _check_column(rank, size, sp, gather_output=False)
+    _check_row(rank, size, sp, input_is_parallel=True)
+    _check_embedding(rank, size, sp)
+    if not sp:  # the exit/entry variants are not used inside a sequence-parallel region
+        _check_column(rank, size, sp, gather_output=True)
+        _check_row(rank, size, sp, input_is_parallel=False)
+        _check_cross_entropy(rank, size)
+    return True
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["no-sp", "sp"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_layers_match_dense(tp: int, sp: bool) -> None:
+    assert run_distributed(_all_layers, tp, sp) == [True] * tp
+
+
+def test_cross_entropy_single_rank_matches_dense() -> None:
+    """tp=1 degenerates to F.cross_entropy (run in-process on a world of one)."""
+    assert run_distributed(_check_cross_entropy_world_one, 1) == [True]
+
+
+def _check_cross_entropy_world_one(rank: int, size: int) -> bool:
+    torch.manual_seed(0)
+    _check_cross_entropy(rank, size)
+    return True

@@ -1,0 +1,144 @@
+"""A tensor-parallel Llama trains exactly like the single-process model (gloo, CPU, fp32).
+
+Each rank builds the plain reference model and its tp-sharded twin from the same seed, runs
+the same 10 AdamW steps with gradient clipping on both, and checks at every step: the loss,
+every gradient (== the matching slice of the reference gradient) and the global grad norm.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_distributed
+
+from nanolight.models import LlamaConfig, LlamaForCausalLM
+from nanolight.parallel.init import init_sharded_
+from nanolight.parallel.tensor_parallel.apply import (
+    apply_tensor_parallel,
+    grad_norm_squared,
+    shard_dims,
+    sync_replicated_grads,
+    take_shard,
+)
+
+STEPS, B, T, SEED = 10, 2, 16, 7
+ATTN = {
+    "mha": {"num_attention_heads": 4, "num_key_value_heads": 4},
+    "gqa": {"num_attention_heads": 8, "num_key_value_heads": 4},
+}
+
+
+def tiny_config(attn: str, tied: bool) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        attn_implementation="eager",
+        **ATTN[attn],
+    )
+
+
+def _clip(params: list[torch.nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # the formula of clip_grad_norm_
+    for p in params:
+        p.grad.mul_(coef)
+
+
+def _train_and_compare(rank: int, world: int, attn: str, tied: bool, sp: bool) -> list[float]:
+    group = dist.group.WORLD
+    cfg = tiny_config(attn, tied)
+    ref = LlamaForCausalLM(cfg)
+    ref.init_weights(torch.Generator().manual_seed(SEED))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    apply_tensor_parallel(model, model.tp_plan, group, sequence_parallel=sp)
+    model.to_empty(device="cpu")
+    init_sharded_(model, torch.Generator().manual_seed(SEED), group)
+
+    dims = shard_dims(model)
+    ref_params = dict(ref.named_parameters())
+    assert list(dims) == list(ref_params), "parameter names must not change under TP"
+    for name, p in model.named_parameters():  # topology-independent init: exactly the slice
+        torch.testing.assert_close(p, take_shard(ref_params[name], dims[name], group), rtol=0, atol=0)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+
+    ids = torch.randint(0, cfg.vocab_size, (STEPS, B, T), generator=torch.Generator().manual_seed(1))
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(STEPS):
+        loss_ref = ref(ids[step], labels=ids[step])
+        loss_ref.backward()
+        loss = model(ids[step], labels=ids[step])
+        loss.backward()
+        if sp:
+            sync_replicated_grads(model, group)
+        torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0, msg=f"loss differs at step {step}")
+        for name, p in model.named_parameters():
+            expected = take_shard(ref_params[name].grad, dims[name], group)
+            torch.testing.assert_close(
+                p.grad, expected, rtol=1e-4, atol=1e-6, msg=f"grad {name} at step {step}"
+            )
+        norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        norm = grad_norm_squared(model, group).sqrt()
+        torch.testing.assert_close(norm, norm_ref, rtol=1e-5, atol=0)
+        _clip(list(model.parameters()), norm, 0.5)
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+        losses.append(loss.item())
+
+    with torch.no_grad():  # inference: model(ids) gathers the vocab-sharded logits
+        torch.testing.assert_close(model(ids[0]), ref(ids[0]), rtol=1e-4, atol=1e-5)
+    return losses
+
+
+def _run(tp: int, attn: str, tied: bool, sp: bool) -> None:
+    losses = run_distributed(_train_and_compare, tp, attn, tied, sp, timeout=180)
+    assert all(rank_losses == losses[0] for rank_losses in losses)  # tp ranks agree bitwise
+
+
+@pytest.mark.parametrize(
+    ("tp", "attn", "tied", "sp"),
+    [(2, "gqa", True, True), (2, "mha", False, False)],
+    ids=["tp2-gqa-tied-sp", "tp2-mha-untied"],
+)
+def test_tp_training_matches_single_process(tp: int, attn: str, tied: bool, sp: bool) -> None:
+    _run(tp, attn, tied, sp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [False, True], ids=["no-sp", "sp"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("attn", ["mha", "gqa"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_training_matrix(tp: int, attn: str, tied: bool, sp: bool) -> None:
+    _run(tp, attn, tied, sp)
+
+
+def _bf16_autocast(rank: int, world: int) -> float:
+    group = dist.group.WORLD
+    cfg = tiny_config("gqa", tied=True)
+    ref = LlamaForCausalLM(cfg)
+    ref.init_weights(torch.Generator().manual_seed(SEED))
+    model = apply_tensor_parallel(
+        LlamaForCausalLM(cfg), LlamaForCausalLM.tp_plan, group, sequence_parallel=True
+    )
+    init_sharded_(model, torch.Generator().manual_seed(SEED), group)
+    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16-mixed: collectives carry bf16
+        loss = model(ids, labels=ids)
+        loss_ref = ref(ids, labels=ids)
+    loss.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+    torch.testing.assert_close(loss, loss_ref, rtol=2e-2, atol=0)
+    return loss.item()
+
+
+def test_tp_bf16_autocast_runs() -> None:
+    run_distributed(_bf16_autocast, 2, timeout=120)

@@ -1,0 +1,274 @@
+"""Data parallelism: average gradients over the dp group, in buckets, overlapped with backward.
+
+Why buckets: one collective per parameter pays the latency of hundreds of tiny messages; one
+for the whole model can only start once backward has finished. A bucket (a few MB of
+consecutive parameters in reverse registration order, roughly the order backward produces
+their gradients) is sent as soon as its last gradient is final, so the last layers' collective
+runs while autograd still computes the first layers.
+
+`GradReducer`: every ``param.grad`` is a *view* into its bucket's flat buffer, so micro-batches
+accumulate straight into it and the collective needs no copy (a ``.grad`` that is not the view
+is copied in and re-pointed by the hook). A post-accumulate-grad hook counts each bucket down
+during the backward of the *last* micro-batch of the step (``require_sync(True)``; earlier
+micro-batches only accumulate: no communication) and launches full buckets asynchronously, in
+index order on every rank so that collectives match across the group. `finish` launches the
+rest and waits: ``shard=False`` all-reduces each bucket in place (``param.grad`` = dp mean);
+``shard=True`` (ZeRO-1) reduce-scatters it into ``shard_grads`` (this rank's 1/dp slice of the
+dp mean) and ``param.grad`` keeps the local, unreduced gradient.
+
+Precision: gradients have the parameter's dtype. ``bf16-mixed`` keeps fp32 parameters (autocast
+only computes in bf16), so accumulation and reduction are fp32. Under ``bf16-true`` parameters,
+``.grad``, the accumulation and the reduction are bf16 (as in Lightning); ZeRO-1 then still
+steps fp32 master weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from nanolight.parallel.grad_buckets import Bucket, build_buckets
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb
+
+# torch >= 2.11 renamed the "_tensor" flat collectives to "_single"; support both
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class GradReducer:
+    """Bucketed, backward-overlapped gradient averaging over `group` (see the module docstring)."""
+
+    def __init__(
+        self,
+        param_groups: Sequence[Sequence[nn.Parameter]],
+        group: Any,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        shard: bool = False,
+        presum: Sequence[tuple[set[int], Any]] = (),
+    ) -> None:
+        """`presum`: (parameter ids, group) pairs whose gradients are summed over that group before
+        the dp reduction, in list order: the norm weights over tp under sequence parallelism
+        (each tp rank saw only its tokens), the two copies of a tied embedding over the
+        {first, last} pipeline stages. Their buckets wait for `finish` (a blocking collective in
+        a backward hook could deadlock a pipeline)."""
+        self.group = group
+        self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
+        self.shard = shard
+        self.presum = [(set(ids), g) for ids, g in presum]
+        deferred = set().union(*(ids for ids, _ in self.presum)) if self.presum else set()
+        self.buckets, self.shard_sizes = build_buckets(param_groups, bucket_bytes, self.dp_size, deferred)
+        self.shard_grads: list[Tensor] = []
+        if shard:  # this rank's slice of every bucket, concatenated per param group
+            for g, size in enumerate(self.shard_sizes):
+                like = next((b.buffer for b in self.buckets if b.group_index == g), torch.zeros(0))
+                self.shard_grads.append(torch.zeros(size, dtype=like.dtype, device=like.device))
+        self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._order = [b for b in self.buckets if not b.deferred]  # launched from hooks, in this order
+        self._sync = True
+        self._next = 0  # position in `_order` of the next bucket to launch (same on every rank)
+        self._works: list[Any] = []
+        self.ready = False  # True between `finish` and the next `zero_grad` / optimizer step
+        self.launch_log: list[int] = []  # bucket indices in launch order (tests, debugging)
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready) for b in self.buckets for p in b.params
+        ]
+        self.zero_grad()
+
+    def shard_view(self, bucket: Bucket) -> Tensor:
+        """Where the reduce-scatter writes this rank's slice of `bucket` (ZeRO-1)."""
+        n = bucket.numel // self.dp_size
+        return self.shard_grads[bucket.group_index][bucket.shard_offset : bucket.shard_offset + n]
+
+    def require_sync(self, enabled: bool) -> None:
+        """Call before each backward: True on the last micro-batch of the step only (done by
+        `SyncOnLastMicroBatch`, which the pipeline engine also goes through)."""
+        self._sync = enabled
+
+    def _bind(self, bucket: Bucket, i: int) -> None:
+        """Make ``param.grad`` the bucket view again, keeping its value (None counts as zero)."""
+        p, view = bucket.params[i], bucket.views[i]
+        if p.grad is None:
+            view.zero_()
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+        else:
+            return
+        p.grad = view
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        bucket, i = self._where[id(param)]
+        self._bind(bucket, i)
+        if self._sync:
+            bucket.fired.add(i)
+            if not bucket.deferred and bucket.pending == 0:
+                self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self._order) and self._order[self._next].pending == 0:
+            self._launch(self._order[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.launched = True
+        self.launch_log.append(bucket.index)
+        if self.shard:
+            # dp ranks reduce-scatter the bucket: each receives the sum of its 1/dp slice
+            work = reduce_scatter_single(
+                self.shard_view(bucket), bucket.buffer, group=self.group, async_op=True
+            )
+        else:
+            bucket.buffer.div_(self.dp_size)  # pre-divide: the sum of dp means is the mean
+            # dp ranks all-reduce the bucket in place: every rank gets the sum of the means
+            work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        self._works.append(work)
+
+    def _presum(self) -> None:
+        for ids, group in self.presum:
+            grads = [p.grad for b in self.buckets if b.deferred for p in b.params if id(p) in ids]
+            if not grads or dist.get_world_size(group) == 1:
+                continue
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            # the ranks of `group` (tp, or the tied-embedding stages) sum their partial gradients
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def finish(self) -> None:
+        """End of backward: launch the buckets not launched yet, wait for all, leave the dp mean."""
+        for bucket in self.buckets:
+            if not bucket.launched:  # deferred buckets, and parameters without a gradient this step
+                for i in range(len(bucket.params)):
+                    self._bind(bucket, i)
+                    bucket.fired.add(i)
+        self._launch_ready()
+        self._presum()
+        for bucket in self.buckets:
+            if bucket.deferred:
+                self._launch(bucket)
+        for work in self._works:
+            work.wait()
+        self._works = []
+        if self.shard:
+            for shard in self.shard_grads:
+                shard.div_(self.dp_size)
+        self._reset()
+        self.ready = True
+
+    def _reset(self) -> None:
+        self._next = 0
+        for bucket in self.buckets:
+            bucket.fired, bucket.launched = set(), False
+
+    def zero_grad(self) -> None:
+        """Zero the buffers and point every ``.grad`` at its view (cheaper than set_to_none:
+        the next backward accumulates in place instead of allocating and copying)."""
+        for work in self._works:  # e.g. a skipped step: never zero under an in-flight collective
+            work.wait()
+        self._works = []
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+            for p, view in zip(bucket.params, bucket.views, strict=True):
+                p.grad = view
+        for shard in self.shard_grads:
+            shard.zero_()
+        self._reset()
+        self.ready = False
+
+    def remove(self) -> None:
+        """Unregister the hooks (the buffers stay referenced by ``.grad`` until zero_grad(None))."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+class SyncOnLastMicroBatch:
+    """Wraps the trainer's `MicroStepFn`: gradients are reduced only in the last micro-batch's
+    backward (`GradReducer.require_sync`), the one-line form of DDP's ``no_sync()``."""
+
+    def __init__(self, micro_step: Any, reducer: GradReducer, n: int) -> None:
+        self.micro_step, self.reducer, self.n = micro_step, reducer, n
+
+    def __call__(self, batch: Any, batch_idx: int) -> Tensor:
+        return self.micro_step(batch, batch_idx)
+
+    def backward(self, loss: Tensor, batch_idx: int) -> None:
+        self.reducer.require_sync(batch_idx == self.n - 1)
+        self.micro_step.backward(loss, batch_idx)
+
+
+class DataParallel:
+    """Data parallelism and ZeRO-1 as `Parallel3DStrategy` applies them (kept out of the strategy
+    so that its file stays a readable list of steps).
+
+    zero_stage 0, dp > 1: a `GradReducer` all-reduces ``param.grad``; the user's optimizer is
+    kept. zero_stage 1: the optimizer becomes a `ZeroOptimizer` (its reducer reduce-scatters).
+    dp == 1 and zero_stage 0: nothing to do (every method is a no-op or the plain behaviour).
+    """
+
+    def __init__(self, ctx: Any, zero_stage: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        self.ctx, self.zero_stage, self.bucket_bytes = ctx, zero_stage, bucket_bytes
+        self.reducer: GradReducer | None = None
+        self.zero: Any = None  # the ZeroOptimizer with zero_stage=1
+
+    def setup_optimizers(
+        self, module: nn.Module, optimizers: list[Any], presum: Sequence[tuple[set[int], Any]] = ()
+    ) -> list[Any]:
+        """Wrap the optimizers. `presum`: see `GradReducer` (the strategy passes the sequence-
+        parallel norm weights with the tp group; the pipeline adds its tied embedding)."""
+        if self.zero_stage == 1:
+            from nanolight.parallel.zero import ZeroOptimizer  # zero.py imports this module
+
+            if len(optimizers) != 1:
+                raise ValueError(
+                    f"zero_stage=1 shards one optimizer; configure_optimizers returned {len(optimizers)}. "
+                    "Use param groups (one optimizer) or zero_stage=0"
+                )
+            self.zero = ZeroOptimizer(optimizers[0], self.ctx.dp_group, self.bucket_bytes, presum=presum)
+            self.reducer = self.zero.reducer
+            return [self.zero]
+        if self.ctx.dp_size > 1:
+            params = [p for p in module.parameters() if p.requires_grad]
+            self.reducer = GradReducer([params], self.ctx.dp_group, self.bucket_bytes, presum=presum)
+        return optimizers
+
+    @property
+    def active(self) -> bool:
+        """True when gradients go through a reducer, which then also does the `presum` sums."""
+        return self.reducer is not None
+
+    def wrap(self, micro_step: Any, n: int) -> Any:
+        return micro_step if self.reducer is None else SyncOnLastMicroBatch(micro_step, self.reducer, n)
+
+    def finish(self) -> None:
+        """After the last backward of the step: wait for the reduction (before clipping/stepping)."""
+        if self.reducer is not None:
+            self.reducer.finish()
+
+    def mean_loss(self, loss: Tensor) -> Tensor:
+        """The step's loss averaged over dp, so that all ranks take the same decisions on it (a
+        NaN on one rank must skip the step everywhere, or the ranks' collectives diverge)."""
+        if self.ctx.dp_size == 1:
+            return loss
+        out = loss.detach().float().clone()
+        # dp ranks sum their step losses (a NaN anywhere becomes a NaN everywhere)
+        dist.all_reduce(out, group=self.ctx.dp_group)
+        return out / self.ctx.dp_size
+
+    def zero_grad(self, optimizer: Any) -> None:
+        if self.zero is not None:
+            self.zero.zero_grad()
+        elif self.reducer is not None:
+            self.reducer.zero_grad()  # keep .grad as bucket views (set_to_none would drop them)
+        else:
+            optimizer.zero_grad(set_to_none=True)
+
+    def reload_master_weights(self) -> None:
+        if self.zero is not None:
+            self.zero.reload_master_weights()

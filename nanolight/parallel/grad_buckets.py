@@ -1,0 +1,89 @@
+"""The flat-buffer layout of gradient buckets, shared by `GradReducer` and `ZeroOptimizer`.
+
+Pure bookkeeping, no communication: which parameters share a bucket, where each one sits in
+the bucket's flat buffer, how the bucket is padded to split into dp equal slices, and where this
+rank's slice of each bucket lands in its param group's flat ZeRO-1 shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class Bucket:
+    """Consecutive parameters of one param group and dtype sharing one flat gradient buffer of
+    `numel` elements, a multiple of dp (zero padding at the end) so that it splits into dp equal
+    slices; this rank's slice lands at `shard_offset` of its group's flat shard (ZeRO-1)."""
+
+    index: int
+    group_index: int
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int
+    buffer: Tensor
+    shard_offset: int
+    deferred: bool = False  # holds parameters summed over another group first: reduced in finish()
+    launched: bool = False
+    views: list[Tensor] = field(default_factory=list)
+    fired: set[int] = field(default_factory=set)  # params whose gradient is final this step
+
+    @property
+    def pending(self) -> int:
+        return len(self.params) - len(self.fired)
+
+
+def _make_bucket(
+    index: int, group_index: int, params: list[nn.Parameter], shard_offset: int, dp: int, deferred: bool
+) -> Bucket:
+    offsets, n = [], 0
+    for p in params:
+        offsets.append(n)
+        n += p.numel()
+    padded = -(-n // dp) * dp  # a multiple of dp: dp equal slices
+    buffer = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
+    views = [buffer[o : o + p.numel()].view_as(p) for o, p in zip(offsets, params, strict=True)]
+    return Bucket(index, group_index, params, offsets, padded, buffer, shard_offset, deferred, views=views)
+
+
+def _chunks(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    chunks: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if not chunks or size + nbytes > bucket_bytes or p.dtype != chunks[-1][0].dtype:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(p)
+        size += nbytes
+    return chunks
+
+
+def build_buckets(
+    param_groups: Sequence[Sequence[nn.Parameter]],
+    bucket_bytes: int,
+    dp: int,
+    deferred: set[int] = frozenset(),
+) -> tuple[list[Bucket], list[int]]:
+    """Lay every group's parameters out in buckets; returns (buckets, shard numel per group).
+
+    A parameter is never split: one larger than `bucket_bytes` gets a bucket of its own.
+    Buckets never mix param groups (ZeRO keeps one flat shard per group, so that weight decay
+    and LR stay per group) nor dtypes. Parameters in `deferred` (ids) go to trailing buckets of
+    their group, reduced only in `GradReducer.finish`.
+    """
+    buckets: list[Bucket] = []
+    shard_sizes = []
+    for g, params in enumerate(param_groups):
+        order = list(reversed(list(params)))  # backward produces the last layers' grads first
+        shard_offset = 0
+        for is_deferred in (False, True):
+            for chunk in _chunks([p for p in order if (id(p) in deferred) == is_deferred], bucket_bytes):
+                buckets.append(_make_bucket(len(buckets), g, chunk, shard_offset, dp, is_deferred))
+                shard_offset += buckets[-1].numel // dp
+        shard_sizes.append(shard_offset)
+    return buckets, shard_sizes

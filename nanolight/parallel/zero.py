@@ -1,0 +1,286 @@
+"""ZeRO-1: the fp32 master weights and the optimizer state are partitioned over data parallelism.
+
+Why: with plain DP every replica holds AdamW's two moments (8 bytes/param) and, under bf16
+parameters, an fp32 copy (4 more): 12 of the 16+ bytes/param of training state are the same
+on every dp rank. ZeRO-1 keeps 1/dp of them per rank; the communication volume is unchanged
+(a reduce-scatter plus an all-gather instead of an all-reduce, which is both of those).
+
+Layout: the gradient buckets of `GradReducer` (one flat buffer per bucket, padded to a
+multiple of dp; buckets never mix param groups) are each split into dp contiguous slices;
+rank r owns slice r of every bucket. A param group's *flat shard* is the concatenation of its
+slices, and the inner optimizer -- the same class as the user's, with the same hyperparameters
+-- runs on one fp32 `nn.Parameter` per group holding that shard, with the reduce-scattered
+gradient shard as its ``.grad``. Because the inner optimizer is elementwise (AdamW, Adam, SGD;
+not LBFGS/Shampoo-like ones), stepping the slices is exactly stepping the whole model. Padding
+elements have zero weight and zero gradient, so they stay zero. One difference from
+``torch.optim``: a parameter without a gradient in a step (unused, or frozen but left in the
+optimizer) steps with a zero gradient instead of being skipped, so momentum and weight decay
+still move it -- as with DDP and Megatron's distributed optimizer; keep frozen ones out.
+
+LR schedulers: `configure_optimizers` built the scheduler on the user's optimizer, before the
+strategy wrapped it. So the wrapper keeps that optimizer as its front: ``param_groups`` *is*
+its list; the scheduler's lr changes land there and are copied into the inner groups at every
+`step`. Checkpoints: `state_dict` / `load_state_dict` use the single-device ``torch.optim``
+format (one entry per parameter, full tensors), so a checkpoint saved at any dp loads at any
+other dp, with or without ZeRO.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from nanolight.parallel.data_parallel import DEFAULT_BUCKET_BYTES, GradReducer, all_gather_single
+from nanolight.parallel.grad_buckets import Bucket
+
+
+class ZeroOptimizer:
+    """ZeRO stage 1 around an elementwise ``torch.optim`` optimizer (see the module docstring).
+
+    `overlap=True` reduces gradients from backward hooks (call ``reducer.require_sync`` /
+    ``reducer.finish`` as `Parallel3DStrategy` does); otherwise, or when they have not been
+    reduced yet, `step` reduce-scatters them itself.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        group: Any,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        overlap: bool = True,
+        presum: Sequence[tuple[set[int], Any]] = (),
+    ) -> None:
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise TypeError("ZeRO-1 needs an elementwise optimizer (AdamW, Adam, SGD); LBFGS is not")
+        self.optimizer = optimizer
+        self.param_groups: list[dict[str, Any]] = optimizer.param_groups  # the same list: see above
+        self.defaults = optimizer.defaults
+        self.group = group
+        self.reducer = GradReducer(
+            [g["params"] for g in self.param_groups], group, bucket_bytes, shard=True, presum=presum
+        )
+        if not overlap:
+            self.reducer.remove()
+        device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+        self.master = [
+            nn.Parameter(torch.zeros(n, dtype=torch.float32, device=device)) for n in self.reducer.shard_sizes
+        ]
+        self.reload_master_weights()
+        inner_groups = [
+            {**_hyper(g), "params": [m]} for g, m in zip(self.param_groups, self.master, strict=True)
+        ]
+        self.inner = type(optimizer)(inner_groups)  # every group carries all its hyperparameters
+        if optimizer.state:  # the user's optimizer already has state (e.g. loaded): shard it
+            self.load_state_dict(optimizer.state_dict())
+        self._norm_mask: tuple[frozenset[int], list[Tensor]] | None = None
+
+    @property
+    def dp_rank(self) -> int:
+        return self.reducer.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.reducer.dp_size
+
+    @property
+    def state(self) -> Any:
+        """The inner optimizer's state: one entry per param group's flat master shard."""
+        return self.inner.state
+
+    # ---- layout ----------------------------------------------------------------------------
+    def _pieces(self, bucket: Bucket) -> Iterator[tuple[nn.Parameter, int, int, int]]:
+        """(param, start, end, shard position) for each param overlapping this rank's slice of
+        `bucket`: flat elements [start, end) of the param sit at that position of the group shard."""
+        n = bucket.numel // self.dp_size
+        lo, hi = self.dp_rank * n, (self.dp_rank + 1) * n
+        for p, off in zip(bucket.params, bucket.offsets, strict=True):
+            a, b = max(lo, off), min(hi, off + p.numel())
+            if a < b:
+                yield p, a - off, b - off, bucket.shard_offset + a - lo
+
+    def reload_master_weights(self) -> None:
+        """Copy this rank's slice of the model's weights into the fp32 master shards.
+
+        Call after the weights changed outside `step` (e.g. a checkpoint was loaded into the model).
+        """
+        with torch.no_grad():
+            for bucket in self.reducer.buckets:
+                master = self.master[bucket.group_index]
+                for p, a, b, pos in self._pieces(bucket):
+                    master[pos : pos + b - a].copy_(p.detach().reshape(-1)[a:b])
+
+    def state_numel(self) -> int:
+        """Elements of optimizer state held by this rank (e.g. 2 x shard size for AdamW)."""
+        return sum(v.numel() for st in self.inner.state.values() for v in st.values() if _is_flat(v))
+
+    def state_bytes(self, include_master: bool = True) -> int:
+        """Bytes of optimizer state (and fp32 master weights) this rank holds."""
+        total = sum(
+            v.numel() * v.element_size()
+            for st in self.inner.state.values()
+            for v in st.values()
+            if _is_flat(v)
+        )
+        return total + (sum(m.numel() * m.element_size() for m in self.master) if include_master else 0)
+
+    # ---- one step --------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient buckets (``set_to_none`` is ignored: ``.grad`` are bucket views)."""
+        self.reducer.zero_grad()
+
+    @property
+    def shard_grads(self) -> list[Tensor]:
+        """This rank's dp-mean gradient shard per param group (after the reduction)."""
+        return self.reducer.shard_grads
+
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter the gradients now unless backward hooks already did it this step."""
+        if not self.reducer.ready:
+            self.reducer.finish()
+
+    def squared_grad_norm(self, counted: frozenset[int]) -> Tensor:
+        """Sum of squares of this rank's gradient shard over the parameters in `counted` (ids):
+        the caller sums it over dp (and tp/pp) for the global norm."""
+        self.reduce_gradients()
+        if self._norm_mask is None or self._norm_mask[0] != counted:
+            masks = [torch.zeros_like(g, dtype=torch.bool) for g in self.shard_grads]
+            for bucket in self.reducer.buckets:
+                for p, a, b, pos in self._pieces(bucket):
+                    masks[bucket.group_index][pos : pos + b - a] = id(p) in counted
+            self._norm_mask = (counted, masks)
+        masks = self._norm_mask[1]
+        total = torch.zeros((), dtype=torch.float32, device=self.master[0].device if self.master else None)
+        for g, mask in zip(self.shard_grads, masks, strict=True):
+            total = total + g.float().pow(2).mul(mask).sum()
+        return total
+
+    def scale_grads_(self, coef: Tensor) -> None:
+        """Multiply the gradient shards by `coef` (clipping)."""
+        self.reduce_gradients()
+        for g in self.shard_grads:
+            g.mul_(coef.to(g.dtype))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        """Update this rank's shard with the inner optimizer, then all-gather the new weights."""
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step does not support a closure")
+        self.reduce_gradients()
+        for front, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
+            inner.update(_hyper(front))  # the LR scheduler changed the front's lr
+        for m, g in zip(self.master, self.shard_grads, strict=True):
+            m.grad = g if g.dtype == m.dtype else g.float()
+        self.inner.step()
+        # LR schedulers warn "scheduler.step() before optimizer.step()" unless the optimizer they
+        # hold (the front) records a step: this is the flag their step wrapper sets
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        for m in self.master:
+            m.grad = None
+        self._all_gather_params()
+        self.reducer.ready = False
+
+    def _all_gather_params(self) -> None:
+        works = []
+        for bucket in self.reducer.buckets:
+            n = bucket.numel // self.dp_size
+            mine = self.master[bucket.group_index][bucket.shard_offset : bucket.shard_offset + n]
+            full = torch.empty(bucket.numel, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
+            # dp ranks all-gather their updated slices of the bucket: everyone gets the new weights
+            work = all_gather_single(full, mine.to(full.dtype), group=self.group, async_op=True)
+            works.append((bucket, full, work))
+        for bucket, full, work in works:
+            work.wait()
+            for p, off in zip(bucket.params, bucket.offsets, strict=True):
+                p.copy_(full[off : off + p.numel()].view_as(p))
+
+    # ---- checkpoints: the single-device torch.optim format -------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Full per-parameter state, as ``torch.optim`` saves it on one device (collective: every
+        dp rank must call it; every rank gets the full state)."""
+        state: dict[int, dict[str, Any]] = {}
+        groups, index = [], 0
+        for g_idx, front in enumerate(self.param_groups):
+            shard_state = self.inner.state.get(self.master[g_idx], {})
+            full = {k: self._gather_flat(v, g_idx) for k, v in shard_state.items() if _is_flat(v)}
+            ids = []
+            for p in front["params"]:
+                if shard_state:
+                    state[index] = {
+                        k: (full[k][id(p)] if k in full else (v.clone() if isinstance(v, Tensor) else v))
+                        for k, v in shard_state.items()
+                    }
+                ids.append(index)
+                index += 1
+            groups.append({**_hyper(front), "params": ids})
+        return {"state": state, "param_groups": groups}
+
+    def _gather_flat(self, shard: Tensor, g_idx: int) -> dict[int, Tensor]:
+        """All-gather a flat per-group state shard; return it split per parameter (id -> tensor)."""
+        gathered = torch.empty(self.dp_size * shard.numel(), dtype=shard.dtype, device=shard.device)
+        # dp ranks all-gather their shards of this state tensor (e.g. exp_avg) for the checkpoint
+        all_gather_single(gathered, shard.contiguous(), group=self.group)
+        gathered = gathered.view(self.dp_size, -1)
+        out = {}
+        for bucket in self.reducer.buckets:
+            if bucket.group_index != g_idx:
+                continue
+            n = bucket.numel // self.dp_size
+            flat = gathered[:, bucket.shard_offset : bucket.shard_offset + n].reshape(-1)
+            for p, off in zip(bucket.params, bucket.offsets, strict=True):
+                out[id(p)] = flat[off : off + p.numel()].view_as(p).cpu().clone()
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the single-device format (saved at any dp, with or without ZeRO); local, no collective."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(s["params"]) != len(f["params"]) for s, f in zip(saved_groups, self.param_groups, strict=True)
+        ):
+            raise ValueError(
+                "optimizer state does not match: the checkpoint has param groups of sizes "
+                f"{[len(s['params']) for s in saved_groups]}, the optimizer "
+                f"{[len(f['params']) for f in self.param_groups]}"
+            )
+        saved_state = {int(k): v for k, v in state_dict["state"].items()}
+        for g_idx, (front, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
+            front.update(_hyper(saved))  # in place: the LR scheduler holds these dicts
+            entries = {
+                id(p): saved_state[int(i)]
+                for p, i in zip(front["params"], saved["params"], strict=True)
+                if int(i) in saved_state
+            }
+            master = self.master[g_idx]
+            if not entries:
+                self.inner.state.pop(master, None)
+                continue
+            first = next(iter(entries.values()))
+            shard: dict[str, Any] = {}
+            for key, value in first.items():
+                if isinstance(value, Tensor) and value.dim() > 0:
+                    shard[key] = torch.zeros_like(master, dtype=master.dtype)
+                else:
+                    shard[key] = value.clone() if isinstance(value, Tensor) else value
+            for bucket in self.reducer.buckets:
+                if bucket.group_index != g_idx:
+                    continue
+                for p, a, b, pos in self._pieces(bucket):
+                    for key, value in entries.get(id(p), {}).items():
+                        if isinstance(value, Tensor) and value.dim() > 0:
+                            shard[key][pos : pos + b - a].copy_(value.reshape(-1)[a:b])
+            self.inner.state[master] = shard
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer(stage=1, dp={self.dp_size}, inner={type(self.inner).__name__})"
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's hyperparameters (everything but the parameters)."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _is_flat(value: Any) -> bool:
+    """A per-element state tensor (e.g. exp_avg) rather than a scalar such as `step`."""
+    return isinstance(value, Tensor) and value.dim() > 0

@@ -1,0 +1,141 @@
+"""Parallel3DStrategy through NanoTrainer: tp runs match the single-device run, checkpoints are
+full tensors in the single-device format and load at any layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _dist import run_distributed
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader
+
+from nanolight import NanoModule, NanoTrainer
+from nanolight.models import LlamaConfig, LlamaForCausalLM
+from nanolight.strategies.parallel3d import Parallel3DStrategy
+from nanolight.strategies.single_device import SingleDeviceStrategy
+
+SEED, STEPS, ACCUM, MICRO, T = 11, 10, 2, 2, 16
+
+
+def _config() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        attn_implementation="eager",
+    )
+
+
+class TinyLM(NanoModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: LlamaForCausalLM | None = None
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = LlamaForCausalLM(_config())
+            if not next(self.model.parameters()).is_meta:  # single device: same init, same seed
+                self.model.init_weights(torch.Generator().manual_seed(SEED))
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = self.model(batch["input_ids"], labels=batch["labels"])
+        self.log("train/loss", loss)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+def _loader() -> DataLoader:
+    ids = torch.randint(0, 128, (STEPS * ACCUM * MICRO, T), generator=torch.Generator().manual_seed(3))
+    return DataLoader([{"input_ids": x, "labels": x} for x in ids], batch_size=MICRO)
+
+
+def _fit(strategy: object, root: Path) -> tuple[NanoTrainer, TinyLM]:
+    trainer = NanoTrainer(
+        max_steps=STEPS,
+        accumulate_grad_batches=ACCUM,
+        gradient_clip_val=0.5,
+        strategy=strategy,
+        seed=SEED,
+        default_root_dir=root,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
+    module = TinyLM()
+    trainer.fit(module, train_dataloaders=_loader())
+    return trainer, module
+
+
+def _tp_worker(rank: int, world: int, root: str, sp: bool) -> list[float]:
+    root_path = Path(root)
+    trainer, module = _fit(Parallel3DStrategy(tp=world, sequence_parallel=sp), root_path / f"tp{world}")
+    trainer.save_checkpoint(root_path / "tp-ckpt", update_last=False)  # collective: gathers shards
+
+    # load the single-device checkpoint: each rank keeps exactly its slices
+    strategy = trainer.strategy
+    strategy.load_checkpoint(root_path / "single-ckpt")
+    full = load_file(str(root_path / "single-ckpt" / "model.safetensors"))
+    group = strategy.parallel_context.tp_group
+    from nanolight.parallel.tensor_parallel.apply import shard_dims, take_shard
+
+    dims = shard_dims(module)
+    for name, p in module.named_parameters():
+        assert torch.equal(p.detach(), take_shard(full[name], dims[name], group)), name
+    return module.losses
+
+
+@pytest.mark.parametrize("sp", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["no-sp", "sp"])
+def test_trainer_tp2_matches_single_device(tmp_path: Path, sp: bool) -> None:
+    trainer, single = _fit(SingleDeviceStrategy("cpu"), tmp_path / "single")
+    trainer.save_checkpoint(tmp_path / "single-ckpt", update_last=False)
+
+    losses = run_distributed(_tp_worker, 2, str(tmp_path), sp, timeout=240, pg_timeout=60)
+    assert losses[0] == losses[1]
+    torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(single.losses), rtol=1e-5, atol=0)
+
+    # the tp checkpoint holds full tensors in the single-device format, equal to its weights
+    tp_state = load_file(str(tmp_path / "tp-ckpt" / "model.safetensors"))
+    single_state = load_file(str(tmp_path / "single-ckpt" / "model.safetensors"))
+    assert tp_state.keys() == single_state.keys()
+    for name, tensor in single_state.items():
+        torch.testing.assert_close(tp_state[name], tensor, rtol=1e-3, atol=2e-4, msg=name)  # 10 AdamW steps
+    tp_optim = torch.load(tmp_path / "tp-ckpt" / "optimizer.pt", weights_only=True)[0]["state"]
+    single_optim = torch.load(tmp_path / "single-ckpt" / "optimizer.pt", weights_only=True)[0]["state"]
+    for idx, entry in single_optim.items():
+        torch.testing.assert_close(tp_optim[idx]["exp_avg"], entry["exp_avg"], rtol=1e-3, atol=1e-6)
+
+
+def _pretrained_worker(rank: int, world: int, path: str) -> bool:
+    from nanolight.parallel.tensor_parallel.apply import shard_dims, take_shard
+
+    strategy = Parallel3DStrategy(tp=world, pretrained=path)
+    strategy.setup_environment()
+    module = TinyLM()
+    with strategy.model_init_context():
+        module.configure_model()  # on meta: nothing is initialised here
+    strategy.setup_module(module)
+    full = load_file(str(Path(path) / "model.safetensors"))
+    dims, group = shard_dims(module.model), strategy.parallel_context.tp_group
+    for name, p in module.model.named_parameters():
+        assert torch.equal(p.detach(), take_shard(full[name], dims[name], group)), name
+    return True
+
+
+def test_pretrained_checkpoint_loads_sliced(tmp_path: Path) -> None:
+    from nanolight import save_pretrained
+
+    model = LlamaForCausalLM(_config())
+    model.init_weights(torch.Generator().manual_seed(123))
+    save_pretrained(model, tmp_path / "pretrained")
+    assert run_distributed(_pretrained_worker, 2, str(tmp_path / "pretrained")) == [True, True]

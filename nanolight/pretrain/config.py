@@ -1,0 +1,137 @@
+"""The pretraining recipe's config schema: one dataclass per section of `conf/config.yaml`.
+
+Sections that configure a library component reuse that component's own dataclass
+(`LlamaConfig`, `DataConfig`, `ParallelConfig`); the rest (trainer loop knobs, optimizer,
+checkpointing, loggers) are recipe-level and live here. `load_config` is the single entry point:
+composed Hydra tree in, validated `PretrainConfig` out, or a `ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from omegaconf import DictConfig, OmegaConf
+
+from nanolight.data.config import DataConfig
+from nanolight.models.llama import LlamaConfig
+from nanolight.parallel.config import ParallelConfig
+from nanolight.pretrain.schema import ConfigError, build_dataclass
+
+Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
+
+
+@dataclass
+class TrainConfig:
+    """Loop sizes. The global batch is micro_batch_size * accumulate_grad_batches * dp."""
+
+    max_steps: int = 200
+    max_epochs: int | None = None
+    micro_batch_size: int = 8
+    seq_len: int = 256
+    accumulate_grad_batches: int = 1
+    precision: Precision = "32-true"
+    gradient_clip_val: float | None = 1.0
+    default_root_dir: str = "runs/smollm"
+    log_every_n_steps: int = 10
+    val_check_interval: int | None = 50
+    limit_val_batches: int = 8
+    enable_progress_bar: bool = True
+    deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_steps",
+            "micro_batch_size",
+            "seq_len",
+            "accumulate_grad_batches",
+            "log_every_n_steps",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        if self.val_check_interval is not None and self.val_check_interval < 1:
+            raise ValueError("trainer.val_check_interval must be >= 1 (optimizer steps) or null to disable")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up then cosine decay to `min_lr_ratio * lr` (the SmolLM recipe)."""
+
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio in [0, 1]")
+
+
+@dataclass
+class CheckpointConfig:
+    """`resume`: null (fresh run), `last` (newest in the run directory) or a checkpoint path.
+    `init_from`: a nanolight model directory (e.g. from scripts/convert_hf_to_nanolight.py)
+    whose weights initialise the model of a fresh run."""
+
+    every_n_steps: int | None = 100
+    keep_last_n: int | None = 3
+    save_last: bool = True
+    resume: str | None = None
+    init_from: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.every_n_steps is not None and self.every_n_steps < 1:
+            raise ValueError("checkpoint.every_n_steps must be >= 1 or null")
+        if self.keep_last_n is not None and self.keep_last_n < 1:
+            raise ValueError("checkpoint.keep_last_n must be >= 1 or null (keep all)")
+
+
+@dataclass
+class LoggerConfig:
+    """CSV always writes `metrics.csv`; wandb is online when logged in, offline otherwise."""
+
+    csv: bool = True
+    wandb: bool = True
+    project: str = "nanolight"
+    name: str | None = None
+    offline: bool | None = None
+    log_model: bool = False
+
+
+@dataclass
+class PretrainConfig:
+    seed: int = 42
+    model: LlamaConfig = field(default_factory=lambda: LlamaConfig.preset("smollm-tiny"))
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if self.trainer.seq_len > self.model.max_position_embeddings:
+            raise ConfigError(
+                f"trainer.seq_len={self.trainer.seq_len} is above the model's maximum "
+                f"(model.max_position_embeddings={self.model.max_position_embeddings}); "
+                f"lower trainer.seq_len or pick a model preset with longer context"
+            )
+
+
+def load_config(cfg: DictConfig | dict[str, Any]) -> PretrainConfig:
+    """Validate a composed config. Raises ConfigError naming the first bad key."""
+    raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    raw.pop("hydra", None)
+    return build_dataclass(PretrainConfig, raw, "")
+
+
+def to_dict(config: PretrainConfig) -> dict[str, Any]:
+    """The resolved config as plain data, for `config.yaml` and the loggers' hyperparameters."""
+    return dataclasses.asdict(config)

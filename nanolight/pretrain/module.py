@@ -1,0 +1,107 @@
+"""`CausalLMPretrain`: the NanoModule the SmolLM recipe trains, usable from any script.
+
+It is deliberately the module a user would write: the model computes its own loss from
+aligned labels, so `training_step` stays two lines at every parallel layout (the strategy swaps
+the loss for the vocab-parallel one under tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from nanolight.checkpoint.pretrained import read_checkpoint
+from nanolight.models.flops import flops_per_token
+from nanolight.models.llama import LlamaConfig, LlamaForCausalLM
+from nanolight.module import NanoModule
+from nanolight.pretrain.config import OptimConfig
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float):
+    """LR multiplier: linear warm-up from ~0 to 1, then cosine decay to `min_lr_ratio`."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: norms (1-D) are left undecayed, as in GPT-2/Llama recipes."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def load_weights(model: LlamaForCausalLM, path: str) -> None:
+    """Copy a nanolight model directory's weights into `model`; a different model is an error."""
+    _, state, _ = read_checkpoint(path)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint.init_from={path} does not fit model: missing {missing[:6]}, unexpected {unexpected[:6]}; "
+            "pick the model preset the checkpoint was converted from"
+        )
+
+
+class CausalLMPretrain(NanoModule):
+    """Next-token pretraining of a Llama-architecture model."""
+
+    def __init__(
+        self,
+        model_config: LlamaConfig,
+        optim: OptimConfig,
+        seq_len: int,
+        max_steps: int,
+        init_from: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.init_from = init_from
+        self.model_config = model_config
+        self.optim = optim
+        self.seq_len = seq_len
+        self.max_steps = max_steps
+        self.model: LlamaForCausalLM | None = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        self.model = LlamaForCausalLM(self.model_config)  # on meta when the strategy shards it
+        if any(p.is_meta for p in self.model.parameters()):
+            return  # the strategy materialises, initialises or loads each shard
+        if self.init_from is not None:
+            load_weights(self.model, self.init_from)
+        else:
+            # The same generator-driven init the sharded strategies replay per parameter, seeded from
+            # the trainer's seed, so every layout starts from the same weights.
+            self.model.init_weights(torch.Generator().manual_seed(torch.initial_seed()))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(batch["input_ids"], labels=batch["labels"])
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(batch["input_ids"], labels=batch["labels"])
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        o = self.optim
+        optimizer = torch.optim.AdamW(
+            param_groups(self.model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps
+        )
+        schedule = warmup_cosine(o.warmup_steps, self.max_steps, o.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def flops_per_token(self) -> float:
+        return flops_per_token(self.model_config, self.seq_len)

@@ -1,0 +1,159 @@
+"""Build and run a pretraining job from a validated config: what `recipes/smollm.py` calls.
+
+Order matters and is chosen so that a bad run fails fast and in one place:
+1. validate the whole config (every key, the parallel layout against the model) — no process
+   spawned, nothing written;
+2. check the run directory (never silently overwrite a run that has checkpoints);
+3. prepare the data in this process (tokenize once into the cache; check the tokenizer fits
+   the model and the corpus fills a global batch) — ranks spawned later reuse the cache;
+4. start the processes (the strategy's launcher), then each rank builds its own data shard,
+   module, loggers and callbacks, and `NanoTrainer.fit` runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from nanolight.callbacks import LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
+from nanolight.data import DataConfig, build_datamodule, vocab_size
+from nanolight.loggers import CSVLogger, Logger, WandbLogger
+from nanolight.loggers.wandb_logger import has_wandb_credentials
+from nanolight.parallel.pipeline import check_micro_batches, check_pipeline_layout
+from nanolight.pretrain.config import ConfigError, PretrainConfig, to_dict
+from nanolight.pretrain.module import CausalLMPretrain
+from nanolight.strategies import Parallel3DStrategy, SingleDeviceStrategy, Strategy
+from nanolight.strategies.launcher import detect_environment
+from nanolight.trainer import NanoTrainer
+
+
+def check_layout(config: PretrainConfig) -> None:
+    """The parallel layout must split this model; raised before any process starts."""
+    p, m = config.parallel, config.model
+    try:
+        p.check_model(m.num_attention_heads, m.num_key_value_heads, m.vocab_size)
+        if p.pp > 1:  # every stage needs a layer; 1F1B needs >= pp micro-batches per step
+            check_pipeline_layout(p.pp, m.num_hidden_layers)
+            check_micro_batches(p.pp, p.pp_schedule, config.trainer.accumulate_grad_batches)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+
+
+def check_run_dir(config: PretrainConfig) -> Path:
+    """A fresh run must not write over another run's checkpoints; resuming needs a checkpoint."""
+    root = Path(config.trainer.default_root_dir)
+    ckpt_dir = root / "checkpoints"
+    resume = config.checkpoint.resume
+    has_checkpoints = ckpt_dir.is_dir() and any(ckpt_dir.iterdir())
+    if resume is None and has_checkpoints:
+        raise ConfigError(
+            f"run directory {root} already holds checkpoints; continue it with checkpoint.resume=last, "
+            f"or start a new run with trainer.default_root_dir=<new dir>"
+        )
+    if resume is not None and resume != "last" and not Path(resume).exists():
+        raise ConfigError(f"checkpoint.resume={resume!r}: no such checkpoint directory")
+    if config.checkpoint.init_from is not None:
+        if resume is not None:
+            raise ConfigError("checkpoint.init_from starts a fresh run from weights; drop it when resuming")
+        if not (Path(config.checkpoint.init_from) / "config.json").exists():
+            raise ConfigError(
+                f"checkpoint.init_from={config.checkpoint.init_from!r} is not a nanolight model directory "
+                "(no config.json); convert a Hugging Face checkpoint with scripts/convert_hf_to_nanolight.py"
+            )
+    return root
+
+
+def build_data(config: PretrainConfig, dp_rank: int = 0, dp_size: int = 1):
+    t, data = config.trainer, config.data
+    dm = build_datamodule(
+        data, t.seq_len, t.micro_batch_size, t.accumulate_grad_batches, dp_rank, dp_size, config.seed
+    )
+    if vocab_size(dm.tokenizer) > config.model.vocab_size:
+        raise ConfigError(
+            f"the tokenizer ({data.tokenizer}) has {vocab_size(dm.tokenizer)} tokens but the model's "
+            f"vocab_size is {config.model.vocab_size}; pick a model preset with a larger vocabulary or "
+            f"override model.vocab_size"
+        )
+    return dm
+
+
+def build_strategy(config: PretrainConfig) -> Strategy:
+    p, precision = config.parallel, config.trainer.precision
+    env = detect_environment()  # torchrun/srun, or None under plain python
+    if (p.tp, p.pp, p.dp) == (1, 1, 1) and (env is None or env.world_size == 1):
+        return SingleDeviceStrategy(precision=precision)
+    # under torchrun/srun the 3D strategy checks that the world equals tp*pp*dp (or fills dp="auto")
+    return Parallel3DStrategy.from_config(p, precision=precision, pretrained=config.checkpoint.init_from)
+
+
+def build_loggers(config: PretrainConfig, root: Path) -> list[Logger]:
+    lg = config.logger
+    loggers: list[Logger] = [CSVLogger(save_dir=root)] if lg.csv else []
+    if lg.wandb:
+        offline = lg.offline if lg.offline is not None else not has_wandb_credentials()
+        loggers.append(
+            WandbLogger(
+                project=lg.project, name=lg.name, offline=offline, save_dir=root, log_model=lg.log_model
+            )
+        )
+    return loggers
+
+
+def build_trainer(config: PretrainConfig, strategy: Strategy, root: Path) -> NanoTrainer:
+    t, c = config.trainer, config.checkpoint
+    callbacks = [LearningRateMonitor(), ThroughputMonitor()]
+    if c.every_n_steps is not None or c.save_last:
+        callbacks.append(
+            ModelCheckpoint(
+                every_n_train_steps=c.every_n_steps, save_last=c.save_last, keep_last_n=c.keep_last_n
+            )
+        )
+    return NanoTrainer(
+        max_steps=t.max_steps,
+        max_epochs=t.max_epochs,
+        accumulate_grad_batches=t.accumulate_grad_batches,
+        gradient_clip_val=t.gradient_clip_val,
+        precision=t.precision,
+        val_check_interval=t.val_check_interval,
+        limit_val_batches=t.limit_val_batches,
+        log_every_n_steps=t.log_every_n_steps,
+        callbacks=callbacks,
+        logger=build_loggers(config, root) or False,
+        strategy=strategy,
+        default_root_dir=root,
+        enable_progress_bar=t.enable_progress_bar,
+        enable_checkpointing=c.every_n_steps is not None or c.save_last,
+        seed=config.seed,
+        deterministic=t.deterministic,
+    )
+
+
+def save_config(config: PretrainConfig, root: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / "config.yaml.tmp"
+    tmp.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    tmp.replace(root / "config.yaml")
+
+
+def run(config: PretrainConfig) -> NanoTrainer:
+    """Pretrain per `config` (already validated by `load_config`). Returns the finished trainer."""
+    check_layout(config)
+    root = check_run_dir(config)
+    dm = build_data(config)  # tokenizes into the cache once, before any rank is spawned
+    strategy = build_strategy(config)
+    strategy.setup_environment()  # plain python + parallel: re-launches this script as N ranks here
+    if strategy.data_parallel_size > 1:
+        ctx = strategy.parallel_context
+        dm = build_data(config, ctx.dp_rank, ctx.dp_size)
+    if strategy.is_global_zero:
+        save_config(config, root)
+    t = config.trainer
+    module = CausalLMPretrain(config.model, config.optim, t.seq_len, t.max_steps, config.checkpoint.init_from)
+    trainer = build_trainer(config, strategy, root)
+    # resume="last" with no checkpoint yet starts fresh with a warning, as Lightning does
+    trainer.fit(module, dm.train_loader, dm.val_loader, ckpt_path=config.checkpoint.resume)
+    return trainer
+
+
+__all__ = ["ConfigError", "DataConfig", "run"]

@@ -1,0 +1,133 @@
+"""The recipe's config contract: every preset composes and validates; bad keys fail by name."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from nanolight.pretrain import ConfigError, PretrainConfig, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+
+
+def _compose(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def _presets(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("model", _presets("model"))
+@pytest.mark.parametrize("data", _presets("data"))
+@pytest.mark.parametrize("logger", _presets("logger"))
+def test_every_preset_composes_and_validates(model: str, data: str, logger: str) -> None:
+    config = load_config(_compose([f"model={model}", f"data={data}", f"logger={logger}"]))
+    assert isinstance(config, PretrainConfig)
+    assert config.model.num_hidden_layers >= 1 and config.data.path
+
+
+def test_parallel_keys_append_with_plus() -> None:
+    config = load_config(_compose(["+parallel.tp=2", "+parallel.sequence_parallel=true"]))
+    assert (config.parallel.tp, config.parallel.sequence_parallel) == (2, True)
+    assert load_config(_compose([])).parallel.tp == 1
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        (["+trainer.max_step=5"], "Did you mean `trainer.max_steps`?"),
+        (["+optim.learning_rate=1"], "Valid keys of `optim`"),
+        (["+parallel.tpp=2"], "unknown config key `parallel.tpp`"),
+        (["trainer.micro_batch_size=abc"], "must be an integer"),
+        (["trainer.precision=fp8"], "not one of"),
+        (["trainer.seq_len=4096"], "above the model's maximum"),
+        (["+parallel.tp=0"], "positive integer"),
+        (["optim.lr=-1"], "optim.lr must be > 0"),
+        (["data.val_fraction=1.5"], "data.val_fraction"),
+        (["model.num_attention_heads=5"], "model"),
+    ],
+)
+def test_bad_values_name_the_key(override: list[str], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=None) as info:
+        load_config(_compose(override))
+    assert fragment in str(info.value), str(info.value)
+
+
+def test_bad_config_exits_fast_and_writes_nothing(tmp_path: Path) -> None:
+    """A misspelled key in an existing run directory: exit 2 in seconds, the directory untouched."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step-5").mkdir(parents=True)
+    (run_dir / "metrics.csv").write_text("step,train/loss\n5,1.0\n")
+    before = sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
+    start = time.monotonic()
+    for override in ("trainer.max_step=3", "checkpoint.resume=null"):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "recipes" / "smollm.py"),
+                override,
+                f"trainer.default_root_dir={run_dir}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "config error" in proc.stderr
+    assert time.monotonic() - start < 60
+    assert "already holds checkpoints" in proc.stderr and "checkpoint.resume=last" in proc.stderr
+    after = sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
+    assert after == before
+    assert not (tmp_path / "outputs").exists()  # Hydra writes nothing of its own
+
+
+def test_override_keys_checked_before_hydra() -> None:
+    from nanolight.pretrain.schema import check_override_keys
+
+    groups = ("model", "data", "logger")
+    check_override_keys(PretrainConfig, ["model=smollm-135m", "+parallel.tp=2", "hydra.run.dir=x"], groups)
+    check_override_keys(PretrainConfig, ["model.rope_scaling.factor=8", "--cfg", "job"], groups)
+    with pytest.raises(
+        ConfigError, match=r"unknown config key `trainer.max_step`. Did you mean `trainer.max_steps`"
+    ):
+        check_override_keys(PretrainConfig, ["trainer.max_step=3"], groups)
+    with pytest.raises(ConfigError, match=r"Valid keys of the config: checkpoint, data, logger"):
+        check_override_keys(PretrainConfig, ["sed=3"], groups)
+
+
+def test_tp_must_divide_heads_before_spawn() -> None:
+    from nanolight.pretrain.run import check_layout
+
+    config = load_config(_compose(["+parallel.tp=3"]))
+    with pytest.raises(ConfigError, match=r"tp=3 does not divide num_attention_heads=4"):
+        check_layout(config)
+
+
+def test_torchrun_world_without_layout_is_not_single_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`torchrun --nproc_per_node=2 recipes/smollm.py` must not train two independent copies."""
+    from nanolight.pretrain.run import build_strategy
+    from nanolight.strategies import Parallel3DStrategy, SingleDeviceStrategy
+
+    config = load_config(_compose([]))
+    assert isinstance(build_strategy(config), SingleDeviceStrategy)
+    for name, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    assert isinstance(build_strategy(config), Parallel3DStrategy)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert isinstance(build_strategy(config), SingleDeviceStrategy)

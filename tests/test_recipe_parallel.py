@@ -1,0 +1,74 @@
+"""`python recipes/smollm.py +parallel.tp=2` from a plain shell: the same losses as the
+single-process run, one metrics.csv, and a killed rank ends the whole job with an error."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_recipe_e2e import REPO, losses, recipe
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("nanolight-cache")
+
+
+@pytest.mark.parametrize("sp", ["false", "true"])
+def test_recipe_tp2_matches_single_process(tmp_path: Path, cache_dir: Path, sp: str) -> None:
+    steps = ["trainer.max_steps=6", "checkpoint.every_n_steps=3", "logger=csv"]
+    single, tp2 = tmp_path / "single", tmp_path / "tp2"
+    recipe(single, cache_dir, *steps)
+    recipe(tp2, cache_dir, *steps, "+parallel.tp=2", f"+parallel.sequence_parallel={sp}")
+    ref, got = losses(single), losses(tp2)
+    assert sorted(got) == list(range(1, 7))
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), (step, got[step], ref[step])
+    assert len(list(tmp_path.rglob("metrics.csv"))) == 2  # one per run: only global rank 0 logs
+    assert (tp2 / "checkpoints" / "last").read_text().strip() == "step-6"
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+@pytest.mark.slow
+def test_killed_rank_ends_the_job(tmp_path: Path, cache_dir: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cmd = [
+        sys.executable, str(REPO / "recipes" / "smollm.py"), f"trainer.default_root_dir={run_dir}",
+        f"data.cache_dir={cache_dir}", "data.embedded_max_mb=2", "data.tokenizer_train_mb=1",
+        "trainer.max_steps=100000", "trainer.seq_len=64", "trainer.micro_batch_size=4",
+        "trainer.log_every_n_steps=1", "logger=csv", "+parallel.tp=2",
+    ]  # fmt: skip
+    parent = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not ((run_dir / "metrics.csv").exists() and len(_children(parent.pid)) == 2):
+            assert parent.poll() is None and time.monotonic() < deadline, (
+                "the tp=2 run never started training"
+            )
+            time.sleep(0.5)
+        os.kill(_children(parent.pid)[1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        code = parent.wait(timeout=60)
+        assert code != 0
+        assert time.monotonic() - killed_at < 60
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        parent.wait()

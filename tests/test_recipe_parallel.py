@@ -34,8 +34,16 @@ def test_recipe_tp2_matches_single_process(tmp_path: Path, cache_dir: Path, sp: 
 
 
 def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+    """Direct children of `pid`, read from /proc (no procps needed)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the process ended while we looked
+        if int(fields[1]) == pid:  # field 4 of /proc/<pid>/stat is the parent pid
+            kids.append(int(stat.parent.name))
+    return sorted(kids)
 
 
 @pytest.mark.slow

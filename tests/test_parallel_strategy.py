@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ckpt_view import single_device_view
 from _dist import run_distributed
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
@@ -104,13 +105,13 @@ def test_trainer_tp2_matches_single_device(tmp_path: Path, sp: bool) -> None:
     assert losses[0] == losses[1]
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(single.losses), rtol=1e-5, atol=0)
 
-    # the tp checkpoint holds full tensors in the single-device format, equal to its weights
-    tp_state = load_file(str(tmp_path / "tp-ckpt" / "model.safetensors"))
+    # the tp checkpoint (per-rank shards) read on one device equals the single-device run
+    tp_state, (tp_optim,) = single_device_view(tmp_path / "tp-ckpt", TinyLM(), STEPS)
     single_state = load_file(str(tmp_path / "single-ckpt" / "model.safetensors"))
     assert tp_state.keys() == single_state.keys()
     for name, tensor in single_state.items():
         torch.testing.assert_close(tp_state[name], tensor, rtol=1e-3, atol=2e-4, msg=name)  # 10 AdamW steps
-    tp_optim = torch.load(tmp_path / "tp-ckpt" / "optimizer.pt", weights_only=True)[0]["state"]
+    tp_optim = tp_optim["state"]
     single_optim = torch.load(tmp_path / "single-ckpt" / "optimizer.pt", weights_only=True)[0]["state"]
     for idx, entry in single_optim.items():
         torch.testing.assert_close(tp_optim[idx]["exp_avg"], entry["exp_avg"], rtol=1e-3, atol=1e-6)

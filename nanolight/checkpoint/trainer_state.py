@@ -8,6 +8,10 @@ Layout (``<root>/checkpoints/``)::
                                  callbacks, loop position    } tensors and plain containers only
     last                         text file naming the newest complete step dir
 
+That is the single-device layout (`SingleDeviceStrategy`). `Parallel3DStrategy` writes per-rank
+shards plus ``index.json`` instead (``nanolight/checkpoint/sharded/``) with the same
+``trainer_state.pt`` and the same directory protocol; both strategies read both layouts.
+
 A directory is written as ``.tmp-step-<N>-<pid>``, every file fsynced, then renamed into place;
 ``last`` is rewritten through a temp file + ``os.replace``. A crash (even SIGKILL) during a
 save therefore leaves the previous checkpoint and pointer untouched.
@@ -51,18 +55,26 @@ def atomic_checkpoint_dir(final: Path) -> Iterator[Path]:
         yield tmp
         for f in tmp.iterdir():
             _fsync_path(f)
-        _fsync_path(tmp)
-        if final.exists():  # re-saving the same step: move the old one aside first
-            trash = final.parent / f".trash-{final.name}-{os.getpid()}"
-            os.replace(final, trash)
-            os.replace(tmp, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_path(final.parent)
+        publish_directory(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def publish_directory(tmp: Path, final: Path) -> None:
+    """Rename the finished (files already fsynced) ``tmp`` to ``final``, durably.
+
+    Re-saving an existing ``final`` moves the old one aside first, so at every instant one
+    complete directory carries the name."""
+    _fsync_path(tmp)
+    if final.exists():
+        trash = final.parent / f".trash-{final.name}-{os.getpid()}"
+        os.replace(final, trash)
+        os.replace(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_path(final.parent)
 
 
 def write_last_pointer(checkpoint_dir: Path) -> None:

@@ -14,7 +14,6 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from nanolight.checkpoint.trainer_state import (
     LAST_POINTER,
     capture_rng_state,
-    load_torch_file,
     resolve_checkpoint,
 )
 
@@ -61,9 +60,7 @@ def restore_state(trainer: NanoTrainer, path: Path) -> dict[str, Any]:
 
 def restore_training_state(trainer: NanoTrainer, path: Path, state: dict[str, Any]) -> None:
     strategy = trainer.strategy
-    files = strategy.checkpoint_files()
-    if (path / files["optimizer"]).exists():
-        strategy.load_optimizer_state_dict(load_torch_file(path / files["optimizer"], strategy.root_device))
+    strategy.load_optimizer_checkpoint(path)
     scheds = state.get("schedulers", [])
     if len(scheds) != len(trainer.lr_scheduler_configs):
         raise ValueError(

@@ -217,6 +217,23 @@ class ZeroOptimizer:
             groups.append({**_hyper(front), "params": ids})
         return {"state": state, "param_groups": groups}
 
+    def owned_ranges(self) -> dict[int, tuple[int, int]]:
+        """id(param) -> the flat range [start, end) of it in this rank's partition (one range:
+        a partition is a contiguous slice of a bucket). Loading reads only these elements."""
+        return {id(p): (a, b) for bucket in self.reducer.buckets for p, a, b, _ in self._pieces(bucket)}
+
+    def local_state_pieces(self) -> Iterator[tuple[nn.Parameter, int, int, dict[str, Any]]]:
+        """This rank's partition of the optimizer state, per parameter, for sharded checkpoints:
+        (param, start, end, {state key: value}) where tensors are the flat elements [start, end)
+        of the param's state (views, no copy) and scalars (e.g. Adam's ``step``) are as stored.
+        No communication: each dp rank writes its own pieces."""
+        for bucket in self.reducer.buckets:
+            shard_state = self.inner.state.get(self.master[bucket.group_index], {})
+            if not shard_state:
+                continue
+            for p, a, b, pos in self._pieces(bucket):
+                yield p, a, b, {k: v[pos : pos + b - a] if _is_flat(v) else v for k, v in shard_state.items()}
+
     def _gather_flat(self, shard: Tensor, g_idx: int) -> dict[int, Tensor]:
         """All-gather a flat per-group state shard; return it split per parameter (id -> tensor)."""
         gathered = torch.empty(self.dp_size * shard.numel(), dtype=shard.dtype, device=shard.device)

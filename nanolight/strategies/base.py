@@ -24,16 +24,16 @@ Call order during ``NanoTrainer.fit`` (each a method below)::
         clip_gradients(max_norm) -> pre-clip global grad norm   # only if gradient_clip_val
         optimizer_step(optimizer)
         reduce(tensor, "mean")          # metrics: train/loss always, sync_dist=True ones
+        any_rank(signal_received)       # preemption: did any rank get SIGTERM/SIGUSR1?
     save_checkpoint(path, state)        # ModelCheckpoint -> trainer.save_checkpoint (all ranks)
     broadcast / barrier                 # whenever ranks must agree
     teardown()
 
-Override at the granularity you need: a sharded strategy usually only replaces
-`model_state_dict`/`load_model_state_dict`/`optimizer_state_dict`/`load_optimizer_state_dict`
-and `checkpoint_files` (file names per rank); the base `save_checkpoint` writes only on global
-rank zero, so a strategy whose ranks hold different shards overrides it too (reusing
-``atomic_checkpoint_dir`` on one rank after a gather, or per-rank files + a barrier before the
-rename).
+Override at the granularity you need: a strategy whose ranks hold slices overrides
+`save_checkpoint` / `load_checkpoint` / `load_optimizer_checkpoint` (``Parallel3DStrategy``
+writes per-rank shards plus an index, ``sharded_checkpoint.py``); the base versions write the
+single-device files on global rank zero, and read both that layout and a sharded one (assembling
+full tensors), so a run saved at any parallel layout resumes on one device.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from nanolight.checkpoint.sharded import ShardedReader, is_sharded_checkpoint
 from nanolight.checkpoint.trainer_state import (
     atomic_checkpoint_dir,
     load_model_file,
@@ -211,6 +212,10 @@ class Strategy:
         """Send a picklable object from ``src`` to every rank (e.g. the resolved checkpoint path)."""
         return obj
 
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is True on any rank (e.g. "a signal reached me")."""
+        return flag
+
     # ---- checkpoints ---------------------------------------------------------------------
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights to save, keyed by stable (unsharded) names. Sharded strategies save local shards."""
@@ -258,14 +263,35 @@ class Strategy:
         self.barrier("save_checkpoint")
 
     def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
-        """Load weights (+ optimizer state) from ``path``; returns the trainer ``state`` dict."""
+        """Load weights (+ optimizer state) from ``path``; returns the trainer ``state`` dict.
+
+        Reads this strategy's own format and, on one device, a sharded checkpoint saved by
+        ``Parallel3DStrategy`` at any topology (its tensors are assembled in full)."""
         path = Path(path)
         files = self.checkpoint_files()
-        self.load_model_state_dict(load_model_file(path / files["model"], self.root_device))
-        if load_optimizer and (path / files["optimizer"]).exists():
-            self.load_optimizer_state_dict(load_torch_file(path / files["optimizer"], self.root_device))
+        if is_sharded_checkpoint(path):
+            self.load_model_state_dict(ShardedReader(path).model_state())
+        else:
+            self.load_model_state_dict(load_model_file(path / files["model"], self.root_device))
+        if load_optimizer:
+            self.load_optimizer_checkpoint(path)
         trainer_file = path / files["trainer"]
         return load_torch_file(trainer_file, "cpu") if trainer_file.exists() else {}
+
+    def load_optimizer_checkpoint(self, path: str | Path) -> None:
+        """Load the optimizer state(s) stored in checkpoint directory ``path`` (if it has any)."""
+        path = Path(path)
+        if is_sharded_checkpoint(path):
+            from nanolight.strategies.sharded_checkpoint import load_optimizer_states
+
+            assert self.module is not None
+            load_optimizer_states(
+                ShardedReader(path), self.optimizers, self.module, lambda key, p: (None, None)
+            )
+            return
+        file = path / self.checkpoint_files()["optimizer"]
+        if file.exists():
+            self.load_optimizer_state_dict(load_torch_file(file, self.root_device))
 
     def model_init_context(self) -> AbstractContextManager:
         """Context ``configure_model`` runs in (e.g. ``torch.device('meta')``)."""

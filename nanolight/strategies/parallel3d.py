@@ -20,9 +20,11 @@ What it does, in `NanoTrainer.fit` order:
    micro-batch's backward and waited for at the end of `training_step`; with zero_stage=1 the
    optimizer becomes a `ZeroOptimizer` (`parallel/zero.py`) that holds 1/dp of the optimizer
    state and fp32 master weights, and the norm is taken over its gradient shards.
-4. Checkpoints hold full tensors in the single-device format (tp rank 0 gathers the shards,
-   pipeline rank 0 the stages, optimizer state included), so they load at any layout; loading slices them again. The
-   distributed-checkpoint issue will replace this with per-rank shards.
+4. Checkpoints are per-rank shards plus one index (`sharded_checkpoint.py`): every rank writes
+   the slices it owns (its tp slice of its stage's weights, its ZeRO-1 partition of the
+   optimizer state, its RNG and data position), so saving never gathers a model on one rank,
+   and any topology (or one device) loads them by reading just the blocks it holds. The
+   gathered single-device view (`full_state.py`) loads `SingleDeviceStrategy` checkpoints.
 """
 
 from __future__ import annotations
@@ -37,25 +39,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanolight.checkpoint.sharded import is_sharded_checkpoint
 from nanolight.parallel import ParallelConfig, ParallelContext
 from nanolight.parallel.data_parallel import DEFAULT_BUCKET_BYTES, DataParallel
 from nanolight.parallel.grad_norm import clip_grads_, grad_norm, owned_for_norm
 from nanolight.parallel.init import init_sharded_
 from nanolight.parallel.tensor_parallel.apply import (
     apply_tensor_parallel,
-    gather_full,
     grad_norm_squared,
     shard_dims,
     sync_replicated_grads,
     take_shard,
 )
 from nanolight.precision import Precision
-from nanolight.strategies.base import Strategy, check_state_dict_matches
+from nanolight.strategies.base import Strategy
+from nanolight.strategies.full_state import GatheredStateMixin
 from nanolight.strategies.launcher import detect_environment, ensure_processes, init_distributed
 from nanolight.strategies.pipeline_support import PipelineSetup
+from nanolight.strategies.sharded_checkpoint import ShardedCheckpointer, model_meta, tied_aliases
 
 
-class Parallel3DStrategy(Strategy):
+class Parallel3DStrategy(GatheredStateMixin, Strategy):
     """Train a module whose model declares a `tp_plan` over tp (x pp x dp) processes.
 
     `init_seed` seeds the topology-independent init (default: `torch.initial_seed()`, i.e. the
@@ -88,6 +92,7 @@ class Parallel3DStrategy(Strategy):
         self._pipeline: PipelineSetup | None = None  # pp > 1: this rank's stage and engine
         self.dp_bucket_bytes = dp_bucket_bytes  # gradient bucket size of the dp reduction
         self._dp: DataParallel | None = None  # dp > 1 or ZeRO: gradient reduction (data_parallel.py)
+        self._checkpointer: ShardedCheckpointer | None = None  # built by setup_module
 
     @classmethod
     def from_config(cls, config: ParallelConfig, **kwargs: Any) -> Parallel3DStrategy:
@@ -149,6 +154,9 @@ class Parallel3DStrategy(Strategy):
         cfg = getattr(model, "config", None)
         if cfg is not None:
             self.config.check_model(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size)
+        # the unsharded, unsplit model's names/shapes: what a checkpoint's global tensors must match
+        full_shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+        aliases = tied_aliases(module)
         on_meta = any(p.is_meta for p in module.parameters())
         pipe = None
         if self.config.pp > 1:
@@ -179,7 +187,22 @@ class Parallel3DStrategy(Strategy):
         if self._pipeline is not None:
             self._pipeline.build_engine()
         self.module = module
+        self._checkpointer = ShardedCheckpointer(
+            self._ctx,
+            module,
+            full_shapes,
+            aliases,
+            self._topology(),
+            model_meta(module, model, self.pretrained),
+        )
         return module
+
+    def _topology(self) -> dict[str, Any]:
+        ctx = self._ctx
+        return {
+            "tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size, "world_size": ctx.world_size,
+            "zero_stage": self.config.zero_stage, "sequence_parallel": self.config.sequence_parallel,
+        }  # fmt: skip
 
     def _load_pretrained(self, model: nn.Module) -> None:
         from nanolight.checkpoint.pretrained import read_checkpoint
@@ -286,90 +309,33 @@ class Parallel3DStrategy(Strategy):
         dist.broadcast_object_list(box, src=src)  # rank `src` sends obj to every rank
         return box[0]
 
-    # ---- checkpoints: full tensors, single-device format ------------------------------------
-    def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full tensors on tp rank 0 (every rank must call: it gathers); {} on the others."""
-        assert self.module is not None
-        dims, group = shard_dims(self.module, remove_duplicate=False), self._tp_group()
-        full_by_id: dict[int, torch.Tensor] = {}
-        out = {}
-        for name, tensor in self.module.state_dict(keep_vars=True).items():
-            if id(tensor) not in full_by_id:  # a tied weight is gathered once and stays shared
-                full_by_id[id(tensor)] = gather_full(tensor.detach(), dims.get(name), group).cpu()
-            out[name] = full_by_id[id(tensor)]
-        if self._ctx.tp_rank != 0:
-            return {}
-        return self._pipeline.gather_model_state(out) if self._pipeline is not None else out
+    def any_rank(self, flag: bool) -> bool:
+        if self._ctx is None or self._ctx.world_size == 1:
+            return flag  # one process: no collective (the trainer asks this every step)
+        box = torch.tensor([int(flag)], dtype=torch.int32, device=self.root_device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)  # every rank sends its 0/1 flag, all get the max
+        return bool(box.item())
 
-    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Slice a full (any-layout) state dict to this rank's shards."""
-        assert self.module is not None
-        dims, group = shard_dims(self.module, remove_duplicate=False), self._tp_group()
-        if self._pipeline is not None:  # checked against the whole model, then this stage's part
-            state = self._pipeline.local_state_for_load(state, self.module.state_dict().keys())
-        full_shapes = {
-            name: _full_shape(t, dims.get(name), self.config.tp)
-            for name, t in self.module.state_dict().items()
-        }
-        check_state_dict_matches(full_shapes, state)
-        sliced = {name: take_shard(t, dims.get(name), group) for name, t in state.items()}
-        self.module.load_state_dict(sliced, strict=True)
+    # ---- checkpoints: per-rank shards + index (sharded_checkpoint.py) ------------------------
+    def save_checkpoint(self, path: str | Path, state: dict[str, Any]) -> None:
+        """Every rank writes what it owns; rank 0 the index; published atomically (collective)."""
+        self._checkpointer.save(Path(path), self.optimizers, state)
+
+    def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
+        """A sharded checkpoint from any topology (or a single-device one): this rank's slices."""
+        if not is_sharded_checkpoint(path):
+            return super().load_checkpoint(path, load_optimizer)
+        state = self._checkpointer.load_model(Path(path))
         if self._dp is not None:
             self._dp.reload_master_weights()  # ZeRO-1's fp32 master shards follow the new weights
+        if load_optimizer:
+            self.load_optimizer_checkpoint(path)
+        return state
 
-    def _optimizer_dims(self, optimizer: torch.optim.Optimizer) -> list[int | None]:
-        dims = shard_dims(self.module)
-        by_id = {id(p): dims[name] for name, p in self.module.named_parameters()}
-        return [by_id.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
-
-    def optimizer_state_dict(self) -> list[dict[str, Any]]:
-        """Per-parameter optimizer tensors (Adam moments) gathered to full shape like the weights."""
-        out = []
-        for opt in self.optimizers:
-            sd, dims = opt.state_dict(), self._optimizer_dims(opt)
-            state = {}
-            for idx, entry in sd["state"].items():  # copy: these dicts are the live optimizer state
-                state[idx] = {k: self._gather_entry(v, dims[idx]) for k, v in entry.items()}
-            sd = {**sd, "state": state}
-            if self._pipeline is not None:  # re-indexed to the single-device parameter order
-                sd = self._pipeline.optimizer_state_to_full(self.module, opt, sd)
-            out.append(sd)
-        return out
-
-    def _gather_entry(self, value: Any, dim: int | None) -> Any:
-        if not _is_param_shaped(value, dim):
-            return value
-        return gather_full(value, dim, self._tp_group()).cpu()
-
-    def load_optimizer_state_dict(self, states: list[dict[str, Any]]) -> None:
-        """Slice full optimizer tensors (saved at any layout) to this rank's shards."""
-        sliced = []
-        for opt, sd in zip(self.optimizers, states, strict=False):  # the base checks the count
-            dims = self._optimizer_dims(opt)
-            if self._pipeline is not None:  # single-device indices -> this stage's
-                sd = self._pipeline.optimizer_state_to_local(self.module, opt, sd)
-            state = {}
-            for idx, entry in sd["state"].items():
-                dim = dims[int(idx)]
-                state[idx] = {
-                    k: take_shard(v, dim, self._tp_group()) if _is_param_shaped(v, dim) else v
-                    for k, v in entry.items()
-                }
-            sliced.append({**sd, "state": state})
-        super().load_optimizer_state_dict(sliced)
-
-
-def _is_param_shaped(value: Any, dim: int | None) -> bool:
-    """An optimizer-state tensor shaped like its (sharded) parameter, e.g. Adam's exp_avg; not `step`."""
-    return isinstance(value, torch.Tensor) and dim is not None and value.dim() > dim
-
-
-def _full_shape(local: torch.Tensor, dim: int | None, tp: int) -> torch.Tensor:
-    """A meta tensor with the unsharded shape, for checking a checkpoint against the model."""
-    shape = list(local.shape)
-    if dim is not None:
-        shape[dim] *= tp
-    return torch.empty(shape, device="meta")
+    def load_optimizer_checkpoint(self, path: str | Path) -> None:
+        if not is_sharded_checkpoint(path):
+            return super().load_optimizer_checkpoint(path)
+        self._checkpointer.load_optimizers(Path(path), self.optimizers)
 
 
 def _find_tp_model(module: nn.Module) -> nn.Module:

@@ -1,0 +1,110 @@
+"""The index of a sharded checkpoint: what every file holds and how it maps to global tensors.
+
+Why an index: each rank writes only the tensors (or slices of tensors) it owns, so no file is
+a whole model. The index is the one place that says, for every *global* tensor (the tensor a
+single-device run would hold), its shape, dtype and where each piece lives:
+
+    "model/model.layers.0.self_attn.qkv_proj.weight": {
+        "shape": [192, 64], "dtype": "float32",
+        "shards": [{"file": "model-pp00-tp00.safetensors", "key": "...",
+                    "offset": [0, 0], "shape": [96, 64], "flat": null,
+                    "tp_dim": 0, "pp": 0, "tp": 0, "dp": 0}, ...]}
+
+A shard is a rectangular block (`offset`, `shape`) of the global tensor -- tensor parallelism
+cuts along `tp_dim` -- or, with `flat` = [start, end), only that range of the block's row-major
+flattening: ZeRO-1 partitions the flattened (tp-local) parameters over dp ranks, so a dp rank's
+optimizer state is a flat piece of a block. `pp`/`tp`/`dp` record who wrote it (informational:
+loading only needs the geometry, which is what makes a checkpoint loadable at any topology).
+
+Names: ``model/<module state_dict key>`` for weights, ``optim/<k>/<param state_dict key>/<state
+key>`` for optimizer k's per-parameter state (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``).
+`aliases` maps a tied name (``model/model.lm_head.weight``) to the stored one. `files` records
+every file's byte size, so a truncated or missing file is found before any tensor is read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+INDEX_FILE = "index.json"
+FORMAT = "nanolight-sharded-v1"
+
+
+@dataclass
+class Shard:
+    """One stored piece of a global tensor (see the module docstring)."""
+
+    file: str
+    key: str
+    offset: list[int]
+    shape: list[int]
+    flat: list[int] | None = None  # [start, end) of the block's flattening, or the whole block
+    tp_dim: int | None = None
+    pp: int = 0
+    tp: int = 0
+    dp: int = 0
+
+    @property
+    def numel(self) -> int:
+        return self.flat[1] - self.flat[0] if self.flat is not None else math.prod(self.shape)
+
+
+@dataclass
+class TensorEntry:
+    shape: list[int]
+    dtype: str
+    shards: list[Shard] = field(default_factory=list)
+
+
+@dataclass
+class CheckpointIndex:
+    """The parsed ``index.json`` of one checkpoint directory."""
+
+    topology: dict[str, Any]
+    tensors: dict[str, TensorEntry]
+    files: dict[str, int]  # file name -> size in bytes, as written
+    aliases: dict[str, str] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)  # non-tensor optimizer state (e.g. None)
+    format: str = FORMAT
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: Path) -> CheckpointIndex:
+        try:
+            raw = json.loads(text)
+            if raw.get("format") != FORMAT:
+                raise ValueError(f"format is {raw.get('format')!r}, expected {FORMAT!r}")
+            tensors = {
+                name: TensorEntry(e["shape"], e["dtype"], [Shard(**s) for s in e["shards"]])
+                for name, e in raw["tensors"].items()
+            }
+            return cls(raw["topology"], tensors, raw["files"], raw.get("aliases", {}), raw.get("extras", {}))
+        except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
+            raise ValueError(
+                f"checkpoint index {where} is unreadable ({exc}); the save did not finish or the file "
+                "was damaged -- resume from an earlier checkpoint"
+            ) from exc
+
+    def resolve(self, name: str) -> str:
+        """The stored name for `name` (itself, or what a tied alias points at)."""
+        return self.aliases.get(name, name)
+
+
+def check_coverage(index: CheckpointIndex) -> None:
+    """Every global tensor must be stored exactly once: its shards' sizes sum to its size.
+
+    A cheap self-check at save time (the ownership rules decide who writes what; a bug there
+    would otherwise surface only when some later run loads zeros or fails)."""
+    bad = []
+    for name, entry in index.tensors.items():
+        stored = sum(s.numel for s in entry.shards)
+        if stored != math.prod(entry.shape):
+            bad.append(f"{name}: {stored} of {math.prod(entry.shape)} elements")
+    if bad:
+        raise RuntimeError(f"sharded checkpoint would be incomplete: {', '.join(bad[:5])}")

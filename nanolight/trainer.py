@@ -29,6 +29,7 @@ from nanolight.loop.checkpoint import build_state, resolve_ckpt_path, restore_st
 from nanolight.loop.config import TrainerConfig
 from nanolight.loop.metrics import MetricStore
 from nanolight.loop.optim import SchedulerConfig, parse_optimizers, step_scheduler
+from nanolight.loop.preemption import Preemption
 from nanolight.loop.setup import build_callbacks, build_loggers, seed_everything
 from nanolight.loop.step import MicroStep
 from nanolight.module import NanoModule
@@ -80,6 +81,8 @@ class NanoTrainer:
         self.lr_scheduler_configs: list[SchedulerConfig] = []
         self.lightning_module: NanoModule | None = None
         self.should_stop = False
+        self.preempted_by: str | None = None  # "SIGTERM"/"SIGUSR1" if a signal stopped the fit
+        self._preemption = Preemption(self)
         self.skip_optimizer_step = False  # set by a callback (NaNGuard) in on_before_optimizer_step
         self.is_step_end = False  # True while the last micro-batch's on_train_batch_end runs
         self.step_loss: torch.Tensor | None = None
@@ -182,7 +185,8 @@ class NanoTrainer:
         val_dataloaders: Iterable | None = None,
         ckpt_path: str | Path | None = None,
     ) -> None:
-        self._run("fit", module, ckpt_path, lambda: self._fit_loop(train_dataloaders, val_dataloaders))
+        with self._preemption:  # SIGTERM/SIGUSR1: finish the step, save, stop (loop/preemption.py)
+            self._run("fit", module, ckpt_path, lambda: self._fit_loop(train_dataloaders, val_dataloaders))
 
     def validate(
         self, module: NanoModule, dataloaders: Iterable, ckpt_path: str | Path | None = None
@@ -346,6 +350,7 @@ class NanoTrainer:
             step.finish()
         finally:
             self.is_step_end = False
+        self._preemption.check()
 
     def _finish_step_metrics(self, loss: torch.Tensor) -> None:
         metrics = self._metrics

@@ -9,6 +9,8 @@ Three ways a nanolight script runs with more than one process:
   N local children with the torchrun variables set (as Lightning's launcher does for
   `devices=N`), waits for them and exits with their status. If one child fails, the parent
   kills the others at once, so a crashed rank never leaves its peers blocked in a collective.
+  SIGTERM/SIGUSR1 to the parent (pre-emption) are passed on to every child, and the parent keeps
+  waiting while they finish their step and save (``nanolight/loop/preemption.py``).
 
 Reading those variables is the launcher's job alone; the rest of nanolight receives a
 `ProcessEnv` / `ParallelContext` and never looks at the environment.
@@ -165,14 +167,18 @@ class SubprocessLauncher:
         """Start the children, wait, return the first failure's exit code (0 if all succeed)."""
         port, cmd = free_port(), self.command()
         children = [subprocess.Popen(cmd, env=self.child_env(r, port)) for r in range(self.world_size)]
-        main_thread = threading.current_thread() is threading.main_thread()
-        # A SIGTERM to the launcher (scheduler pre-emption, Ctrl-C) must reach the children too.
-        previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt) if main_thread else None
+        # Pre-emption (SIGTERM, SLURM's SIGUSR1) must reach the children, which finish their step,
+        # save and exit 0: pass it on and keep waiting. Ctrl-C (SIGINT) reaches them from the
+        # terminal and stops the parent with KeyboardInterrupt: `_stop` ends them.
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in _FORWARDED_SIGNALS:
+                previous[sig] = signal.signal(sig, lambda signum, frame: _forward(children, signum))
         try:
             return self._wait(children)
         finally:
-            if main_thread:
-                signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             self._stop(children)
 
     def _wait(self, children: list[subprocess.Popen]) -> int:
@@ -204,8 +210,12 @@ class SubprocessLauncher:
                 child.wait()
 
 
-def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+_FORWARDED_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name)]
+
+
+def _forward(children: list[subprocess.Popen], signum: int) -> None:
+    for child in children:
+        child.send_signal(signum)  # a no-op for a child that already exited
 
 
 def _exit_when_orphaned(parent_pid: int, poll_s: float = 1.0) -> None:

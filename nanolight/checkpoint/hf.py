@@ -34,6 +34,7 @@ from nanolight.checkpoint.pretrained import (
     read_checkpoint,
     write_checkpoint,
 )
+from nanolight.checkpoint.trainer_state import LAST_POINTER, resolve_checkpoint
 from nanolight.models.llama_config import HF_PASSTHROUGH_KEYS, LlamaConfig, read_hf_config
 
 __all__ = [
@@ -266,8 +267,13 @@ def convert_hf_to_nanolight(
 def convert_nanolight_to_hf(
     checkpoint_path: str | Path, save_path: str | Path, overwrite: bool = False
 ) -> Path:
-    """nanolight checkpoint directory -> HF LlamaForCausalLM directory, written atomically."""
+    """nanolight checkpoint directory -> HF LlamaForCausalLM directory, written atomically.
+
+    The source may be a sharded training step directory from any topology (`read_checkpoint`),
+    or a run's ``last`` pointer (or the ``checkpoints`` directory holding it)."""
     src = Path(checkpoint_path)
+    if src.name == LAST_POINTER or (src / LAST_POINTER).is_file():
+        src = resolve_checkpoint(src) or src  # the step directory `last` names
     if not src.is_dir():
         raise FileNotFoundError(f"checkpoint path {src} does not exist or is not a directory")
     _check_distinct(src, save_path)

@@ -4,8 +4,10 @@ A checkpoint is a directory:
 
     config.json         LlamaConfig fields (rope_scaling omitted when null), plus
                           "format": "nanolight", "format_version": 1,
-                          "sharding": null   -- reserved: a sharded (multi-file / per-rank) layout
-                                                will describe its files here; null = one file,
+                          "sharding": null   -- one file (below); a training step directory written
+                                                by Parallel3DStrategy says {"index": "index.json",
+                                                "prefix": "model."} instead: per-rank shards
+                                                described by index.json (checkpoint/sharded/),
                           "hf_extra": {...}  -- HF-only keys (bos/eos/pad token ids) carried
                                                 through HF -> nanolight -> HF unchanged
     model.safetensors   full (unsharded) tensors under nanolight parameter names; with tied
@@ -31,6 +33,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from nanolight.checkpoint.sharded import INDEX_FILE, ShardedReader
 from nanolight.models.llama import LlamaForCausalLM
 from nanolight.models.llama_config import LlamaConfig
 
@@ -125,11 +128,30 @@ def write_checkpoint(
 
 
 def read_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, Any]]:
-    """Read a nanolight checkpoint directory -> (config, state_dict, hf_extra)."""
+    """Read a nanolight checkpoint directory -> (config, state_dict, hf_extra).
+
+    Two layouts hold the same thing: a pretrained directory (one `model.safetensors`) and a
+    training step directory saved by `Parallel3DStrategy` at any tp x pp x dp, whose config.json
+    says `"sharding": {"index": "index.json", "prefix": "model."}`: its weights are reassembled
+    from the per-rank shards (`nanolight.checkpoint.sharded`), only the tensors under `prefix`
+    (the module attribute holding the causal LM) are kept and the prefix is removed. Either way
+    the state dict has nanolight parameter names, full tensors, and no tied `lm_head.weight`.
+    """
     path = Path(path)
     cfg_file = path / CONFIG_FILE
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"no nanolight checkpoint at {path}: {CONFIG_FILE} is missing")
+        hint = ""
+        if (path / INDEX_FILE).is_file():
+            hint = (
+                " (a sharded training checkpoint without config.json: its model is not a nanolight "
+                "Llama; read its tensors with nanolight.checkpoint.sharded.read_model_state)"
+            )
+        elif (path / WEIGHTS_FILE).is_file() and (path / "trainer_state.pt").is_file():
+            hint = (
+                " (this looks like a SingleDeviceStrategy training checkpoint, which holds no model "
+                "config: save the model with nanolight.save_pretrained, or train with Parallel3DStrategy)"
+            )
+        raise FileNotFoundError(f"no nanolight checkpoint at {path}: {CONFIG_FILE} is missing{hint}")
     meta = json.loads(cfg_file.read_text())
     if meta.get("format") != FORMAT_NAME:
         hint = " (it looks like a Hugging Face model: convert it with scripts/convert_hf_to_nanolight.py)"
@@ -142,14 +164,37 @@ def read_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tens
             f"{cfg_file} has format_version={meta.get('format_version')!r}; this nanolight reads "
             f"version {FORMAT_VERSION} only"
         )
-    if meta.get("sharding") is not None:
-        raise ValueError(f"{cfg_file} describes a sharded checkpoint; load_pretrained reads single-file ones")
+    config = LlamaConfig.from_dict(meta)
+    if meta.get("sharding") is None:
+        state_dict = _read_single_file(path)
+    else:
+        state_dict = _read_sharded(path, meta["sharding"], cfg_file)
+        if config.tie_word_embeddings:
+            state_dict.pop("lm_head.weight", None)  # an alias of the embedding, stored once
+    return config, state_dict, dict(meta.get("hf_extra") or {})
+
+
+def _read_single_file(path: Path) -> dict[str, torch.Tensor]:
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
         raise FileNotFoundError(f"nanolight checkpoint {path} has no {WEIGHTS_FILE}")
     with safe_open(str(weights), framework="pt") as f:
-        state_dict = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
-    return LlamaConfig.from_dict(meta), state_dict, dict(meta.get("hf_extra") or {})
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+
+
+def _read_sharded(path: Path, sharding: Any, cfg_file: Path) -> dict[str, torch.Tensor]:
+    """Full model tensors of a sharded step directory, names relative to the causal LM."""
+    if not isinstance(sharding, dict) or not isinstance(sharding.get("index"), str):
+        raise ValueError(
+            f'{cfg_file} has "sharding": {sharding!r}; expected null or '
+            f'{{"index": "{INDEX_FILE}", "prefix": "<module attribute>."}}'
+        )
+    if sharding["index"] != INDEX_FILE:
+        raise ValueError(
+            f'{cfg_file} names the index "{sharding["index"]}"; this nanolight reads "{INDEX_FILE}"'
+        )
+    prefix = sharding.get("prefix") or ""
+    return ShardedReader(path, verify="model/").model_state(strip_prefix=prefix)
 
 
 # ---------------------------------------------------------------------- model level

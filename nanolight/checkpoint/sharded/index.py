@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,16 @@ class CheckpointIndex:
     format: str = FORMAT
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
+        # by hand, not dataclasses.asdict: its deep copy cost 50 ms per save at 600 tensors
+        tensors = {
+            name: {"shape": e.shape, "dtype": e.dtype, "shards": [vars(s) for s in e.shards]}
+            for name, e in self.tensors.items()
+        }
+        raw = {
+            "format": self.format, "topology": self.topology, "files": self.files,
+            "aliases": self.aliases, "extras": self.extras, "tensors": tensors,
+        }  # fmt: skip
+        return json.dumps(raw, separators=(",", ":")) + "\n"  # `python -m json.tool` to read
 
     @classmethod
     def from_json(cls, text: str, where: Path) -> CheckpointIndex:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +76,7 @@ class ShardWriter:
         self._files.setdefault(file, {})[key] = tensor
         shard = Shard(file, key, offset, block_shape, list(flat) if flat else None, tp_dim, **self.coords)
         dtype = str(tensor.dtype).removeprefix("torch.")
-        self.part.entries.append((name, list(global_shape), dtype, asdict(shard)))
+        self.part.entries.append((name, list(global_shape), dtype, dict(vars(shard))))
 
     def add_extra(self, name: str, value: Any) -> None:
         """A non-tensor value (e.g. SGD's ``momentum_buffer=None``), kept in the index as JSON."""

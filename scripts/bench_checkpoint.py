@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from nanolight.checkpoint.sharded import fsync_path
 from nanolight.models import LlamaConfig, LlamaForCausalLM
 from nanolight.module import NanoModule
 from nanolight.strategies.parallel3d import Parallel3DStrategy
@@ -137,14 +138,6 @@ def drop_cache(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def raw_load(path: Path, into: dict[str, torch.Tensor]) -> None:
     """Read a file into existing tensors, as a resume fills the live model and optimizer.
 
@@ -205,8 +198,8 @@ def worker(
 
         def raw_save(raw_dir: Path = raw_dir, raw_file: Path = raw_file) -> None:
             save_file(tensors, str(raw_file))
-            fsync(raw_file)
-            fsync(raw_dir)
+            fsync_path(raw_file)
+            fsync_path(raw_dir)
 
         saves = {
             "nanolight-save": lambda nl_dir=nl_dir: strategy.save_checkpoint(nl_dir, state),

@@ -11,24 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-from test_recipe_e2e import REPO
+from test_recipe_e2e import BASE_OVERRIDES, REPO
 from test_recipe_parallel import _children
 
 RECIPE = REPO / "recipes" / "smollm.py"
-
-# the same overrides as test_recipe_e2e.recipe(), for the runs that recipe() cannot drive
-# (killed from outside, expected to fail, or started through a wrapper script)
-BASE_OVERRIDES = (
-    "data.embedded_max_mb=2",
-    "data.tokenizer_train_mb=1",
-    "trainer.micro_batch_size=4",
-    "trainer.seq_len=64",
-    "trainer.log_every_n_steps=1",
-    "trainer.val_check_interval=6",
-    "trainer.limit_val_batches=2",
-    "optim.warmup_steps=2",
-    "logger.offline=true",
-)
 
 
 def command(script: Path, run_dir: Path, cache: Path, *overrides: str) -> list[str]:

@@ -20,21 +20,27 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("nanolight-cache")
 
 
+# a tiny, fast run of the recipe (smollm-tiny on 2 MB of the embedded corpus)
+BASE_OVERRIDES = (
+    "data.embedded_max_mb=2",
+    "data.tokenizer_train_mb=1",
+    "trainer.micro_batch_size=4",
+    "trainer.seq_len=64",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_check_interval=6",
+    "trainer.limit_val_batches=2",
+    "optim.warmup_steps=2",
+    "logger.offline=true",
+)
+
+
 def recipe(run_dir: Path, cache: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         str(REPO / "recipes" / "smollm.py"),
         f"trainer.default_root_dir={run_dir}",
         f"data.cache_dir={cache}",
-        "data.embedded_max_mb=2",
-        "data.tokenizer_train_mb=1",
-        "trainer.micro_batch_size=4",
-        "trainer.seq_len=64",
-        "trainer.log_every_n_steps=1",
-        "trainer.val_check_interval=6",
-        "trainer.limit_val_batches=2",
-        "optim.warmup_steps=2",
-        "logger.offline=true",
+        *BASE_OVERRIDES,
         *overrides,
     ]
     # this checkout's code, whatever an editable install elsewhere points at

@@ -31,15 +31,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from nanolight.checkpoint.sharded.writer import fsync_path
+
 LAST_POINTER = "last"
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextmanager
@@ -54,7 +48,7 @@ def atomic_checkpoint_dir(final: Path) -> Iterator[Path]:
     try:
         yield tmp
         for f in tmp.iterdir():
-            _fsync_path(f)
+            fsync_path(f)
         publish_directory(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -66,7 +60,7 @@ def publish_directory(tmp: Path, final: Path) -> None:
 
     Re-saving an existing ``final`` moves the old one aside first, so at every instant one
     complete directory carries the name."""
-    _fsync_path(tmp)
+    fsync_path(tmp)
     if final.exists():
         trash = final.parent / f".trash-{final.name}-{os.getpid()}"
         os.replace(final, trash)
@@ -74,7 +68,7 @@ def publish_directory(tmp: Path, final: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _fsync_path(final.parent)
+    fsync_path(final.parent)
 
 
 def write_last_pointer(checkpoint_dir: Path) -> None:
@@ -87,7 +81,7 @@ def write_last_pointer(checkpoint_dir: Path) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, pointer)
-    _fsync_path(pointer.parent)
+    fsync_path(pointer.parent)
 
 
 def resolve_checkpoint(path: str | Path) -> Path | None:

@@ -163,10 +163,7 @@ class ShardedCheckpointer:
                 )
         names = {id(p): n for n, p in self.module.named_parameters()}
         for k, opt in enumerate(optimizers):
-            if hasattr(opt, "local_state_pieces"):  # ZeRO-1: this dp rank's flat partition
-                self._add_zero_state(writer, k, opt, names, dims)
-            else:
-                self._add_plain_state(writer, k, opt, names, dims)
+            self._add_optimizer_state(writer, k, opt, names, dims)
         part = writer.write(tmp)
         rank_file = tmp / f"rank-{ctx.global_rank:05d}.pt"
         coords = {"pp": ctx.pp_rank, "tp": ctx.tp_rank, "dp": ctx.dp_rank}
@@ -175,51 +172,21 @@ class ShardedCheckpointer:
         part.files[rank_file.name] = rank_file.stat().st_size
         return part
 
-    def _add_plain_state(self, writer: ShardWriter, k: int, opt: Any, names: dict, dims: dict) -> None:
-        params = [p for g in opt.param_groups for p in g["params"]]
-        for idx, entry in opt.state_dict()["state"].items():
-            p = params[int(idx)]
+    def _add_optimizer_state(self, writer: ShardWriter, k: int, opt: Any, names: dict, dims: dict) -> None:
+        zero = hasattr(opt, "local_state_pieces")  # ZeRO-1: this dp rank's flat partition
+        for p, start, end, entry in opt.local_state_pieces() if zero else _whole_pieces(opt):
             key = names[id(p)]
             dim = dims.get(key)
-            if not self._owns(key, dim):
-                continue
-            for skey, value in entry.items():
-                name = f"optim/{k}/{key}/{skey}"
-                if isinstance(value, torch.Tensor) and value.shape == p.shape:
-                    offset, shape = self._block(key, p.shape, dim)
-                    writer.add(
-                        self._file("optim"),
-                        name,
-                        value,
-                        list(self.full_shapes[key]),
-                        offset,
-                        shape,
-                        tp_dim=dim,
-                    )
-                elif self.ctx.tp_rank == 0:  # scalars are the same on every tp rank
-                    _add_scalar(writer, self._file("optim"), name, value)
-
-    def _add_zero_state(self, writer: ShardWriter, k: int, opt: Any, names: dict, dims: dict) -> None:
-        for p, start, end, entry in opt.local_state_pieces():
-            key = names[id(p)]
-            dim = dims.get(key)
-            if not self._owns(key, dim, zero_piece=True):
+            if not self._owns(key, dim, zero_piece=zero):
                 continue
             offset, shape = self._block(key, p.shape, dim)
+            flat = (start, end) if zero else None
             for skey, value in entry.items():
                 name = f"optim/{k}/{key}/{skey}"
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    writer.add(
-                        self._file("optim"),
-                        name,
-                        value,
-                        list(self.full_shapes[key]),
-                        offset,
-                        shape,
-                        (start, end),
-                        dim,
-                    )
-                elif start == 0 and self.ctx.tp_rank == 0:  # once: the holder of element 0
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == end - start:
+                    full = list(self.full_shapes[key])
+                    writer.add(self._file("optim"), name, value, full, offset, shape, flat, dim)
+                elif start == 0 and self.ctx.tp_rank == 0:  # scalars (`step`): written once
                     _add_scalar(writer, self._file("optim"), name, value)
 
     def save(self, path: Path, optimizers: list[Any], state: dict[str, Any]) -> None:
@@ -382,6 +349,14 @@ def _read_param_state(
     out = torch.zeros(shape, dtype=rows.dtype)
     out.view(-1)[r0 * row : r1 * row] = rows.reshape(-1)
     return out.to(p.device)
+
+
+def _whole_pieces(opt: Any) -> Any:
+    """A plain optimizer's state as `ZeroOptimizer.local_state_pieces` gives it: whole params."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for idx, entry in opt.state_dict()["state"].items():
+        p = params[int(idx)]
+        yield p, 0, p.numel(), entry
 
 
 def _add_scalar(writer: ShardWriter, file: str, name: str, value: Any) -> None:

@@ -84,7 +84,8 @@ def test_3d_run_sigkilled_after_a_checkpoint_resumes_exactly(
 ) -> None:
     run_dir, log = tmp_path / "run", tmp_path / "killed.log"
     ckpt_dir = run_dir / "checkpoints"
-    cmd = command(RECIPE, run_dir, cache_dir, *RUN, *LAYOUT_3D, f"checkpoint.every_n_steps={EVERY}")
+    keep = "checkpoint.keep_last_n=2"  # the newest 2 survive, across the kill and the resume
+    cmd = command(RECIPE, run_dir, cache_dir, *RUN, *LAYOUT_3D, f"checkpoint.every_n_steps={EVERY}", keep)
     with open(log, "w") as out:
         parent = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, env=env())
     try:
@@ -104,10 +105,17 @@ def test_3d_run_sigkilled_after_a_checkpoint_resumes_exactly(
     assert read_last(ckpt_dir) == f"step-{EVERY}", tail(log)
 
     recipe(
-        run_dir, cache_dir, *RUN, *LAYOUT_3D, f"checkpoint.every_n_steps={EVERY}", "checkpoint.resume=last"
+        run_dir,
+        cache_dir,
+        *RUN,
+        *LAYOUT_3D,
+        f"checkpoint.every_n_steps={EVERY}",
+        keep,
+        "checkpoint.resume=last",
     )
     assert_losses_match(run_dir, reference, EVERY + 1, rel=1e-6)
     assert read_last(ckpt_dir) == f"step-{STEPS}"
+    assert step_dirs(ckpt_dir) == [f"step-{STEPS - EVERY}", f"step-{STEPS}"]  # step-2 pruned
 
 
 @pytest.mark.slow

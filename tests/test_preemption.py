@@ -87,6 +87,17 @@ def test_signal_at_a_periodic_checkpoint_step_still_stops(tmp_path) -> None:
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last", "step-4"]
 
 
+def test_without_last_pointer_the_hint_names_the_saved_directory(tmp_path, capfd) -> None:
+    trainer = NanoTrainer(
+        max_steps=12, callbacks=[SignalAt(3), ModelCheckpoint(every_n_train_steps=4, save_last=False)],
+        logger=False, enable_progress_bar=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(DropoutMLP(lr=0.02), DataLoader(make_data(64), batch_size=4))
+    saved = tmp_path / "checkpoints" / "step-3"
+    assert trainer.global_step == 3 and saved.is_dir() and not (tmp_path / "checkpoints" / "last").exists()
+    assert f"continue with ckpt_path='{saved}'" in capfd.readouterr().err
+
+
 def test_handlers_restored_after_a_failed_fit(tmp_path) -> None:
     class Boom(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -65,10 +65,16 @@ class Preemption:
         trainer.preempted_by = "SIGTERM" if strategy.any_rank(self.received == "SIGTERM") else "SIGUSR1"
         path = save_now(trainer)
         trainer.should_stop = True
+        cbs = trainer.checkpoint_callbacks
+        hint = (
+            "ckpt_path='last' / checkpoint.resume=last"
+            if not cbs or cbs[0].save_last
+            else f"ckpt_path='{path}'"
+        )
         if trainer.is_global_zero:
             print(
                 f"nanolight: {trainer.preempted_by} received: finished step {trainer.global_step}, "
-                f"saved {path}; stopping (continue with ckpt_path='last' / checkpoint.resume=last)",
+                f"saved {path}; stopping (continue with {hint})",
                 file=sys.stderr,
                 flush=True,
             )

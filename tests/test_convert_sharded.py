@@ -213,3 +213,28 @@ def test_missing_or_truncated_shard_names_the_file(
     err = capsys.readouterr().err
     assert err.startswith("error: ") and victim in err and err.count("\n") == 1, err
     assert not (tmp_path / "hf-trunc").exists()
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_single_device_step_dir_converts_to_hf(tmp_path: Path, tied: bool) -> None:
+    """The default one-process run (SingleDeviceStrategy) writes a model directory too."""
+    from nanolight.strategies.single_device import SingleDeviceStrategy
+
+    trainer = NanoTrainer(
+        max_steps=STEPS, accumulate_grad_batches=ACCUM, strategy=SingleDeviceStrategy("cpu"), seed=SEED,
+        logger=False, enable_progress_bar=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    module = TinyLM(tied)
+    trainer.fit(module, train_dataloaders=_loader(0))
+    step = tmp_path / "checkpoints" / f"step-{STEPS}"
+    assert (step / "model.safetensors").is_file() and (step / "config.json").is_file()
+    model = module.model.eval()
+    ids = _ids()
+    with torch.no_grad():
+        ref = model(ids)
+        torch.testing.assert_close(load_pretrained(step)(ids), ref, rtol=0, atol=0)
+    out = convert_nanolight_to_hf(tmp_path / "checkpoints" / "last", tmp_path / "hf")
+    hf = transformers.LlamaForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert hf.config.tie_word_embeddings is tied
+    with torch.no_grad():
+        assert _rel_err(hf(ids).logits, ref) < 1e-5

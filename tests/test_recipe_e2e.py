@@ -11,6 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
+
+from nanolight import load_pretrained
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,6 +73,18 @@ def test_recipe_runs_and_resumes_exactly(tmp_path: Path, cache_dir: Path) -> Non
     assert ref[12] < ref[1] - 1.0, ref  # clearly learning (ln(8192) ~ 9 at init)
     with open(full / "metrics.csv") as f:
         assert any(r.get("val/loss") for r in csv.DictReader(f))
+
+    # the run's `last` converts to a transformers model with the trained model's logits
+    convert = [sys.executable, str(REPO / "scripts" / "convert_nanolight_to_hf.py")]
+    last, hf_dir = full / "checkpoints" / "last", tmp_path / "hf"
+    args = [*convert, "--checkpoint-path", str(last), "--save-path", str(hf_dir)]
+    done = subprocess.run(args, capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    ids = torch.randint(0, 8192, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = load_pretrained(full / "checkpoints" / "step-12")(ids)
+        theirs = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()(ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
 
     # resume: a second run directory holding only the step-6 checkpoint continues from it
     resumed = tmp_path / "resumed"

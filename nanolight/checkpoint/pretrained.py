@@ -4,10 +4,12 @@ A checkpoint is a directory:
 
     config.json         LlamaConfig fields (rope_scaling omitted when null), plus
                           "format": "nanolight", "format_version": 1,
-                          "sharding": null   -- one file (below); a training step directory written
-                                                by Parallel3DStrategy says {"index": "index.json",
-                                                "prefix": "model."} instead: per-rank shards
-                                                described by index.json (checkpoint/sharded/),
+                          "sharding": null   -- one file (below); a training step directory says
+                                                {"index": "index.json", "prefix": "model."} for
+                                                Parallel3DStrategy's per-rank shards described by
+                                                index.json (checkpoint/sharded/), or {"index": null,
+                                                "prefix": "model."} for SingleDeviceStrategy's one
+                                                model.safetensors of the whole training module,
                           "hf_extra": {...}  -- HF-only keys (bos/eos/pad token ids) carried
                                                 through HF -> nanolight -> HF unchanged
     model.safetensors   full (unsharded) tensors under nanolight parameter names; with tied
@@ -130,12 +132,14 @@ def write_checkpoint(
 def read_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """Read a nanolight checkpoint directory -> (config, state_dict, hf_extra).
 
-    Two layouts hold the same thing: a pretrained directory (one `model.safetensors`) and a
+    Three layouts hold the same thing: a pretrained directory (one `model.safetensors`), a
     training step directory saved by `Parallel3DStrategy` at any tp x pp x dp, whose config.json
-    says `"sharding": {"index": "index.json", "prefix": "model."}`: its weights are reassembled
-    from the per-rank shards (`nanolight.checkpoint.sharded`), only the tensors under `prefix`
-    (the module attribute holding the causal LM) are kept and the prefix is removed. Either way
-    the state dict has nanolight parameter names, full tensors, and no tied `lm_head.weight`.
+    says `"sharding": {"index": "index.json", "prefix": "model."}` (the weights are reassembled
+    from the per-rank shards, `nanolight.checkpoint.sharded`), and one saved by
+    `SingleDeviceStrategy` (`"index": null`: one `model.safetensors` of the whole training
+    module). Only the tensors under `prefix` (the module attribute holding the causal LM) are
+    kept and the prefix is removed. Either way the state dict has nanolight parameter names,
+    full tensors, and no tied `lm_head.weight`.
     """
     path = Path(path)
     cfg_file = path / CONFIG_FILE
@@ -148,8 +152,8 @@ def read_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tens
             )
         elif (path / WEIGHTS_FILE).is_file() and (path / "trainer_state.pt").is_file():
             hint = (
-                " (this looks like a SingleDeviceStrategy training checkpoint, which holds no model "
-                "config: save the model with nanolight.save_pretrained, or train with Parallel3DStrategy)"
+                " (a training checkpoint whose module holds no nanolight LlamaForCausalLM, so no model "
+                "config was written: save the model with nanolight.save_pretrained instead)"
             )
         raise FileNotFoundError(f"no nanolight checkpoint at {path}: {CONFIG_FILE} is missing{hint}")
     meta = json.loads(cfg_file.read_text())
@@ -165,10 +169,18 @@ def read_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tens
             f"version {FORMAT_VERSION} only"
         )
     config = LlamaConfig.from_dict(meta)
-    if meta.get("sharding") is None:
+    sharding = meta.get("sharding")
+    if sharding is None:
         state_dict = _read_single_file(path)
     else:
-        state_dict = _read_sharded(path, meta["sharding"], cfg_file)
+        if isinstance(sharding, dict) and sharding.get("index") is None and "prefix" in sharding:
+            # a SingleDeviceStrategy step dir: one file holding the whole training module
+            prefix = sharding["prefix"] or ""
+            state_dict = {
+                k.removeprefix(prefix): v for k, v in _read_single_file(path).items() if k.startswith(prefix)
+            }
+        else:
+            state_dict = _read_sharded(path, sharding, cfg_file)
         if config.tie_word_embeddings:
             state_dict.pop("lm_head.weight", None)  # an alias of the embedding, stored once
     return config, state_dict, dict(meta.get("hf_extra") or {})
@@ -187,7 +199,7 @@ def _read_sharded(path: Path, sharding: Any, cfg_file: Path) -> dict[str, torch.
     if not isinstance(sharding, dict) or not isinstance(sharding.get("index"), str):
         raise ValueError(
             f'{cfg_file} has "sharding": {sharding!r}; expected null or '
-            f'{{"index": "{INDEX_FILE}", "prefix": "<module attribute>."}}'
+            f'{{"index": "{INDEX_FILE}" or null, "prefix": "<module attribute>."}}'
         )
     if sharding["index"] != INDEX_FILE:
         raise ValueError(
@@ -195,6 +207,35 @@ def _read_sharded(path: Path, sharding: Any, cfg_file: Path) -> dict[str, torch.
         )
     prefix = sharding.get("prefix") or ""
     return ShardedReader(path, verify="model/").model_state(strip_prefix=prefix)
+
+
+def step_dir_meta(
+    module: torch.nn.Module, pretrained: str | Path | None = None, index: str | None = INDEX_FILE
+) -> dict[str, Any] | None:
+    """``config.json`` for a *training* step directory whose module holds a nanolight Llama, so the
+    directory is also a model directory (``load_pretrained``, HF conversion): this format's meta
+    with ``"sharding": {"index": index, "prefix": <the model's key prefix>}`` -- `index` is
+    ``index.json`` for per-rank shards, None for one ``model.safetensors`` of the whole module.
+    A run started from `pretrained` keeps its ``hf_extra`` (HF token ids) for the way back to HF.
+    None when the module holds no ``LlamaForCausalLM``."""
+    found = next(((n, m) for n, m in module.named_modules() if isinstance(m, LlamaForCausalLM)), None)
+    if found is None:
+        return None
+    prefix, model = found
+    fields = model.config.to_dict()
+    if fields.get("rope_scaling") is None:
+        fields.pop("rope_scaling", None)  # as write_checkpoint does
+    hf_extra = {}
+    if pretrained is not None and (Path(pretrained) / CONFIG_FILE).is_file():
+        hf_extra = json.loads((Path(pretrained) / CONFIG_FILE).read_text()).get("hf_extra") or {}
+    sharding = {"index": index, "prefix": f"{prefix}." if prefix else ""}
+    return {
+        **fields,
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "sharding": sharding,
+        "hf_extra": hf_extra,
+    }
 
 
 # ---------------------------------------------------------------------- model level

@@ -38,6 +38,7 @@ full tensors), so a run saved at any parallel layout resumes on one device.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from nanolight.checkpoint.pretrained import CONFIG_FILE, step_dir_meta
 from nanolight.checkpoint.sharded import ShardedReader, is_sharded_checkpoint
 from nanolight.checkpoint.trainer_state import (
     atomic_checkpoint_dir,
@@ -260,6 +262,9 @@ class Strategy:
                 save_model_file(tmp / files["model"], model_state)
                 save_torch_file(tmp / files["optimizer"], optim_state)
                 save_torch_file(tmp / files["trainer"], state)
+                meta = step_dir_meta(self.module, index=None)  # a Llama inside: also a model dir
+                if meta is not None:
+                    (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         self.barrier("save_checkpoint")
 
     def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:

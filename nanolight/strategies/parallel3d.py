@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanolight.checkpoint.pretrained import step_dir_meta
 from nanolight.checkpoint.sharded import is_sharded_checkpoint
 from nanolight.parallel import ParallelConfig, ParallelContext
 from nanolight.parallel.data_parallel import DEFAULT_BUCKET_BYTES, DataParallel
@@ -56,7 +57,7 @@ from nanolight.strategies.base import Strategy
 from nanolight.strategies.full_state import GatheredStateMixin
 from nanolight.strategies.launcher import detect_environment, ensure_processes, init_distributed
 from nanolight.strategies.pipeline_support import PipelineSetup
-from nanolight.strategies.sharded_checkpoint import ShardedCheckpointer, model_meta, tied_aliases
+from nanolight.strategies.sharded_checkpoint import ShardedCheckpointer, tied_aliases
 
 
 class Parallel3DStrategy(GatheredStateMixin, Strategy):
@@ -193,7 +194,7 @@ class Parallel3DStrategy(GatheredStateMixin, Strategy):
             full_shapes,
             aliases,
             self._topology(),
-            model_meta(module, model, self.pretrained),
+            step_dir_meta(module, self.pretrained),
         )
         return module
 

@@ -54,35 +54,6 @@ def tied_aliases(module: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def model_meta(
-    module: nn.Module, model: nn.Module, pretrained: str | Path | None = None
-) -> dict[str, Any] | None:
-    """``config.json`` for a step directory when `model` is a nanolight Llama: the pretrained
-    format's meta with ``sharding`` naming the index and the model's key prefix in it. A run
-    started from `pretrained` keeps its ``hf_extra`` (HF token ids) for the way back to HF."""
-    from nanolight.checkpoint.pretrained import FORMAT_NAME, FORMAT_VERSION
-    from nanolight.models.llama_config import LlamaConfig
-
-    config = getattr(model, "config", None)
-    if not isinstance(config, LlamaConfig):
-        return None
-    prefix = next(name for name, sub in module.named_modules() if sub is model)
-    fields = config.to_dict()
-    if fields.get("rope_scaling") is None:
-        fields.pop("rope_scaling", None)  # as the single-file format writes it
-    sharding = {"index": "index.json", "prefix": f"{prefix}." if prefix else ""}
-    hf_extra = {}
-    if pretrained is not None and (Path(pretrained) / "config.json").is_file():
-        hf_extra = json.loads((Path(pretrained) / "config.json").read_text()).get("hf_extra") or {}
-    return {
-        **fields,
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "sharding": sharding,
-        "hf_extra": hf_extra,
-    }
-
-
 class ShardedCheckpointer:
     """Save/load for one rank of a `Parallel3DStrategy` (built in its `setup_module`).
 

@@ -42,10 +42,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from nanolight.checkpoint.sharded import fsync_path
+from nanolight.checkpoint.atomic import fsync_path
 from nanolight.models import LlamaConfig, LlamaForCausalLM
 from nanolight.module import NanoModule
 from nanolight.strategies.parallel3d import Parallel3DStrategy
+from nanolight.trainer import NanoTrainer
 
 LAYOUTS = {  # world-2 layouts: (tp, pp, dp, zero_stage)
     "tp2": (2, 1, 1, 0),
@@ -68,21 +69,8 @@ class BenchLM(NanoModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return self.model(batch, labels=batch)
 
-
-class MicroStep:
-    """What the trainer hands `strategy.training_step`: forward one micro-batch, backward its loss."""
-
-    def __init__(self, module: BenchLM, strategy: Parallel3DStrategy, optimizer: object) -> None:
-        self.module, self.strategy, self.optimizer = module, strategy, optimizer
-
-    def __call__(self, batch: torch.Tensor, i: int) -> torch.Tensor:
-        loss = self.module.training_step(batch, i)
-        if i == 0:
-            self.strategy.zero_grad(self.optimizer)
-        return loss
-
-    def backward(self, loss: torch.Tensor, i: int) -> None:
-        self.strategy.backward(loss)
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
 def build_config(args: argparse.Namespace) -> LlamaConfig:
@@ -100,19 +88,16 @@ def build_config(args: argparse.Namespace) -> LlamaConfig:
 
 
 def setup(layout: tuple[int, int, int, int], args: argparse.Namespace) -> Parallel3DStrategy:
-    """The strategy path of `NanoTrainer.fit`, without the trainer: build, shard, one AdamW step."""
+    """`NanoTrainer.fit` for one AdamW step: the model sharded, the optimizer state filled."""
     tp, pp, dp, zero_stage = layout
     strategy = Parallel3DStrategy(tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, init_seed=0)
-    strategy.setup_environment()
-    module = BenchLM(build_config(args))
-    with strategy.model_init_context():
-        module.configure_model()
-    strategy.setup_module(module)
-    (opt,) = strategy.setup_optimizers([torch.optim.AdamW(module.parameters(), lr=1e-4)])
     ids = torch.randint(0, args.vocab, (1, 32), generator=torch.Generator().manual_seed(0))
-    micro = [ids] * max(1, pp)  # 1F1B wants at least pp micro-batches
-    strategy.training_step(micro, MicroStep(module, strategy, opt))
-    strategy.optimizer_step(opt)
+    micro = max(1, pp)  # 1F1B wants at least pp micro-batches
+    trainer = NanoTrainer(
+        max_steps=1, accumulate_grad_batches=micro, strategy=strategy, logger=False,
+        enable_progress_bar=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(BenchLM(build_config(args)), train_dataloaders=[ids] * micro)
     return strategy
 
 

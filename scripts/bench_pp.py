@@ -1,4 +1,4 @@
-"""Benchmark nanolight's 1F1B engine against PyTorch's `torch.distributed.pipelining.Schedule1F1B`.
+"""Benchmark nanolight's 1F1B pipeline against PyTorch's `torch.distributed.pipelining.Schedule1F1B`.
 
 Both run the same Llama model, the same stage split (nanolight's `balanced_layer_split`), the
 same micro-batches, in one gloo run on CPU (one thread per rank), one after the other:
@@ -33,54 +33,59 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanolight.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from nanolight.models.llama import causal_lm_loss  # noqa: E402
 from nanolight.parallel import ParallelContext  # noqa: E402
-from nanolight.parallel.pipeline import bubble_fraction  # noqa: E402
-from nanolight.strategies.pipeline_support import PipelineSetup  # noqa: E402
+from nanolight.parallel.init import init_replayed_, param_specs  # noqa: E402
+from nanolight.parallel.pipeline import (  # noqa: E402
+    FORWARD,
+    PipelineStage,
+    StageP2P,
+    apply_split,
+    bubble_fraction,
+    build_schedule,
+    plan_split,
+)
 
 
-def build_stage(cfg: LlamaConfig, ctx: ParallelContext, seed: int) -> PipelineSetup:
+def build_stage(cfg: LlamaConfig, ctx: ParallelContext, seed: int) -> LlamaForCausalLM:
     """This rank's stage of the model, initialised like the single-device model."""
     with torch.device("meta"):
         lm = LlamaForCausalLM(cfg)
-    setup = PipelineSetup(ctx, "1f1b")
-    setup.record_full_model(lm, lm)
-    setup.split(lm)
-    nn.Module.to_empty(lm, device="cpu")
-    setup.retie()
-    setup.init_weights(seed, None)
-    return setup
+    specs = param_specs(lm)
+    apply_split(lm, plan_split(lm, ctx.pp_size), ctx.pp_rank)
+    lm.to_empty(device="cpu")
+    init_replayed_(lm, specs, torch.Generator().manual_seed(seed), {})
+    return lm
 
 
 class TorchStage(nn.Module):
     """The same stage as a plain activation -> activation module, for torch's PipelineStage."""
 
-    def __init__(self, lm: nn.Module, first: bool, last: bool) -> None:
+    def __init__(self, lm: nn.Module, first: bool) -> None:
         super().__init__()
-        self.lm, self.first, self.last = lm, first, last
+        self.lm, self.first = lm, first
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lm = self.lm
-        h = lm.model.embed_tokens(x) if self.first else x  # (B, T, C)
-        cos, sin = lm.model.rotary_tables(h.shape[:2], None, h)
-        for layer in lm.model.layers:
-            h = layer(h, cos, sin)
-        return lm.lm_head(lm.model.norm(h)) if self.last else h  # logits (B, T, V) on the last
+        if self.first:
+            return self.lm(x)  # token ids -> (B, T, C)
+        ids = torch.zeros(x.shape[:2], dtype=torch.long)  # the model reads positions from its shape
+        return self.lm(ids, hidden_states=x)  # (B, T, C), or the logits (B, T, V) on the last stage
 
 
 def torch_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return causal_lm_loss(logits, F.pad(labels[:, 1:], (0, 1), value=-100))
 
 
-class BareMicroStep:
-    """The trainer's micro_step without hooks: forward through the stage, plain backward."""
-
-    def __init__(self, lm: nn.Module) -> None:
-        self.lm = lm
-
-    def __call__(self, batch: torch.Tensor, i: int) -> torch.Tensor:
-        return self.lm(batch, labels=batch)
-
-    def backward(self, loss: torch.Tensor, i: int) -> None:
-        loss.backward()
+def run_schedule(stage: PipelineStage, ids: torch.Tensor) -> torch.Tensor:
+    """What the trainer does with the strategy's schedule, minus the hooks."""
+    m, losses = len(ids), {}
+    for kind, i in build_schedule("1f1b", m, stage.pp_size, stage.pp_rank):
+        if kind == FORWARD:
+            with stage.micro_batch(i):
+                losses[i] = stage.model(ids[i], labels=ids[i])
+        else:
+            stage.backward(i, losses[i] / m)
+            losses[i] = losses[i].detach()
+    stage.finish()
+    return torch.stack([losses[i] for i in range(m)]).mean()
 
 
 def _timed(fn, steps: int, warmup: int) -> list[float]:
@@ -124,26 +129,26 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict
 
     # ---- nanolight 1F1B
     ours = build_stage(cfg, ctx, seed=1)
-    engine = ours.build_engine()
-    micro_step = BareMicroStep(ours.lm)
+    pipe = PipelineStage(ours, ctx.pp_rank, world, StageP2P(ctx.prev_pp_rank, ctx.next_pp_rank, ctx.device))
     losses: list[float] = []
 
     def ours_step() -> None:
-        ours.lm.zero_grad(set_to_none=True)
-        losses.append(engine.run(list(ids), micro_step).item())
+        ours.zero_grad(set_to_none=True)
+        losses.append(run_schedule(pipe, ids).item())
 
     # ---- torch.distributed.pipelining Schedule1F1B on an identical copy
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
+    from torch.distributed.pipelining import Schedule1F1B
 
     theirs = build_stage(cfg, ctx, seed=1)
     first, last = ctx.is_first_stage, ctx.is_last_stage
-    stage = PipelineStage(TorchStage(theirs.lm, first, last), ctx.pp_rank, world, torch.device("cpu"))
+    stage = TorchPipelineStage(TorchStage(theirs, first), ctx.pp_rank, world, torch.device("cpu"))
     schedule = Schedule1F1B(stage, n_microbatches=args.micro_batches, loss_fn=torch_loss)
     full = ids.reshape(-1, args.seq)  # torch splits the batch into micro-batches itself
     torch_losses: list[float] = []
 
     def torch_step() -> None:
-        theirs.lm.zero_grad(set_to_none=True)
+        theirs.zero_grad(set_to_none=True)
         if first:
             schedule.step(full)
         elif last:
@@ -156,12 +161,12 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict
     # Warm up both, then alternate their timed steps so machine noise hits both alike.
     _timed(ours_step, 0, args.warmup)  # warm-up: metadata handshake, allocator
     _timed(torch_step, 0, args.warmup)
-    engine.stage.p2p.recv_wait_s = 0.0
+    pipe.p2p.recv_wait_s = 0.0
     ours_times, torch_times = [], []
     for _ in range(args.steps):
         ours_times += _timed(ours_step, 1, 0)
         torch_times += _timed(torch_step, 1, 0)
-    waits = engine.stage.p2p.recv_wait_s / args.steps  # this stage's idle time per step
+    waits = pipe.p2p.recv_wait_s / args.steps  # this stage's idle time per step
 
     wait = torch.tensor([waits, statistics.median(ours_times)], dtype=torch.float64)
     gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]

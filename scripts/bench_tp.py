@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from nanolight.models import LlamaConfig, LlamaForCausalLM
+from nanolight.parallel.launcher import ensure_processes, init_distributed
 from nanolight.parallel.tensor_parallel.apply import apply_tensor_parallel
-from nanolight.strategies.launcher import ensure_processes, init_distributed
 
 
 def build_config(args: argparse.Namespace) -> LlamaConfig:

@@ -79,7 +79,7 @@ def read_last(ckpt_dir: Path) -> str | None:
 
 
 # The wrapper is the script every rank runs: the launcher re-launches sys.argv[0] (see
-# nanolight/strategies/launcher.py `_script_command`), so it execs the recipe's source in place
+# nanolight/parallel/launcher.py `_script_command`), so it execs the recipe's source in place
 # rather than through runpy (which would point sys.argv[0] at the recipe). Hydra finds conf/
 # through the compiled code's file name, which stays recipes/smollm.py.
 KILL_WRAPPER = '''\

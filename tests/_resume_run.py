@@ -36,9 +36,14 @@ class Recorder(Callback):
     def __init__(self, root: Path, kill_at: int) -> None:
         self.file = open(root / "losses.txt", "a")  # noqa: SIM115
         self.kill_at = kill_at
+        self.step = 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.step = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.is_step_end:
+        if trainer.global_step != self.step:  # the last micro-batch of a step: after its update
+            self.step = trainer.global_step
             self.file.write(f"{trainer.global_step} {float(trainer.step_loss).hex()}\n")
             self.file.flush()
 

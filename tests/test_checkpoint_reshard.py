@@ -1,8 +1,8 @@
 """Sharded checkpoints load at any other topology: the weights and the optimizer state (AdamW
-moments, ZeRO-1 partitions included) gathered after loading equal those gathered before saving,
-exactly; the files are per-rank shards (no rank writes the whole model); a single device reads
-them too. The gathered single-device view (`Parallel3DStrategy.model_state_dict` /
-`optimizer_state_dict`) is checked against single-process runs in test_dp_trainer.py."""
+moments, ZeRO-1 partitions included) that the new layout holds after loading, saved again from
+there, equal the original checkpoint exactly, both read as one process holds them; the files are
+per-rank shards (no rank writes the whole model); a single device reads them too. Parallel runs
+are checked against single-process runs in test_dp_trainer.py and test_pp_engine.py."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _dist import run_distributed
+from _tiny import full_state, run_distributed
 from torch.utils.data import DataLoader
 
 from nanolight import NanoModule, NanoTrainer
-from nanolight.checkpoint.sharded import ShardedReader
+from nanolight.checkpoint import CheckpointReader
 from nanolight.models import LlamaConfig, LlamaForCausalLM
 from nanolight.strategies.parallel3d import Parallel3DStrategy
 from nanolight.strategies.single_device import SingleDeviceStrategy
@@ -66,21 +66,11 @@ def _trainer(strategy: object, steps: int) -> NanoTrainer:
     )  # fmt: skip
 
 
-def _gathered(strategy: Parallel3DStrategy) -> dict | None:
-    """Full weights + single-device optimizer state (collective), as numpy-free plain tensors."""
-    model = strategy.model_state_dict()
-    optim = strategy.optimizer_state_dict()
-    return {"model": model, "optim": optim} if strategy.global_rank == 0 else None
-
-
 def _save_worker(rank: int, world: int, tp: int, pp: int, zero: int, root: str) -> None:
     strategy = Parallel3DStrategy(tp=tp, pp=pp, dp=world // (tp * pp), zero_stage=zero)
     trainer = _trainer(strategy, STEPS)
     trainer.fit(TinyLM(), train_dataloaders=_loader())  # dp ranks see the same batches: fine here
     trainer.save_checkpoint(Path(root) / "ckpt", update_last=False)
-    ref = _gathered(strategy)
-    if ref is not None:
-        torch.save(ref, Path(root) / "ref.pt")
 
 
 def _load_worker(rank: int, world: int, tp: int, pp: int, zero: int, root: str) -> None:
@@ -88,9 +78,13 @@ def _load_worker(rank: int, world: int, tp: int, pp: int, zero: int, root: str) 
     trainer = _trainer(strategy, STEPS)  # max_steps reached: fit restores and stops at once
     trainer.fit(TinyLM(), train_dataloaders=_loader(), ckpt_path=str(Path(root) / "ckpt"))
     assert trainer.global_step == STEPS
-    got = _gathered(strategy)
-    if got is not None:
-        torch.save(got, Path(root) / f"got-{tp}-{pp}-{zero}.pt")
+    trainer.save_checkpoint(Path(root) / f"again-{tp}-{pp}-{zero}", update_last=False)  # what it now holds
+
+
+def _one_process(ckpt: Path) -> dict:
+    """Weights + torch.optim state of a checkpoint, as one process loads them."""
+    model, optim = full_state(ckpt, TinyLM(), STEPS)
+    return {"model": model, "optim": optim}
 
 
 def _assert_same(ref: dict, got: dict) -> None:
@@ -111,8 +105,8 @@ def _roundtrip(root: Path, src: tuple[int, int, int, int], dst: tuple[int, int, 
     run_distributed(_save_worker, tp * pp * dp, tp, pp, zero, str(root), timeout=300, pg_timeout=90)
     tp2, pp2, dp2, zero2 = dst
     run_distributed(_load_worker, tp2 * pp2 * dp2, tp2, pp2, zero2, str(root), timeout=300, pg_timeout=90)
-    ref = torch.load(root / "ref.pt", weights_only=True)
-    _assert_same(ref, torch.load(root / f"got-{tp2}-{pp2}-{zero2}.pt", weights_only=True))
+    ref = _one_process(root / "ckpt")
+    _assert_same(ref, _one_process(root / f"again-{tp2}-{pp2}-{zero2}"))
     return ref
 
 
@@ -144,7 +138,7 @@ def test_tp2_pp2_dp2_zero1_resumes_at_one_process(tmp_path: Path) -> None:
     for name, tensor in module.state_dict().items():
         assert torch.equal(tensor, ref["model"][name]), name
     _assert_same(ref, {"model": module.state_dict(), "optim": [trainer.optimizers[0].state_dict()]})
-    assert ShardedReader(ckpt).model_state().keys() == ref["model"].keys()
+    assert CheckpointReader.open(ckpt).model_state().keys() == ref["model"].keys()
 
 
 @pytest.mark.slow

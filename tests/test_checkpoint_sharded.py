@@ -14,7 +14,8 @@ import torch
 from _dist import run_distributed
 from test_checkpoint_reshard import TinyLM, _config, _loader, _trainer
 
-from nanolight.checkpoint.sharded import INDEX_FILE, ShardedReader, ShardWriter, merge_parts, write_index
+from nanolight.checkpoint import INDEX_FILE, CheckpointReader
+from nanolight.checkpoint.writer import ShardWriter, merge_parts, write_index
 from nanolight.models import LlamaForCausalLM
 from nanolight.strategies.parallel3d import Parallel3DStrategy
 
@@ -51,7 +52,7 @@ def test_any_block_reads_back_from_tp_blocks_and_zero_pieces(tmp_path: Path) -> 
     torch.manual_seed(0)
     full = torch.randn(12, 10)
     _write_layout(tmp_path, full, tp=3, dp=3)
-    reader = ShardedReader(tmp_path)
+    reader = CheckpointReader.open(tmp_path)
     for name in ("model/w", "optim/0/w/exp_avg", "model/tied"):
         assert torch.equal(reader.read(name), full)
         for offset, shape in (([0, 0], [12, 5]), ([3, 2], [6, 7]), ([11, 9], [1, 1]), ([2, 0], [8, 10])):
@@ -79,19 +80,19 @@ def test_missing_truncated_or_unindexed_files_are_named(tmp_path: Path) -> None:
     with pytest.raises(
         ValueError, match=rf"shard {shard} is truncated or damaged: {len(data) - 7} bytes, {len(data)}"
     ):
-        ShardedReader(tmp_path)
+        CheckpointReader.open(tmp_path)
     shard.unlink()
     with pytest.raises(FileNotFoundError, match=rf"shard {shard} is missing"):
-        ShardedReader(tmp_path)
+        CheckpointReader.open(tmp_path)
     shard.write_bytes(b"\xff" * len(data))  # right size, garbage header
     with pytest.raises(ValueError, match=rf"shard {shard} is unreadable"):
-        ShardedReader(tmp_path).read("optim/0/w/exp_avg")
+        CheckpointReader.open(tmp_path).read("optim/0/w/exp_avg")
     (tmp_path / INDEX_FILE).write_text('{"format": "nanolight-sharded-v1", "tens')
     with pytest.raises(ValueError, match=r"index .* is unreadable"):
-        ShardedReader(tmp_path)
+        CheckpointReader.open(tmp_path)
     (tmp_path / INDEX_FILE).unlink()
     with pytest.raises(FileNotFoundError, match="no index.json: not a complete sharded checkpoint"):
-        ShardedReader(tmp_path)
+        CheckpointReader.open(tmp_path)
 
 
 class WiderLM(TinyLM):

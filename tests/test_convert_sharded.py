@@ -19,9 +19,9 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
 from nanolight import NanoModule, NanoTrainer
+from nanolight.checkpoint import write_last_pointer
 from nanolight.checkpoint.hf import convert_nanolight_to_hf
 from nanolight.checkpoint.pretrained import load_pretrained, read_checkpoint, save_pretrained
-from nanolight.checkpoint.trainer_state import write_last_pointer
 from nanolight.models import LlamaConfig, LlamaForCausalLM
 from nanolight.parallel.tensor_parallel.apply import gather_full, shard_dims
 from nanolight.strategies.parallel3d import Parallel3DStrategy

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _ckpt_view import single_device_view
-from _dist import run_distributed
+from _tiny import StepLosses, TinyLM, full_state, run_distributed
 from torch.utils.data import DataLoader
 
-from nanolight import Callback, NanoModule, NanoTrainer
-from nanolight.models import LlamaConfig, LlamaForCausalLM
+from nanolight import NanoTrainer
+from nanolight.checkpoint import CheckpointReader
 from nanolight.strategies.parallel3d import Parallel3DStrategy
 from nanolight.strategies.single_device import SingleDeviceStrategy
 
@@ -21,57 +20,8 @@ SEED, STEPS, ACCUM, MICRO, T = 3, 4, 2, 2, 16
 BUCKET = 16 * 1024  # bytes: several gradient buckets for this tiny model
 
 
-def _config(layers: int = 2) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        attn_implementation="eager",
-    )
-
-
-class TinyLM(NanoModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.model: LlamaForCausalLM | None = None
-
-    def configure_model(self) -> None:
-        if self.model is None:
-            self.model = LlamaForCausalLM(_config())
-            if not next(self.model.parameters()).is_meta:  # single device: the same init stream
-                self.model.init_weights(torch.Generator().manual_seed(SEED))
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self.model(batch["input_ids"], labels=batch["labels"])
-        self.log("train/loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> dict:
-        decay = [p for p in self.parameters() if p.ndim >= 2]
-        no_decay = [p for p in self.parameters() if p.ndim < 2]
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=3e-3
-        )
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-class StepLosses(Callback):
-    """Records the step's reduced ``train/loss`` and grad norm (what metrics.csv would show)."""
-
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-        self.norms: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-        if trainer.is_step_end:
-            self.losses.append(float(trainer.callback_metrics["train/loss"]))
-            self.norms.append(float(trainer.grad_norm))
+def _module() -> TinyLM:
+    return TinyLM(seed=SEED, decay_groups=True, warmup=3)
 
 
 def _samples(dp: int) -> torch.Tensor:
@@ -104,7 +54,7 @@ def _fit(strategy: object, loader: DataLoader) -> tuple[NanoTrainer, TinyLM, Ste
         enable_progress_bar=False,
         enable_checkpointing=False,
     )
-    module = TinyLM()
+    module = _module()
     trainer.fit(module, train_dataloaders=loader)
     return trainer, module, record
 
@@ -117,8 +67,9 @@ def _dp_worker(rank: int, world: int, tp: int, pp: int, zero_stage: int, sp: boo
     strategy.setup_environment()
     trainer, module, record = _fit(strategy, _loader(dp, strategy.parallel_context.dp_rank))
     trainer.save_checkpoint(Path(root) / "dp-ckpt", update_last=False)  # collective
-    state = strategy.model_state_dict()  # collective: full tensors on tp rank 0
-    state = {k: v.numpy() for k, v in state.items()} if rank == 0 else None  # numpy: plain pickles
+    state = None
+    if rank == 0:  # the full tensors, read back from every rank's shards
+        state = {k: v.numpy() for k, v in CheckpointReader.open(Path(root) / "dp-ckpt").model_state().items()}
     tokens = trainer.progress["tokens"]  # ThroughputMonitor's count: all dp ranks' tokens
     return {"losses": record.losses, "norms": record.norms, "state": state, "tokens": tokens}
 
@@ -146,9 +97,7 @@ def _check(root: Path, tp: int, dp: int, zero_stage: int, sp: bool = False, pp: 
         torch.testing.assert_close(got, tensor, rtol=1e-5, atol=1e-5, msg=name)
 
     # the optimizer checkpoint reads back as the single-device torch.optim state, whatever the layout
-    _, (dp_optim,) = single_device_view(
-        root / "dp-ckpt", TinyLM(), STEPS
-    )  # per-rank shards, read on 1 device
+    _, (dp_optim,) = full_state(root / "dp-ckpt", _module(), STEPS)  # per-rank shards, read on 1 device
     single_optim = torch.load(root / "single-ckpt" / "optimizer.pt", weights_only=True)[0]
     assert dp_optim["param_groups"] == single_optim["param_groups"]
     assert dp_optim["state"].keys() == single_optim["state"].keys()
@@ -213,6 +162,9 @@ def test_dp2_zero1_bf16_runs(precision: str) -> None:
 
 class NaNOnRank1(TinyLM):
     """A non-finite loss on dp rank 1 only, at the second step."""
+
+    def __init__(self) -> None:
+        super().__init__(seed=SEED, decay_groups=True, warmup=3)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)

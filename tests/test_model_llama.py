@@ -8,6 +8,7 @@ import pytest
 import torch
 import yaml
 
+import nanolight.models.attention as attention
 import nanolight.models.llama as llama
 from nanolight.models import PRESETS, LlamaConfig, LlamaForCausalLM, flops_per_token
 from nanolight.models.flops import matmul_params, num_params
@@ -197,10 +198,10 @@ def test_eager_and_sdpa_agree_and_position_ids_default():
 
 
 def test_flash_attention_needs_package_and_gpu(monkeypatch):
-    monkeypatch.setattr(llama, "flash_attn_available", lambda: False)
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
     with pytest.raises(RuntimeError, match="needs the flash-attn package and a CUDA GPU"):
         LlamaForCausalLM(tiny(attn_implementation="flash_attention_2"))
-    monkeypatch.setattr(llama, "flash_attn_available", lambda: True)
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
     with torch.device("meta"):
         m = LlamaForCausalLM(tiny(attn_implementation="flash_attention_2"))
     assert m.model.layers[0].self_attn.attn_implementation == "flash_attention_2"
@@ -221,7 +222,7 @@ def test_flash_attention_path_feeds_flash_layout(monkeypatch):
     monkeypatch.setitem(
         sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=fake_flash_attn_func)
     )
-    monkeypatch.setattr(llama, "flash_attn_available", lambda: True)
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
     torch.manual_seed(0)
     sdpa = LlamaForCausalLM(tiny()).eval()
     flash = LlamaForCausalLM(tiny(attn_implementation="flash_attention_2")).eval()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nanolight.strategies.launcher import ProcessEnv, detect_environment, ensure_processes, first_slurm_host
+from nanolight.parallel.launcher import ProcessEnv, detect_environment, ensure_processes, first_slurm_host
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +20,7 @@ SCRIPT = """
 import os, sys, time
 from datetime import timedelta
 import torch, torch.distributed as dist
-from nanolight.strategies.launcher import ensure_processes, init_distributed
+from nanolight.parallel.launcher import ensure_processes, init_distributed
 
 env = ensure_processes(2)  # the plain-python parent re-launches this file twice and exits here
 init_distributed(env, backend="gloo", timeout=timedelta(seconds=120))

@@ -1,78 +1,64 @@
 """Pipeline-parallel training matches the single-process model (gloo, CPU, fp32).
 
-Each rank builds the plain reference model and, through `Parallel3DStrategy`, its pipeline
-stage (optionally tp-sharded) from the same seed, runs the same 10 AdamW steps with gradient
-clipping on both, and checks the loss at every step and the final weights (gathered by the
-strategy into the single-device checkpoint format). A stand-in for the trainer's micro_step
-records the order in which the engine calls it.
+Each rank builds, through `Parallel3DStrategy`, its pipeline stage (optionally tp-sharded) from the
+same seed as a plain reference model, runs the same 10 SGD steps with gradient clipping through
+NanoTrainer (which walks the strategy's schedule), and checks the loss at every step, the stage's
+initial weights, and the final weights (read back from the run's per-rank checkpoint shards).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-import torch.distributed as dist
-from _dist import run_distributed
+from _tiny import run_distributed, tiny_config
+from torch.utils.data import DataLoader
 
+from nanolight import Callback, NanoModule, NanoTrainer
+from nanolight.checkpoint import CheckpointReader
 from nanolight.models import LlamaConfig, LlamaForCausalLM
-from nanolight.module import NanoModule
+from nanolight.parallel.tensor_parallel import shard_dims, take_shard
 from nanolight.strategies.parallel3d import Parallel3DStrategy
 
 STEPS, MICRO, B, T, SEED = 10, 4, 2, 16, 7
 
 
-def tiny_config(tied: bool, layers: int = 4) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-        attn_implementation="eager",
-    )
+def pp_config(tied: bool, layers: int = 4) -> LlamaConfig:
+    return tiny_config(vocab=256, layers=layers, tied=tied)
 
 
 class Wrapper(NanoModule):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, lr: float = 0.5) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.lr = cfg, lr
         self.model: LlamaForCausalLM | None = None
 
     def configure_model(self) -> None:
         self.model = LlamaForCausalLM(self.cfg)
 
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self.model(batch["input_ids"], labels=batch["labels"])
 
-class FakeMicroStep:
-    """What the trainer's MicroStep does, minus hooks: forward (zero_grad after the first), backward."""
-
-    def __init__(self, module: Wrapper, opt: torch.optim.Optimizer, strategy: Parallel3DStrategy) -> None:
-        self.module, self.opt, self.strategy, self.calls = module, opt, strategy, []
-
-    def __call__(self, batch: dict, i: int) -> torch.Tensor:
-        loss = self.module.model(batch["input_ids"], labels=batch["labels"])
-        self.calls.append(("F", i))
-        if i == 0:
-            self.strategy.zero_grad(self.opt)
-        return loss
-
-    def backward(self, loss: torch.Tensor, i: int) -> None:
-        self.calls.append(("B", i))
-        loss.backward()
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return make_optimizer(self.parameters(), self.lr)
 
 
-def make_optimizer(params: object) -> torch.optim.Optimizer:
+def make_optimizer(params: object, lr: float = 0.5) -> torch.optim.Optimizer:
     """SGD with momentum: unlike Adam it does not blow a 1e-7 rounding difference in a near-zero
     gradient up to a full +-lr step, so final weights are comparable at 1e-5 (the trainer
     test covers AdamW)."""
-    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 
-def _batches(cfg: LlamaConfig) -> torch.Tensor:
+def _batches(cfg: LlamaConfig, steps: int = STEPS, micro: int = MICRO) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1)
-    return torch.randint(0, cfg.vocab_size, (STEPS, MICRO, B, T), generator=gen)
+    return torch.randint(0, cfg.vocab_size, (steps, micro, B, T), generator=gen)
+
+
+def _loader(cfg: LlamaConfig, steps: int = STEPS, micro: int = MICRO) -> DataLoader:
+    rows = _batches(cfg, steps, micro).reshape(-1, T)
+    return DataLoader([{"input_ids": x, "labels": x} for x in rows], batch_size=B)
 
 
 def reference_run(cfg: LlamaConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -92,54 +78,71 @@ def reference_run(cfg: LlamaConfig) -> tuple[list[float], dict[str, torch.Tensor
     return losses, {f"model.{k}": v.detach() for k, v in ref.state_dict().items()}
 
 
+class Observe(Callback):
+    """What the test checks on every rank: the stage's initial weights, each step's loss, the
+    forwards' order, the live micro-batches and the p2p metadata handshakes."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        self.cfg, self.losses, self.forwards, self.max_live, self.init_ok = cfg, [], [], 0, False
+
+    def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        self.init_ok = _check_stage_init(pl_module, self.cfg, trainer.strategy.parallel_context)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        if trainer.global_step == 0:
+            self.forwards.append(batch_idx)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
+        self.losses.append(float(trainer.step_loss))
+        self.max_live = max(self.max_live, trainer.strategy.stage.max_in_flight)
+
+
 def _pp_worker(
-    rank: int, world: int, tp: int, pp: int, schedule: str, tied: bool, dp: int, zero: int, sp: bool
+    rank: int,
+    world: int,
+    tp: int,
+    pp: int,
+    schedule: str,
+    tied: bool,
+    dp: int,
+    zero: int,
+    sp: bool,
+    root: str,
 ) -> dict:
-    cfg = tiny_config(tied)
+    cfg = pp_config(tied)
     strategy = Parallel3DStrategy(
         tp=tp, pp=pp, dp=dp, zero_stage=zero, pp_schedule=schedule, sequence_parallel=sp, init_seed=SEED
     )
-    strategy.setup_environment()
+    seen = Observe(cfg)
+    trainer = NanoTrainer(
+        max_steps=STEPS, accumulate_grad_batches=MICRO, gradient_clip_val=0.5, strategy=strategy, logger=False,
+        callbacks=[seen], enable_progress_bar=False, enable_checkpointing=False,
+    )  # fmt: skip
     module = Wrapper(cfg)
-    with strategy.model_init_context():
-        module.configure_model()
-    strategy.setup_module(module)
-    ctx = strategy.parallel_context
-    _check_stage_init(module, cfg, ctx, tp)
-    (opt,) = strategy.setup_optimizers([make_optimizer(module.parameters())])  # maybe ZeRO-wrapped
-    step_fn = FakeMicroStep(module, opt, strategy)
-    losses, max_live = [], []
-    for ids in _batches(cfg):
-        micro_batches = [{"input_ids": x, "labels": x} for x in ids]
-        loss = strategy.training_step(micro_batches, step_fn)
-        strategy.clip_gradients(0.5)
-        strategy.optimizer_step(opt)
-        losses.append(loss.item())
-        max_live.append(strategy._pipeline.engine.max_in_flight)
-    state = strategy.model_state_dict()  # collective: gathers tp shards and pp stages
-    tied_equal = None
-    if tied and ctx.is_last_stage:
-        lm = module.model
-        tied_equal = lm.lm_head.weight is lm.model.embed_tokens.weight
+    trainer.fit(module, train_dataloaders=_loader(cfg))  # every dp replica: the same micro-batches
+    trainer.save_checkpoint(Path(root) / "ckpt", update_last=False)  # collective
+    state = None
+    if rank == 0:
+        state = {k: v.numpy() for k, v in CheckpointReader.open(Path(root) / "ckpt").model_state().items()}
+    ctx, lm = strategy.parallel_context, module.model
     return {
-        "losses": losses,
-        "state": {k: v.numpy() for k, v in state.items()},  # numpy: pickled by value across processes
-        "max_live": max(max_live),
-        "calls": step_fn.calls[: 2 * MICRO],
+        "losses": seen.losses,
+        "init_ok": seen.init_ok,
+        "state": state,  # numpy: pickled by value across processes
+        "max_live": seen.max_live,
+        "forwards": seen.forwards,
         "pp_rank": ctx.pp_rank,
-        "tied_same_param": tied_equal,
-        "embed": module.model.model.embed_tokens.weight.detach().numpy().copy()
-        if module.model.model.embed_tokens is not None
+        "tied_same_param": tied and ctx.is_last_stage and lm.lm_head.weight is lm.model.embed_tokens.weight,
+        "embed": lm.model.embed_tokens.weight.detach().numpy().copy()
+        if lm.model.embed_tokens is not None
         else None,
-        "metadata": strategy._pipeline.engine.stage.p2p.metadata_messages,
+        "metadata": strategy.stage.p2p.metadata_messages,
     }
 
 
-def _check_stage_init(module: Wrapper, cfg: LlamaConfig, ctx: object, tp: int) -> None:
+def _check_stage_init(module: Wrapper, cfg: LlamaConfig, ctx: object) -> bool:
     """Only this stage's modules exist, and each parameter is exactly (its tp slice of) the
     single-device init: dropping other stages' layers did not shift the init stream."""
-    from nanolight.parallel.tensor_parallel.apply import shard_dims, take_shard
-
     ref = LlamaForCausalLM(cfg)
     ref.init_weights(torch.Generator().manual_seed(SEED))
     ref_params = dict(ref.named_parameters())
@@ -156,26 +159,33 @@ def _check_stage_init(module: Wrapper, cfg: LlamaConfig, ctx: object, tp: int) -
     for name, p in lm.named_parameters():
         expected = take_shard(ref_params[name], dims[name], ctx.tp_group)
         assert torch.equal(p.detach(), expected), name
+    return True
 
 
 def _check(
     tp: int, pp: int, schedule: str, tied: bool, dp: int = 1, zero: int = 0, sp: bool = False
 ) -> list[dict]:
-    cfg = tiny_config(tied)
+    import tempfile
+
+    cfg = pp_config(tied)
     ref_losses, ref_state = reference_run(cfg)
     world = tp * pp * dp
-    out = run_distributed(_pp_worker, world, tp, pp, schedule, tied, dp, zero, sp, timeout=240, pg_timeout=60)
-    for r in out:  # every rank returns the true loss of every step
+    with tempfile.TemporaryDirectory() as root:
+        out = run_distributed(
+            _pp_worker, world, tp, pp, schedule, tied, dp, zero, sp, root, timeout=240, pg_timeout=60
+        )
+    assert all(r["init_ok"] for r in out)
+    for r in out:  # every rank sees the true loss of every step
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     state = out[0]["state"]
-    assert list(state) == list(ref_state), "checkpoint keys/order differ from the single-device model"
+    assert sorted(state) == sorted(ref_state), "checkpoint keys differ from the single-device model"
     for name, ref in ref_state.items():
         got = torch.from_numpy(state[name])
         assert ((got - ref).norm() / ref.norm()).item() < 1e-5, name  # the tensor as a whole
         # element-wise: atol for entries near zero (summation order differs across stages)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
-    for r in out:  # each forward is called exactly once per micro-batch, in schedule order
-        assert sorted(i for k, i in r["calls"] if k == "F") == list(range(MICRO))
+    for r in out:  # each forward is called exactly once per micro-batch
+        assert sorted(r["forwards"]) == list(range(MICRO))
         assert r["metadata"] <= 1 + (r["pp_rank"] not in (0, pp - 1))  # one handshake per channel
     if tied:  # the two copies of the tied embedding stayed identical
         first = [r for r in out if r["pp_rank"] == 0]
@@ -215,22 +225,15 @@ def test_pp2_tp2_sequence_parallel_matches_single_process() -> None:
 
 
 def _memory_worker(rank: int, world: int, schedule: str) -> tuple[int, int]:
-    out = _pp_worker_min(schedule)
-    return out
-
-
-def _pp_worker_min(schedule: str) -> tuple[int, int]:
-    cfg = tiny_config(tied=False)
-    strategy = Parallel3DStrategy(pp=dist.get_world_size(), pp_schedule=schedule, init_seed=SEED)
-    strategy.setup_environment()
-    module = Wrapper(cfg)
-    with strategy.model_init_context():
-        module.configure_model()
-    strategy.setup_module(module)
-    (opt,) = strategy.setup_optimizers([torch.optim.SGD(module.parameters(), lr=0.0)])
-    ids = _batches(cfg)[0].repeat(2, 1, 1)  # 8 micro-batches
-    strategy.training_step([{"input_ids": x, "labels": x} for x in ids], FakeMicroStep(module, opt, strategy))
-    return strategy._pipeline.engine.max_in_flight, strategy.parallel_context.pp_rank
+    cfg = pp_config(tied=False)
+    strategy = Parallel3DStrategy(pp=world, pp_schedule=schedule, init_seed=SEED)
+    seen = Observe(cfg)
+    trainer = NanoTrainer(
+        max_steps=1, accumulate_grad_batches=2 * MICRO, strategy=strategy, logger=False, callbacks=[seen],
+        enable_progress_bar=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(Wrapper(cfg, lr=0.0), train_dataloaders=_loader(cfg, steps=1, micro=2 * MICRO))
+    return seen.max_live, strategy.parallel_context.pp_rank
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "afab"])

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _ckpt_view import single_device_view
 from _dist import run_distributed
+from _tiny import full_state as single_device_view
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 

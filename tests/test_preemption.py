@@ -22,22 +22,26 @@ from _trainer_helpers import make_data
 from torch.utils.data import DataLoader
 
 from nanolight.callbacks import Callback, ModelCheckpoint
-from nanolight.loop.preemption import Preemption
 from nanolight.trainer import NanoTrainer
+from nanolight.trainer.preemption import Preemption
 
 
 class SignalAt(Callback):
     """Records each step's loss (float.hex: exact) and signals this process during step `at`."""
 
     def __init__(self, at: int = 0, sig: int = signal.SIGTERM) -> None:
-        self.at, self.sig, self.losses = at, sig, {}
+        self.at, self.sig, self.losses, self.step = at, sig, {}, 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.step = trainer.global_step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step + 1 == self.at:  # every micro-batch of step `at`: handled once
             os.kill(os.getpid(), self.sig)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.is_step_end:
+        if trainer.global_step != self.step:  # the last micro-batch of a step: after its update
+            self.step = trainer.global_step
             self.losses[trainer.global_step] = float(trainer.step_loss).hex()
 
 

@@ -13,14 +13,11 @@ import torch.distributed as dist
 from _dist import run_distributed
 
 from nanolight.models import LlamaConfig, LlamaForCausalLM
-from nanolight.parallel.init import init_sharded_
-from nanolight.parallel.tensor_parallel.apply import (
-    apply_tensor_parallel,
-    grad_norm_squared,
-    shard_dims,
-    sync_replicated_grads,
-    take_shard,
-)
+from nanolight.parallel import ParallelContext
+from nanolight.parallel.grads import GradientSync
+from nanolight.parallel.init import init_replayed_, param_specs
+from nanolight.parallel.layout import ModelLayout, tied_aliases
+from nanolight.parallel.tensor_parallel.apply import apply_tensor_parallel, shard_dims, take_shard
 
 STEPS, B, T, SEED = 10, 2, 16, 7
 ATTN = {
@@ -42,22 +39,25 @@ def tiny_config(attn: str, tied: bool) -> LlamaConfig:
     )
 
 
-def _clip(params: list[torch.nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # the formula of clip_grad_norm_
-    for p in params:
-        p.grad.mul_(coef)
-
-
 def _train_and_compare(rank: int, world: int, attn: str, tied: bool, sp: bool) -> list[float]:
-    group = dist.group.WORLD
+    ctx = ParallelContext(tp=world)
+    group = ctx.tp_group
     cfg = tiny_config(attn, tied)
     ref = LlamaForCausalLM(cfg)
     ref.init_weights(torch.Generator().manual_seed(SEED))
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
+    full_shapes, aliases, specs = (
+        {k: tuple(v.shape) for k, v in model.state_dict().items()},
+        tied_aliases(model),
+        param_specs(model),
+    )
     apply_tensor_parallel(model, model.tp_plan, group, sequence_parallel=sp)
     model.to_empty(device="cpu")
-    init_sharded_(model, torch.Generator().manual_seed(SEED), group)
+    init_replayed_(model, specs, torch.Generator().manual_seed(SEED), shard_dims(model), ctx.tp_rank, world)
+    grads = GradientSync(
+        model, ModelLayout.sharded(model, full_shapes, aliases, ctx), ctx, sequence_parallel=sp
+    )
 
     dims = shard_dims(model)
     ref_params = dict(ref.named_parameters())
@@ -75,8 +75,7 @@ def _train_and_compare(rank: int, world: int, attn: str, tied: bool, sp: bool) -
         loss_ref.backward()
         loss = model(ids[step], labels=ids[step])
         loss.backward()
-        if sp:
-            sync_replicated_grads(model, group)
+        grads.finish()  # under sequence parallelism: the norm weights' partial sums over tp
         torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0, msg=f"loss differs at step {step}")
         for name, p in model.named_parameters():
             expected = take_shard(ref_params[name].grad, dims[name], group)
@@ -84,9 +83,8 @@ def _train_and_compare(rank: int, world: int, attn: str, tied: bool, sp: bool) -
                 p.grad, expected, rtol=1e-4, atol=1e-6, msg=f"grad {name} at step {step}"
             )
         norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        norm = grad_norm_squared(model, group).sqrt()
+        norm = grads.clip_(0.5)  # the global norm over tp, replicated parameters counted once
         torch.testing.assert_close(norm, norm_ref, rtol=1e-5, atol=0)
-        _clip(list(model.parameters()), norm, 0.5)
         opt_ref.step()
         opt.step()
         opt_ref.zero_grad()
@@ -126,10 +124,10 @@ def _bf16_autocast(rank: int, world: int) -> float:
     cfg = tiny_config("gqa", tied=True)
     ref = LlamaForCausalLM(cfg)
     ref.init_weights(torch.Generator().manual_seed(SEED))
-    model = apply_tensor_parallel(
-        LlamaForCausalLM(cfg), LlamaForCausalLM.tp_plan, group, sequence_parallel=True
-    )
-    init_sharded_(model, torch.Generator().manual_seed(SEED), group)
+    model = LlamaForCausalLM(cfg)
+    specs = param_specs(model)
+    apply_tensor_parallel(model, model.tp_plan, group, sequence_parallel=True)
+    init_replayed_(model, specs, torch.Generator().manual_seed(SEED), shard_dims(model), rank, world)
     ids = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(1))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16-mixed: collectives carry bf16
         loss = model(ids, labels=ids)

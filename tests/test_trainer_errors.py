@@ -7,7 +7,7 @@ import torch
 from _trainer_helpers import MLPModule, loader, make_data
 from torch import nn
 
-from nanolight.loop.optim import parse_optimizers
+from nanolight.module.optimizers import parse_optimizers
 from nanolight.trainer import NanoTrainer
 
 

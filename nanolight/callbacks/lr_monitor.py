@@ -29,7 +29,7 @@ class LearningRateMonitor(Callback):
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.is_step_end and self._pending:
+        if self._pending:  # set by this step's on_before_optimizer_step: the step has ended
             trainer.callback_metrics.update({k: torch.tensor(v) for k, v in self._pending.items()})
             if trainer.should_log:
                 trainer.log_metrics(self._pending)

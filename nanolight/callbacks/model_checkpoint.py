@@ -1,6 +1,6 @@
 """`ModelCheckpoint`: periodic full-training checkpoints, ``last`` pointer, top-k / keep-newest-N.
 
-Saves ``<dirpath>/step-<N>/`` (see ``nanolight/checkpoint/trainer_state.py`` for the layout and
+Saves ``<dirpath>/step-<N>/`` (see ``nanolight/checkpoint/save.py`` for the layout and
 atomicity) at the end of every ``every_n_train_steps``-th optimizer step, or at the end of each
 training epoch when that is None. Pruning never removes the directory ``last`` points at.
 """
@@ -71,12 +71,16 @@ class ModelCheckpoint(Callback):
         if self.dirpath is None:
             self.dirpath = Path(trainer.default_root_dir) / "checkpoints"
 
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # the step training starts from (0, or the one resumed) is not saved again
+        self.last_saved_step = max(self.last_saved_step, trainer.global_step)
+
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         n = self.every_n_train_steps
-        if trainer.is_step_end and n is not None and trainer.global_step % n == 0:
-            self.save(trainer)
+        if n is not None and trainer.global_step % n == 0:
+            self.save(trainer)  # once per step: a micro-batch before the update sees the last step
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if self.every_n_train_steps is None:

@@ -25,6 +25,7 @@ class RichProgressBar(Callback):
         self._task: Any = None
         self._t0 = 0.0
         self._tokens0 = 0
+        self._step = 0  # the global step last shown
 
     def _fields(self, trainer: Any) -> dict[str, str]:
         m = {k: float(v) for k, v in trainer.progress_bar_metrics.items()}  # syncs: logging steps only
@@ -37,6 +38,7 @@ class RichProgressBar(Callback):
         return out
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._step = trainer.global_step
         if not trainer.is_global_zero:
             return
         self._t0, self._tokens0 = time.perf_counter(), trainer.progress["tokens"]
@@ -60,8 +62,9 @@ class RichProgressBar(Callback):
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not (trainer.is_global_zero and trainer.is_step_end):
-            return
+        if not trainer.is_global_zero or trainer.global_step == self._step:
+            return  # another rank, or a micro-batch before this step's update
+        self._step = trainer.global_step
         if self._progress is not None:
             fields = self._fields(trainer) if trainer.should_log else {}
             self._progress.update(self._task, completed=trainer.global_step, **fields)

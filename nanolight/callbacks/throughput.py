@@ -52,6 +52,7 @@ class ThroughputMonitor(Callback):
         self._tokens0 = self._samples0 = 0
         self._excluded = 0.0  # seconds spent in validation since the last mark
         self._val_t0: float | None = None
+        self._step = 0  # the global step last measured
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.flops_per_token is None and callable(getattr(pl_module, "flops_per_token", None)):
@@ -61,6 +62,7 @@ class ThroughputMonitor(Callback):
         self._mark(trainer)
 
     def _mark(self, trainer: Any) -> None:
+        self._step = trainer.global_step
         self._t0 = time.perf_counter()
         self._tokens0, self._samples0 = trainer.progress["tokens"], trainer.progress["samples"]
         self._excluded = 0.0
@@ -68,8 +70,8 @@ class ThroughputMonitor(Callback):
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not (trainer.is_step_end and trainer.should_log) or self._t0 is None:
-            return
+        if self._t0 is None or trainer.global_step == self._step or not trainer.should_log:
+            return  # not started, a micro-batch before this step's update, or not a logging step
         device = trainer.strategy.root_device
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # only on logging steps: timings need finished kernels

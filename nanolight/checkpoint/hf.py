@@ -25,16 +25,15 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from nanolight.checkpoint.atomic import LAST_POINTER, atomic_directory, resolve_checkpoint
+from nanolight.checkpoint.files import save_tensors
 from nanolight.checkpoint.pretrained import (
-    atomic_directory,
     check_state_dict,
     copy_tokenizer_files,
     read_checkpoint,
     write_checkpoint,
 )
-from nanolight.checkpoint.trainer_state import LAST_POINTER, resolve_checkpoint
 from nanolight.models.llama_config import HF_PASSTHROUGH_KEYS, LlamaConfig, read_hf_config
 
 __all__ = [
@@ -283,9 +282,7 @@ def convert_nanolight_to_hf(
     hf_config = {**config.to_hf_dict(), **hf_extra, "dtype": str(dtype).removeprefix("torch.")}
     with atomic_directory(save_path, overwrite=overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        save_file(
-            {k: v.contiguous() for k, v in hf_sd.items()}, str(tmp / "model.safetensors"), {"format": "pt"}
-        )
+        save_tensors(tmp / "model.safetensors", hf_sd)
         copy_tokenizer_files(src, tmp)
     return Path(save_path)
 

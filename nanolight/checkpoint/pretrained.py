@@ -7,7 +7,7 @@ A checkpoint is a directory:
                           "sharding": null   -- one file (below); a training step directory says
                                                 {"index": "index.json", "prefix": "model."} for
                                                 Parallel3DStrategy's per-rank shards described by
-                                                index.json (checkpoint/sharded/), or {"index": null,
+                                                index.json (checkpoint/index.py), or {"index": null,
                                                 "prefix": "model."} for SingleDeviceStrategy's one
                                                 model.safetensors of the whole training module,
                           "hf_extra": {...}  -- HF-only keys (bos/eos/pad token ids) carried
@@ -16,33 +16,29 @@ A checkpoint is a directory:
                         embeddings only `model.embed_tokens.weight` is stored
     tokenizer files     optional, copied verbatim so `AutoTokenizer.from_pretrained(dir)` works
 
-Directories are written atomically: into a temporary sibling that is renamed into place at the
-end, so an interrupted or failed save never leaves a half-written checkpoint at the target.
+Directories are written atomically (`atomic.py`), so an interrupted or failed save never leaves a
+half-written checkpoint at the target; every layout is read by one reader (`reader.py`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from nanolight.checkpoint.sharded import INDEX_FILE, ShardedReader
+from nanolight.checkpoint.atomic import atomic_directory
+from nanolight.checkpoint.files import MissingCheckpointFile, save_tensors
+from nanolight.checkpoint.index import INDEX_FILE
+from nanolight.checkpoint.reader import TRAINER_FILE, WEIGHTS_FILE, CheckpointReader
+from nanolight.checkpoint.save import CONFIG_FILE
 from nanolight.models.llama import LlamaForCausalLM
 from nanolight.models.llama_config import LlamaConfig
 
 FORMAT_NAME = "nanolight"
 FORMAT_VERSION = 1
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 # Files a tokenizer (and HF generation defaults) may consist of; copied when present.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -57,41 +53,7 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 
-__all__ = ["load_pretrained", "save_pretrained", "read_checkpoint", "write_checkpoint", "atomic_directory"]
-
-
-# ---------------------------------------------------------------------- atomic directories
-@contextlib.contextmanager
-def atomic_directory(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a fresh temporary directory that replaces `path` only if the block succeeds.
-
-    Refuses (FileExistsError) when `path` exists and is not empty unless `overwrite`, so a save
-    never silently clobbers another model. On any error the temporary directory is removed and
-    `path` is left exactly as it was.
-    """
-    path = Path(path).absolute()
-    if path.exists() and not path.is_dir():
-        raise FileExistsError(f"save path {path} exists and is not a directory; choose another path")
-    if path.is_dir() and any(path.iterdir()) and not overwrite:
-        held = ", ".join(sorted(p.name for p in path.iterdir())[:5])
-        raise FileExistsError(
-            f"save path {path} already holds files ({held}); refusing to replace them. "
-            "Pass --overwrite (overwrite=True) to replace it, or choose another path"
-        )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        yield tmp
-        if path.exists():  # empty, or overwrite: move it aside first so the swap is two renames
-            trash = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-            os.replace(path, trash / "old")
-            os.replace(tmp, path)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+__all__ = ["load_pretrained", "save_pretrained", "read_checkpoint", "write_checkpoint"]
 
 
 def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
@@ -125,8 +87,7 @@ def write_checkpoint(
         "hf_extra": hf_extra or {},
     }
     Path(directory, CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-    save_file(tensors, str(Path(directory, WEIGHTS_FILE)), metadata={"format": "pt"})
+    save_tensors(Path(directory, WEIGHTS_FILE), state_dict)
 
 
 def read_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, Any]]:
@@ -135,7 +96,7 @@ def read_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tens
     Three layouts hold the same thing: a pretrained directory (one `model.safetensors`), a
     training step directory saved by `Parallel3DStrategy` at any tp x pp x dp, whose config.json
     says `"sharding": {"index": "index.json", "prefix": "model."}` (the weights are reassembled
-    from the per-rank shards, `nanolight.checkpoint.sharded`), and one saved by
+    from the per-rank shards, `nanolight.checkpoint.reader`), and one saved by
     `SingleDeviceStrategy` (`"index": null`: one `model.safetensors` of the whole training
     module). Only the tensors under `prefix` (the module attribute holding the causal LM) are
     kept and the prefix is removed. Either way the state dict has nanolight parameter names,
@@ -148,14 +109,14 @@ def read_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tens
         if (path / INDEX_FILE).is_file():
             hint = (
                 " (a sharded training checkpoint without config.json: its model is not a nanolight "
-                "Llama; read its tensors with nanolight.checkpoint.sharded.read_model_state)"
+                "Llama; read its tensors with nanolight.checkpoint.CheckpointReader)"
             )
-        elif (path / WEIGHTS_FILE).is_file() and (path / "trainer_state.pt").is_file():
+        elif (path / WEIGHTS_FILE).is_file() and (path / TRAINER_FILE).is_file():
             hint = (
                 " (a training checkpoint whose module holds no nanolight LlamaForCausalLM, so no model "
                 "config was written: save the model with nanolight.save_pretrained instead)"
             )
-        raise FileNotFoundError(f"no nanolight checkpoint at {path}: {CONFIG_FILE} is missing{hint}")
+        raise MissingCheckpointFile(f"no nanolight checkpoint at {path}: {CONFIG_FILE} is missing{hint}")
     meta = json.loads(cfg_file.read_text())
     if meta.get("format") != FORMAT_NAME:
         hint = " (it looks like a Hugging Face model: convert it with scripts/convert_hf_to_nanolight.py)"
@@ -170,43 +131,28 @@ def read_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tens
         )
     config = LlamaConfig.from_dict(meta)
     sharding = meta.get("sharding")
-    if sharding is None:
-        state_dict = _read_single_file(path)
-    else:
-        if isinstance(sharding, dict) and sharding.get("index") is None and "prefix" in sharding:
-            # a SingleDeviceStrategy step dir: one file holding the whole training module
-            prefix = sharding["prefix"] or ""
-            state_dict = {
-                k.removeprefix(prefix): v for k, v in _read_single_file(path).items() if k.startswith(prefix)
-            }
-        else:
-            state_dict = _read_sharded(path, sharding, cfg_file)
-        if config.tie_word_embeddings:
-            state_dict.pop("lm_head.weight", None)  # an alias of the embedding, stored once
-    return config, state_dict, dict(meta.get("hf_extra") or {})
-
-
-def _read_single_file(path: Path) -> dict[str, torch.Tensor]:
-    weights = path / WEIGHTS_FILE
-    if not weights.is_file():
-        raise FileNotFoundError(f"nanolight checkpoint {path} has no {WEIGHTS_FILE}")
-    with safe_open(str(weights), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
-
-
-def _read_sharded(path: Path, sharding: Any, cfg_file: Path) -> dict[str, torch.Tensor]:
-    """Full model tensors of a sharded step directory, names relative to the causal LM."""
-    if not isinstance(sharding, dict) or not isinstance(sharding.get("index"), str):
+    if sharding is not None and not (
+        isinstance(sharding, dict) and sharding.get("index") in (None, INDEX_FILE) and "prefix" in sharding
+    ):
         raise ValueError(
             f'{cfg_file} has "sharding": {sharding!r}; expected null or '
             f'{{"index": "{INDEX_FILE}" or null, "prefix": "<module attribute>."}}'
         )
-    if sharding["index"] != INDEX_FILE:
-        raise ValueError(
-            f'{cfg_file} names the index "{sharding["index"]}"; this nanolight reads "{INDEX_FILE}"'
-        )
-    prefix = sharding.get("prefix") or ""
-    return ShardedReader(path, verify="model/").model_state(strip_prefix=prefix)
+    prefix = (sharding or {}).get("prefix") or ""
+    state_dict = CheckpointReader.open(path, verify="model/").model_state(strip_prefix=prefix)
+    if config.tie_word_embeddings:
+        state_dict.pop("lm_head.weight", None)  # an alias of the embedding, stored once
+    return config, state_dict, dict(meta.get("hf_extra") or {})
+
+
+def stored_model_prefix(path: str | Path) -> str:
+    """The key prefix of the model's tensors in a nanolight directory ("" in a model directory,
+    the module attribute in a training step directory, as its config.json says)."""
+    cfg_file = Path(path) / CONFIG_FILE
+    meta = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    return (
+        ((meta.get("sharding") or {}).get("prefix") or "") if isinstance(meta.get("sharding"), dict) else ""
+    )
 
 
 def step_dir_meta(

@@ -44,3 +44,11 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
     """Training (forward + backward) FLOPs per token at sequence length `seq_len`."""
     attention = 12 * config.num_hidden_layers * seq_len * config.head_dim * config.num_attention_heads
     return float(6 * matmul_params(config) + attention)
+
+
+def stage_costs(config: LlamaConfig) -> tuple[float, float, float]:
+    """Pipeline balance: (decoder layer, embedding, output head) costs in parameter units
+    (matmul FLOPs per token / 2). The embedding is a lookup: no matmul."""
+    c = config
+    layer = (matmul_params(c) - c.hidden_size * c.vocab_size) / c.num_hidden_layers
+    return float(layer), 0.0, float(c.hidden_size * c.vocab_size)

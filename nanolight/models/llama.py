@@ -14,35 +14,18 @@ split and checkpoints all key on them.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanolight.models.attention import attend, check_attn_implementation, flash_attn_available
+from nanolight.models.flops import stage_costs
 from nanolight.models.llama_config import LlamaConfig
 from nanolight.models.llama_rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 __all__ = ["LlamaConfig", "LlamaForCausalLM", "causal_lm_loss", "flash_attn_available"]
 
 IGNORE_INDEX = -100
-_SDPA_HAS_GQA = torch.__version__ >= "2.5"  # `enable_gqa` argument of scaled_dot_product_attention
-
-
-def flash_attn_available() -> bool:
-    """True when the flash-attn package is importable and a CUDA GPU is present."""
-    return importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
-
-
-def _check_attn_implementation(name: str) -> None:
-    """Fail at build time, not at the first forward on 512 GPUs."""
-    if name == "flash_attention_2" and not flash_attn_available():
-        raise RuntimeError(
-            "attn_implementation='flash_attention_2' needs the flash-attn package and a CUDA GPU "
-            f"(flash-attn installed: {importlib.util.find_spec('flash_attn') is not None}, "
-            f"CUDA available: {torch.cuda.is_available()}); install it with `pip install nanolight[flash]` "
-            "on a GPU machine or use attn_implementation='sdpa'"
-        )
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -98,33 +81,9 @@ class CausalSelfAttention(nn.Module):
         k = qkv[:, :, :, r].transpose(1, 2)  # (B, n_kv_local, T, head_dim)
         v = qkv[:, :, :, r + 1].transpose(1, 2)  # (B, n_kv_local, T, head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self._attend(q, k, v)  # (B, n_heads_local, T, head_dim)
+        y = attend(q, k, v, self.attn_implementation)  # (B, n_heads_local, T, head_dim)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads_local * head_dim)
         return self.o_proj(y)
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.attn_implementation == "flash_attention_2":
-            from flash_attn import flash_attn_func  # optional dependency, checked at build time
-
-            # flash-attn wants (B, T, heads, head_dim) and handles GQA itself.
-            y = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
-            return y.transpose(1, 2)
-        r = q.size(1) // k.size(1)
-        if self.attn_implementation == "sdpa" and _SDPA_HAS_GQA:
-            # sdpa maps query head h to kv head h // r itself, without materialising copies of k, v.
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=r > 1)
-        # Each kv head serves the r consecutive query heads of its group.
-        k = k.repeat_interleave(r, dim=1)  # (B, n_heads_local, T, head_dim)
-        v = v.repeat_interleave(r, dim=1)
-        if self.attn_implementation == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        # eager: the textbook formula, kept as the reference the fused kernels are tested against.
-        T = q.size(2)
-        att = (q @ k.transpose(-2, -1)) * (self.head_dim**-0.5)  # (B, n_heads_local, T, T)
-        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-        att = att.masked_fill(future, float("-inf"))
-        att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
-        return att @ v
 
 
 class SwiGLU(nn.Module):
@@ -170,20 +129,24 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # (B, T, C)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`hidden_states` replaces the embedding's output (a pipeline stage's input); a module a
+        pipeline split removed (None) is skipped, so one forward serves every stage."""
+        x = self.embed_tokens(input_ids) if hidden_states is None else hidden_states  # (B, T, C)
         cos, sin = self.rotary_tables(input_ids.shape, position_ids, x)
         for layer in self.layers:
             x = layer(x, cos, sin)
-        return self.norm(x)
+        return x if self.norm is None else self.norm(x)
 
     def rotary_tables(
         self, shape: torch.Size, position_ids: torch.Tensor | None, like: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin (B, T, head_dim) for positions 0..T-1 or `position_ids` ((T,) or (B, T)).
-
-        Separate so a pipeline stage without the embedding can rebuild them from its input.
-        """
+        """cos/sin (B, T, head_dim) for positions 0..T-1 or `position_ids` ((T,) or (B, T))."""
         B, T = shape
         if position_ids is None:
             position_ids = torch.arange(T, device=like.device)
@@ -205,6 +168,13 @@ class LlamaForCausalLM(nn.Module):
     `named_parameters()` order.
     """
 
+    # Pipeline plan: which modules only the first / last stage runs, and the blocks split between
+    # stages. Data only, like the tp plan: `nanolight/parallel/pipeline/split.py` applies it.
+    pp_plan: dict = {
+        "first": ("model.embed_tokens",),
+        "layers": "model.layers",
+        "last": ("model.norm", "lm_head"),
+    }
     # Tensor-parallel plan: module-name pattern -> style. Data only; the strategy applies it.
     tp_plan: dict[str, str] = {
         "model.embed_tokens": "vocab",
@@ -218,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         config.validate()
-        _check_attn_implementation(config.attn_implementation)
+        check_attn_implementation(config.attn_implementation)
         self.config = config
         self.loss_fn = causal_lm_loss
         device = torch.empty(0).device  # the caller's default device (honours `with torch.device(...)`)
@@ -234,8 +204,13 @@ class LlamaForCausalLM(nn.Module):
             self.init_weights()
 
     def tie_weights(self) -> None:
-        """Make lm_head.weight the same Parameter as the embedding when the config ties them."""
-        if self.config.tie_word_embeddings:
+        """Make lm_head.weight the same Parameter as the embedding when the config ties them (and
+        this pipeline stage holds both)."""
+        if (
+            self.config.tie_word_embeddings
+            and self.lm_head is not None
+            and self.model.embed_tokens is not None
+        ):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> LlamaForCausalLM:
@@ -249,8 +224,12 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = self.model(input_ids, position_ids)  # (B, T, C)
+        """Without a head (a pipeline stage before the last) returns the hidden states (B, T, C)."""
+        h = self.model(input_ids, position_ids, hidden_states)  # (B, T, C)
+        if self.lm_head is None:
+            return h
         logits = self.lm_head(h)  # (B, T, V)
         if labels is None:
             return logits
@@ -281,3 +260,7 @@ class LlamaForCausalLM(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def pipeline_costs(self) -> tuple[float, float, float]:
+        """(block, first-stage extra, last-stage extra) costs, for balancing pipeline stages."""
+        return stage_costs(self.config)

@@ -73,7 +73,7 @@ class NanoModule(nn.Module):
         over the epoch. ``sync_dist`` averages it over data-parallel ranks (through the strategy)."""
         if self._trainer is None:
             return
-        self._trainer._metrics.log(name, value, prog_bar, logger, on_step, on_epoch, sync_dist)
+        self._trainer.metrics.log(name, value, prog_bar, logger, on_step, on_epoch, sync_dist)
 
     def log_dict(self, metrics: dict[str, Any], **kwargs: Any) -> None:
         for name, value in metrics.items():

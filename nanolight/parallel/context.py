@@ -50,7 +50,7 @@ class ParallelContext:
     """Process groups for one (tp, pp, dp) layout of an initialised `torch.distributed` world.
 
     Construct it on every rank, in the same order (group creation is collective). The default
-    process group must already exist: `nanolight.strategies.launcher.init_distributed` makes it
+    process group must already exist: `nanolight.parallel.launcher.init_distributed` makes it
     from torchrun/SLURM/subprocess environments (NCCL on GPU, gloo on CPU).
     """
 
@@ -60,7 +60,7 @@ class ParallelContext:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "ParallelContext needs an initialised torch.distributed world; call "
-                "nanolight.strategies.launcher.init_distributed() (or dist.init_process_group) first"
+                "nanolight.parallel.launcher.init_distributed() (or dist.init_process_group) first"
             )
         self.world_size = dist.get_world_size()
         self.global_rank = dist.get_rank()
@@ -98,6 +98,18 @@ class ParallelContext:
             group = dist.new_group(ranks=ranks, timeout=timeout)
             if self.global_rank in ranks:
                 mine = group
+        return mine
+
+    def stage_pair_group(self, first: int, last: int) -> Any:
+        """The group of this rank's (dp, tp) coordinate at pipeline stages `first` and `last` (the
+        tied embedding's two copies). Collective: every rank creates every pair's group, in order."""
+        mine = None
+        for d in range(self.dp_size):
+            for t in range(self.tp_size):
+                ranks = [int(self.mesh[d, first, t]), int(self.mesh[d, last, t])]
+                group = dist.new_group(ranks=ranks)
+                if self.global_rank in ranks:
+                    mine = group
         return mine
 
     # Pipeline neighbours: global ranks of the stages before/after this one (same dp, tp rank).

@@ -24,7 +24,7 @@ steps fp32 master weights.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -49,18 +49,16 @@ class GradReducer:
         group: Any,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         shard: bool = False,
-        presum: Sequence[tuple[set[int], Any]] = (),
+        deferred: Collection[int] = (),
     ) -> None:
-        """`presum`: (parameter ids, group) pairs whose gradients are summed over that group before
-        the dp reduction, in list order: the norm weights over tp under sequence parallelism
-        (each tp rank saw only its tokens), the two copies of a tied embedding over the
-        {first, last} pipeline stages. Their buckets wait for `finish` (a blocking collective in
-        a backward hook could deadlock a pipeline)."""
+        """`deferred`: ids of parameters whose gradients are partial sums that another group
+        completes first (`parallel/grads.py`: the norm weights over tp under sequence parallelism,
+        the tied embedding's two stage copies). Their buckets wait for `finish` (a blocking
+        collective in a backward hook could deadlock a pipeline)."""
         self.group = group
         self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
         self.shard = shard
-        self.presum = [(set(ids), g) for ids, g in presum]
-        deferred = set().union(*(ids for ids, _ in self.presum)) if self.presum else set()
+        deferred = set(deferred)
         self.buckets, self.shard_sizes = build_buckets(param_groups, bucket_bytes, self.dp_size, deferred)
         self.shard_grads: list[Tensor] = []
         if shard:  # this rank's slice of every bucket, concatenated per param group
@@ -85,8 +83,8 @@ class GradReducer:
         return self.shard_grads[bucket.group_index][bucket.shard_offset : bucket.shard_offset + n]
 
     def require_sync(self, enabled: bool) -> None:
-        """Call before each backward: True on the last micro-batch of the step only (done by
-        `SyncOnLastMicroBatch`, which the pipeline engine also goes through)."""
+        """Call before each backward: True on the last micro-batch of the step only (DDP's
+        ``no_sync()`` for the others: they only accumulate)."""
         self._sync = enabled
 
     def _bind(self, bucket: Bucket, i: int) -> None:
@@ -127,28 +125,16 @@ class GradReducer:
             work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
         self._works.append(work)
 
-    def _presum(self) -> None:
-        for ids, group in self.presum:
-            grads = [p.grad for b in self.buckets if b.deferred for p in b.params if id(p) in ids]
-            if not grads or dist.get_world_size(group) == 1:
-                continue
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            # the ranks of `group` (tp, or the tied-embedding stages) sum their partial gradients
-            dist.all_reduce(flat, group=group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-
-    def finish(self) -> None:
-        """End of backward: launch the buckets not launched yet, wait for all, leave the dp mean."""
+    def finish(self, before_deferred: Callable[[], None] = lambda: None) -> None:
+        """End of backward: launch the buckets not launched yet, wait for all, leave the dp mean.
+        `before_deferred` completes the deferred gradients first (see `__init__`)."""
         for bucket in self.buckets:
             if not bucket.launched:  # deferred buckets, and parameters without a gradient this step
                 for i in range(len(bucket.params)):
                     self._bind(bucket, i)
                     bucket.fired.add(i)
         self._launch_ready()
-        self._presum()
+        before_deferred()
         for bucket in self.buckets:
             if bucket.deferred:
                 self._launch(bucket)
@@ -186,89 +172,3 @@ class GradReducer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-
-class SyncOnLastMicroBatch:
-    """Wraps the trainer's `MicroStepFn`: gradients are reduced only in the last micro-batch's
-    backward (`GradReducer.require_sync`), the one-line form of DDP's ``no_sync()``."""
-
-    def __init__(self, micro_step: Any, reducer: GradReducer, n: int) -> None:
-        self.micro_step, self.reducer, self.n = micro_step, reducer, n
-
-    def __call__(self, batch: Any, batch_idx: int) -> Tensor:
-        return self.micro_step(batch, batch_idx)
-
-    def backward(self, loss: Tensor, batch_idx: int) -> None:
-        self.reducer.require_sync(batch_idx == self.n - 1)
-        self.micro_step.backward(loss, batch_idx)
-
-
-class DataParallel:
-    """Data parallelism and ZeRO-1 as `Parallel3DStrategy` applies them (kept out of the strategy
-    so that its file stays a readable list of steps).
-
-    zero_stage 0, dp > 1: a `GradReducer` all-reduces ``param.grad``; the user's optimizer is
-    kept. zero_stage 1: the optimizer becomes a `ZeroOptimizer` (its reducer reduce-scatters).
-    dp == 1 and zero_stage 0: nothing to do (every method is a no-op or the plain behaviour).
-    """
-
-    def __init__(self, ctx: Any, zero_stage: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        self.ctx, self.zero_stage, self.bucket_bytes = ctx, zero_stage, bucket_bytes
-        self.reducer: GradReducer | None = None
-        self.zero: Any = None  # the ZeroOptimizer with zero_stage=1
-
-    def setup_optimizers(
-        self, module: nn.Module, optimizers: list[Any], presum: Sequence[tuple[set[int], Any]] = ()
-    ) -> list[Any]:
-        """Wrap the optimizers. `presum`: see `GradReducer` (the strategy passes the sequence-
-        parallel norm weights with the tp group; the pipeline adds its tied embedding)."""
-        if self.zero_stage == 1:
-            from nanolight.parallel.zero import ZeroOptimizer  # zero.py imports this module
-
-            if len(optimizers) != 1:
-                raise ValueError(
-                    f"zero_stage=1 shards one optimizer; configure_optimizers returned {len(optimizers)}. "
-                    "Use param groups (one optimizer) or zero_stage=0"
-                )
-            self.zero = ZeroOptimizer(optimizers[0], self.ctx.dp_group, self.bucket_bytes, presum=presum)
-            self.reducer = self.zero.reducer
-            return [self.zero]
-        if self.ctx.dp_size > 1:
-            params = [p for p in module.parameters() if p.requires_grad]
-            self.reducer = GradReducer([params], self.ctx.dp_group, self.bucket_bytes, presum=presum)
-        return optimizers
-
-    @property
-    def active(self) -> bool:
-        """True when gradients go through a reducer, which then also does the `presum` sums."""
-        return self.reducer is not None
-
-    def wrap(self, micro_step: Any, n: int) -> Any:
-        return micro_step if self.reducer is None else SyncOnLastMicroBatch(micro_step, self.reducer, n)
-
-    def finish(self) -> None:
-        """After the last backward of the step: wait for the reduction (before clipping/stepping)."""
-        if self.reducer is not None:
-            self.reducer.finish()
-
-    def mean_loss(self, loss: Tensor) -> Tensor:
-        """The step's loss averaged over dp, so that all ranks take the same decisions on it (a
-        NaN on one rank must skip the step everywhere, or the ranks' collectives diverge)."""
-        if self.ctx.dp_size == 1:
-            return loss
-        out = loss.detach().float().clone()
-        # dp ranks sum their step losses (a NaN anywhere becomes a NaN everywhere)
-        dist.all_reduce(out, group=self.ctx.dp_group)
-        return out / self.ctx.dp_size
-
-    def zero_grad(self, optimizer: Any) -> None:
-        if self.zero is not None:
-            self.zero.zero_grad()
-        elif self.reducer is not None:
-            self.reducer.zero_grad()  # keep .grad as bucket views (set_to_none would drop them)
-        else:
-            optimizer.zero_grad(set_to_none=True)
-
-    def reload_master_weights(self) -> None:
-        if self.zero is not None:
-            self.zero.reload_master_weights()

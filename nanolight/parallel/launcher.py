@@ -10,7 +10,7 @@ Three ways a nanolight script runs with more than one process:
   `devices=N`), waits for them and exits with their status. If one child fails, the parent
   kills the others at once, so a crashed rank never leaves its peers blocked in a collective.
   SIGTERM/SIGUSR1 to the parent (pre-emption) are passed on to every child, and the parent keeps
-  waiting while they finish their step and save (``nanolight/loop/preemption.py``).
+  waiting while they finish their step and save (``nanolight/trainer/preemption.py``).
 
 Reading those variables is the launcher's job alone; the rest of nanolight receives a
 `ProcessEnv` / `ParallelContext` and never looks at the environment.

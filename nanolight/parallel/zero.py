@@ -27,7 +27,7 @@ other dp, with or without ZeRO.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -41,8 +41,8 @@ class ZeroOptimizer:
     """ZeRO stage 1 around an elementwise ``torch.optim`` optimizer (see the module docstring).
 
     `overlap=True` reduces gradients from backward hooks (call ``reducer.require_sync`` /
-    ``reducer.finish`` as `Parallel3DStrategy` does); otherwise, or when they have not been
-    reduced yet, `step` reduce-scatters them itself.
+    ``reducer.finish`` as `parallel/grads.py` does); otherwise, or when they have not been
+    reduced yet, `step` reduce-scatters them itself. `deferred`: see `GradReducer`.
     """
 
     def __init__(
@@ -51,7 +51,7 @@ class ZeroOptimizer:
         group: Any,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         overlap: bool = True,
-        presum: Sequence[tuple[set[int], Any]] = (),
+        deferred: Collection[int] = (),
     ) -> None:
         if isinstance(optimizer, torch.optim.LBFGS):
             raise TypeError("ZeRO-1 needs an elementwise optimizer (AdamW, Adam, SGD); LBFGS is not")
@@ -60,7 +60,7 @@ class ZeroOptimizer:
         self.defaults = optimizer.defaults
         self.group = group
         self.reducer = GradReducer(
-            [g["params"] for g in self.param_groups], group, bucket_bytes, shard=True, presum=presum
+            [g["params"] for g in self.param_groups], group, bucket_bytes, shard=True, deferred=deferred
         )
         if not overlap:
             self.reducer.remove()
@@ -75,7 +75,6 @@ class ZeroOptimizer:
         self.inner = type(optimizer)(inner_groups)  # every group carries all its hyperparameters
         if optimizer.state:  # the user's optimizer already has state (e.g. loaded): shard it
             self.load_state_dict(optimizer.state_dict())
-        self._norm_mask: tuple[frozenset[int], list[Tensor]] | None = None
 
     @property
     def dp_rank(self) -> int:
@@ -141,27 +140,15 @@ class ZeroOptimizer:
         if not self.reducer.ready:
             self.reducer.finish()
 
-    def squared_grad_norm(self, counted: frozenset[int]) -> Tensor:
-        """Sum of squares of this rank's gradient shard over the parameters in `counted` (ids):
-        the caller sums it over dp (and tp/pp) for the global norm."""
+    def grad_pieces(self, counted: set[int]) -> list[Tensor]:
+        """Views of this rank's gradient shard holding the parameters in `counted` (ids), for the
+        global norm (`parallel/grads.py`); call after the reduction."""
         self.reduce_gradients()
-        if self._norm_mask is None or self._norm_mask[0] != counted:
-            masks = [torch.zeros_like(g, dtype=torch.bool) for g in self.shard_grads]
-            for bucket in self.reducer.buckets:
-                for p, a, b, pos in self._pieces(bucket):
-                    masks[bucket.group_index][pos : pos + b - a] = id(p) in counted
-            self._norm_mask = (counted, masks)
-        masks = self._norm_mask[1]
-        total = torch.zeros((), dtype=torch.float32, device=self.master[0].device if self.master else None)
-        for g, mask in zip(self.shard_grads, masks, strict=True):
-            total = total + g.float().pow(2).mul(mask).sum()
-        return total
-
-    def scale_grads_(self, coef: Tensor) -> None:
-        """Multiply the gradient shards by `coef` (clipping)."""
-        self.reduce_gradients()
-        for g in self.shard_grads:
-            g.mul_(coef.to(g.dtype))
+        pieces = []
+        for bucket in self.reducer.buckets:
+            shard = self.shard_grads[bucket.group_index]
+            pieces += [shard[pos : pos + b - a] for p, a, b, pos in self._pieces(bucket) if id(p) in counted]
+        return pieces
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:

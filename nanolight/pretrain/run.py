@@ -20,11 +20,11 @@ from nanolight.callbacks import LearningRateMonitor, ModelCheckpoint, Throughput
 from nanolight.data import DataConfig, build_datamodule, vocab_size
 from nanolight.loggers import CSVLogger, Logger, WandbLogger
 from nanolight.loggers.wandb_logger import has_wandb_credentials
+from nanolight.parallel.launcher import detect_environment
 from nanolight.parallel.pipeline import check_micro_batches, check_pipeline_layout
 from nanolight.pretrain.config import ConfigError, PretrainConfig, to_dict
 from nanolight.pretrain.module import CausalLMPretrain
 from nanolight.strategies import Parallel3DStrategy, SingleDeviceStrategy, Strategy
-from nanolight.strategies.launcher import detect_environment
 from nanolight.trainer import NanoTrainer
 
 

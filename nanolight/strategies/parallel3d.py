@@ -1,36 +1,30 @@
 """`Parallel3DStrategy`: tensor, pipeline and data parallelism (with ZeRO-1) over tp x pp x dp
-processes, whose groups the `ParallelContext` holds.
-
-What it does, in `NanoTrainer.fit` order:
+processes. It says *what* happens, in the documented order; the parallel core says *how*.
 
 1. `setup_environment`: make the processes (torchrun / SLURM / re-launch under plain python,
-   see `launcher.py`), join the world, build the `ParallelContext`.
-2. `configure_model` runs on the meta device (`init_device`), so no rank ever holds the full
-   model; `setup_module` applies the model's `tp_plan`, with pp > 1 cuts the model into stages
-   and drops the other stages' modules (`pipeline_support.py`, `parallel/pipeline/split.py`),
-   materialises the shards on this rank's device and initialises them topology-independently
-   (or slices a pretrained checkpoint).
-3. Each step: the base micro-batch loop, or with pp > 1 the pipeline engine (1F1B or
-   all-forward-all-backward, `parallel/pipeline/engine.py`) that calls the trainer's
-   micro_step on every stage in schedule order; `reduce` takes logged metrics from the last
-   stage, which owns the loss. With sequence parallelism the replicated (norm)
-   gradients are then summed over tp; clipping uses the global norm over tp with replicated
-   parameters counted once. Data parallelism (`parallel/data_parallel.py`): `setup_optimizers`
-   buckets the gradients, which are reduced over dp from backward hooks during the last
-   micro-batch's backward and waited for at the end of `training_step`; with zero_stage=1 the
-   optimizer becomes a `ZeroOptimizer` (`parallel/zero.py`) that holds 1/dp of the optimizer
-   state and fp32 master weights, and the norm is taken over its gradient shards.
-4. Checkpoints are per-rank shards plus one index (`sharded_checkpoint.py`): every rank writes
-   the slices it owns (its tp slice of its stage's weights, its ZeRO-1 partition of the
-   optimizer state, its RNG and data position), so saving never gathers a model on one rank,
-   and any topology (or one device) loads them by reading just the blocks it holds. The
-   gathered single-device view (`full_state.py`) loads `SingleDeviceStrategy` checkpoints.
+   `parallel/launcher.py`), join the world, build the `ParallelContext`.
+2. `configure_model` runs on the meta device, so no rank ever holds the full model. `setup_module`
+   then: records the full model (shapes, tied names, init order), applies the model's `tp_plan`
+   (`parallel/tensor_parallel/`), cuts its `pp_plan` stage out (`parallel/pipeline/split.py`),
+   materialises this rank's shards and initialises them topology-independently
+   (`parallel/init.py`) or loads them from a pretrained directory (`checkpoint/load.py`), and
+   records the `ModelLayout` every later concern reads.
+3. `setup_optimizers`: `GradientSync` (`parallel/grads.py`) -- the dp reduction in buckets or
+   ZeRO-1 around the optimizer, the partial-gradient sums, the global norm and clipping.
+4. Each step the trainer walks `micro_batch_schedule` (1F1B / all-forward-all-backward under pp,
+   `parallel/pipeline/schedules.py`); `forward_context` tells the pipeline stage which
+   micro-batch runs, `backward` back-propagates through it (receive, backward, send) and lets the
+   dp reduction run in the last backward only; `reduce` takes a metric from the last stage,
+   which owns the loss, and averages it over dp.
+5. Checkpoints are per-rank shards plus one index, written and resharded by `checkpoint/`.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -39,32 +33,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanolight.checkpoint.pretrained import step_dir_meta
-from nanolight.checkpoint.sharded import is_sharded_checkpoint
+from nanolight.checkpoint.load import load_model
+from nanolight.checkpoint.pretrained import step_dir_meta, stored_model_prefix
+from nanolight.checkpoint.reader import CheckpointReader
+from nanolight.checkpoint.save import save_sharded
 from nanolight.parallel import ParallelConfig, ParallelContext
-from nanolight.parallel.data_parallel import DEFAULT_BUCKET_BYTES, DataParallel
-from nanolight.parallel.grad_norm import clip_grads_, grad_norm, owned_for_norm
-from nanolight.parallel.init import init_sharded_
-from nanolight.parallel.tensor_parallel.apply import (
-    apply_tensor_parallel,
-    grad_norm_squared,
-    shard_dims,
-    sync_replicated_grads,
-    take_shard,
-)
+from nanolight.parallel.data_parallel import DEFAULT_BUCKET_BYTES
+from nanolight.parallel.grads import GradientSync
+from nanolight.parallel.init import init_replayed_, param_specs
+from nanolight.parallel.launcher import detect_environment, ensure_processes, init_distributed
+from nanolight.parallel.layout import ModelLayout, tied_aliases
+from nanolight.parallel.pipeline import PipelineStage, StageP2P, apply_split, build_schedule, plan_split
+from nanolight.parallel.pipeline.schedules import Action, check_micro_batches
+from nanolight.parallel.tensor_parallel.apply import apply_tensor_parallel, shard_dims
 from nanolight.precision import Precision
 from nanolight.strategies.base import Strategy
-from nanolight.strategies.full_state import GatheredStateMixin
-from nanolight.strategies.launcher import detect_environment, ensure_processes, init_distributed
-from nanolight.strategies.pipeline_support import PipelineSetup
-from nanolight.strategies.sharded_checkpoint import ShardedCheckpointer, tied_aliases
 
 
-class Parallel3DStrategy(GatheredStateMixin, Strategy):
-    """Train a module whose model declares a `tp_plan` over tp (x pp x dp) processes.
+class Parallel3DStrategy(Strategy):
+    """Train a module whose model declares a `tp_plan` (and a `pp_plan` for pp > 1).
 
     `init_seed` seeds the topology-independent init (default: `torch.initial_seed()`, i.e. the
-    trainer's `seed`); `pretrained` is a nanolight checkpoint directory to start from instead.
+    trainer's `seed`); `pretrained` is a nanolight model directory to start from instead.
     """
 
     def __init__(
@@ -88,12 +78,12 @@ class Parallel3DStrategy(GatheredStateMixin, Strategy):
         self.config = ParallelConfig(tp, pp, dp, zero_stage, pp_schedule, sequence_parallel)
         self.init_seed, self.pretrained = init_seed, pretrained
         self.backend, self.timeout = backend, timeout
+        self.pp_layers_per_stage = pp_layers_per_stage  # None: balanced by the model's stage costs
+        self.dp_bucket_bytes = dp_bucket_bytes
         self._ctx: ParallelContext | None = None
-        self.pp_layers_per_stage = pp_layers_per_stage  # None: balanced by cost (pipeline/split.py)
-        self._pipeline: PipelineSetup | None = None  # pp > 1: this rank's stage and engine
-        self.dp_bucket_bytes = dp_bucket_bytes  # gradient bucket size of the dp reduction
-        self._dp: DataParallel | None = None  # dp > 1 or ZeRO: gradient reduction (data_parallel.py)
-        self._checkpointer: ShardedCheckpointer | None = None  # built by setup_module
+        self.stage: PipelineStage | None = None  # pp > 1: this rank's pipeline stage
+        self.grads: GradientSync | None = None  # built by setup_optimizers
+        self._model_meta: dict[str, Any] | None = None
 
     @classmethod
     def from_config(cls, config: ParallelConfig, **kwargs: Any) -> Parallel3DStrategy:
@@ -127,15 +117,18 @@ class Parallel3DStrategy(GatheredStateMixin, Strategy):
     def data_parallel_size(self) -> int:
         return self._ctx.dp_size if self._ctx is not None else 1
 
-    def _tp_group(self) -> Any:
-        assert self._ctx is not None, "setup_environment() has not run"
-        return self._ctx.tp_group
+    @property
+    def topology(self) -> dict[str, Any]:
+        ctx, cfg = self._ctx, self.config
+        return {
+            "tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size, "world_size": ctx.world_size,
+            "zero_stage": cfg.zero_stage, "sequence_parallel": cfg.sequence_parallel,
+        }  # fmt: skip
 
     # ---- lifecycle -----------------------------------------------------------------------
     def setup_environment(self) -> None:
         if self._ctx is None:
-            cfg = self.config
-            env = detect_environment()
+            cfg, env = self.config, detect_environment()
             # under plain python, dp="auto" means one replica: the world is what tp*pp need
             world = (
                 env.world_size if env is not None else cfg.tp * cfg.pp * (1 if cfg.dp == "auto" else cfg.dp)
@@ -151,153 +144,92 @@ class Parallel3DStrategy(GatheredStateMixin, Strategy):
         return torch.device("meta")  # the full model is never materialised on one rank
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        model = _find_tp_model(module)
-        cfg = getattr(model, "config", None)
-        if cfg is not None:
-            self.config.check_model(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size)
-        # the unsharded, unsplit model's names/shapes: what a checkpoint's global tensors must match
+        ctx, cfg = self._ctx, self.config
+        model, prefix = _find_plan_model(module)
+        if getattr(model, "config", None) is not None:
+            c = model.config
+            cfg.check_model(c.num_attention_heads, c.num_key_value_heads, c.vocab_size)
+        # the unsharded, unsplit model: what a checkpoint's global tensors and the init replay match
         full_shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-        aliases = tied_aliases(module)
-        on_meta = any(p.is_meta for p in module.parameters())
-        pipe = None
-        if self.config.pp > 1:
-            pipe = PipelineSetup(self._ctx, self.config.pp_schedule, self.pp_layers_per_stage)
-            pipe.record_full_model(module, model)  # names/shapes of the unsplit model (meta: free)
-        self._pipeline = pipe
-        apply_tensor_parallel(model, model.tp_plan, self._tp_group(), self.config.sequence_parallel)
-        if pipe is not None:
-            pipe.split(model)  # drop other stages' modules before anything is allocated
+        aliases, specs = tied_aliases(module), param_specs(model)
+        on_meta = any(p.is_meta for p in module.parameters())  # built on meta: initialised here
+        split = plan_split(model, ctx.pp_size, self.pp_layers_per_stage) if ctx.pp_size > 1 else None
+        apply_tensor_parallel(model, model.tp_plan, ctx.tp_group, cfg.sequence_parallel)
+        if split is not None:
+            apply_split(model, split, ctx.pp_rank)  # drop other stages' modules before allocating
         if on_meta:
             module.to_empty(device=self.root_device)
-            if pipe is not None:
-                pipe.retie()  # to_empty made new Parameter objects
-            elif hasattr(model, "tie_weights"):
-                model.tie_weights()  # to_empty made new Parameter objects
-            if self.pretrained is not None:
-                self._load_pretrained(model)
-            else:
-                # rank 0's seed for all: without a trainer seed each process's initial seed differs
-                seed = self.broadcast(self.init_seed if self.init_seed is not None else torch.initial_seed())
-                if pipe is not None:  # replays the *unsplit* init stream (see split.py)
-                    pipe.init_weights(seed, self._tp_group())
-                else:
-                    init_sharded_(model, torch.Generator().manual_seed(seed), self._tp_group())
+            model.tie_weights()  # to_empty made new Parameter objects
         else:  # built materialised: apply_tensor_parallel already copied each rank's slice
             module.to(self.root_device)
-        self.precision.convert_module(module)
-        if self._pipeline is not None:
-            self._pipeline.build_engine()
         self.module = module
-        self._checkpointer = ShardedCheckpointer(
-            self._ctx,
-            module,
-            full_shapes,
-            aliases,
-            self._topology(),
-            step_dir_meta(module, self.pretrained),
-        )
+        self.layout = ModelLayout.sharded(module, full_shapes, aliases, ctx, split, prefix)
+        if self.pretrained is not None:  # this rank's slices of a model directory (the model's keys)
+            reader = CheckpointReader.open(self.pretrained, verify="model/")
+            load_model(reader, module, self.layout, prefix, stored_model_prefix(self.pretrained))
+        elif on_meta:  # rank 0's seed for all (each process's own initial seed differs)
+            seed = self.broadcast(self.init_seed if self.init_seed is not None else torch.initial_seed())
+            gen = torch.Generator().manual_seed(seed)
+            init_replayed_(model, specs, gen, shard_dims(model), ctx.tp_rank, ctx.tp_size)
+        self.precision.convert_module(module)
+        if split is not None:
+            p2p = StageP2P(ctx.prev_pp_rank, ctx.next_pp_rank, ctx.device)
+            self.stage = PipelineStage(model, ctx.pp_rank, ctx.pp_size, p2p)
+        self._model_meta = step_dir_meta(module, self.pretrained)
         return module
 
-    def _topology(self) -> dict[str, Any]:
-        ctx = self._ctx
-        return {
-            "tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size, "world_size": ctx.world_size,
-            "zero_stage": self.config.zero_stage, "sequence_parallel": self.config.sequence_parallel,
-        }  # fmt: skip
-
-    def _load_pretrained(self, model: nn.Module) -> None:
-        from nanolight.checkpoint.pretrained import read_checkpoint
-
-        _, state, _ = read_checkpoint(self.pretrained)
-        dims = shard_dims(model)  # tied lm_head appears once, as in the file
-        missing = sorted(set(dims) - set(state))
-        if missing:
-            raise ValueError(f"pretrained checkpoint {self.pretrained} lacks {missing[:8]}")
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.copy_(take_shard(state[name], dims[name], self._tp_group()))
-
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[Any]:
-        """Data parallelism: bucketed gradient reduction, or ZeRO-1 around the optimizer."""
-        assert self.module is not None and self._ctx is not None
-        self._dp = DataParallel(self._ctx, self.config.zero_stage, self.dp_bucket_bytes)
-        self.optimizers = self._dp.setup_optimizers(self.module, list(optimizers), self._presum())
+        """Gradient synchronisation, and ZeRO-1 around the optimizer (`parallel/grads.py`)."""
+        cfg = self.config
+        self.grads = GradientSync(
+            self.module, self.layout, self._ctx, cfg.sequence_parallel, cfg.zero_stage, self.dp_bucket_bytes
+        )
+        self.optimizers = self.grads.wrap_optimizers(list(optimizers))
         return self.optimizers
 
-    def _presum(self) -> list[tuple[set[int], Any]]:
-        """Gradients the dp reducer must first sum over another group (see `GradReducer`)."""
-        out = []
-        if self.config.sequence_parallel and self.config.tp > 1:  # norm weights saw T/tp tokens
-            dims = shard_dims(self.module)
-            norms = {id(p) for name, p in self.module.named_parameters() if dims[name] is None}
-            out.append((norms, self._tp_group()))
-        engine = self._pipeline.engine if self._pipeline is not None else None
-        if engine is not None and engine.tie_group is not None and engine.tied_weight() is not None:
-            out.append(({id(engine.tied_weight())}, engine.tie_group))  # first + last stage copies
-        return out
-
     # ---- one optimizer step --------------------------------------------------------------
-    def training_step(self, micro_batches: Any, micro_step: Any) -> torch.Tensor:
-        dp = self._dp if self._dp is not None and self._dp.active else None
-        if dp is not None:  # reduce gradients in the last micro-batch's backward only
-            micro_step = dp.wrap(micro_step, len(micro_batches))
-        if self._pipeline is not None:  # the pipeline schedule calls micro_step on every stage
-            loss = self._pipeline.engine.run(micro_batches, micro_step)
+    def micro_batch_schedule(self, n: int) -> Sequence[Action]:
+        if self.stage is None:
+            return super().micro_batch_schedule(n)
+        check_micro_batches(self._ctx.pp_size, self.config.pp_schedule, n)
+        return build_schedule(self.config.pp_schedule, n, self._ctx.pp_size, self._ctx.pp_rank)
+
+    def forward_context(self, i: int) -> AbstractContextManager:
+        stack = ExitStack()
+        if self.stage is not None:
+            stack.enter_context(self.stage.micro_batch(i))  # which micro-batch the model call belongs to
+        stack.enter_context(self.autocast())
+        return stack
+
+    def backward(self, loss: torch.Tensor, i: int = 0, n: int = 1) -> None:
+        self.grads.require_sync(i == n - 1)  # every schedule back-propagates micro-batch n-1 last
+        if self.stage is not None:
+            self.stage.backward(i, loss)  # receive d loss/d output, backward, send d loss/d input
         else:
-            loss = super().training_step(micro_batches, micro_step)
-        if dp is not None:
-            dp.finish()  # waits for the bucket collectives; did the SP / tied-embedding sums too
-            return dp.mean_loss(loss)  # every rank sees the same step loss (NaN checks agree)
-        if self.config.sequence_parallel:
-            sync_replicated_grads(self.module, self._tp_group())
-        if self._pipeline is not None:
-            self._pipeline.engine.sum_tied_grads()  # after every reduction that writes param.grad
-        return loss
+            loss.backward()
+
+    def finish_backward(self) -> None:
+        if self.stage is not None:
+            self.stage.finish()  # every activation/gradient this stage sent has been received
+        self.grads.finish()
 
     def zero_grad(self, optimizer: Any) -> None:
-        if self._dp is not None:
-            self._dp.zero_grad(optimizer)  # keeps .grad as views of the dp gradient buckets
-        else:
-            super().zero_grad(optimizer)
+        self.grads.zero_grad(optimizer)
 
     def clip_gradients(self, max_norm: float | None) -> torch.Tensor:
-        """Global L2 norm over the tp group (shards summed, replicated params once), then clip."""
-        assert self.module is not None
-        if self._dp is not None and self._dp.zero is not None:  # gradients are 1/dp shards
-            return self._clip_zero_gradients(max_norm)
-        if self._pipeline is not None:  # summed over pp too, tied embedding counted once
-            norm = self._pipeline.grad_norm_squared(self.module, self._tp_group()).sqrt()
-        else:
-            norm = grad_norm_squared(self.module, self._tp_group()).sqrt()
-        if max_norm is not None:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch's clip_grad_norm_
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return norm
-
-    def _clip_zero_gradients(self, max_norm: float | None) -> torch.Tensor:
-        """ZeRO-1: the norm of the gradient shards, summed over dp, tp and pp (grad_norm.py)."""
-        ctx, zero, excluded = self._ctx, self._dp.zero, set()
-        pipe = self._pipeline
-        if pipe is not None and pipe.tied and ctx.is_last_stage and pipe.lm.model.embed_tokens is not None:
-            excluded.add(id(pipe.lm.model.embed_tokens.weight))  # the first stage counts the tied copy
-        owned = owned_for_norm(self.module, ctx.tp_rank, excluded)
-        pp_group = ctx.pp_group if pipe is not None else None
-        norm = grad_norm(self.module, owned, ctx.tp_group, pp_group, ctx.dp_group, zero)
-        if max_norm is not None:
-            clip_grads_(self.module, norm, max_norm, zero)
-        return norm
+        return self.grads.clip_(max_norm)
 
     # ---- collectives ---------------------------------------------------------------------
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        if self._pipeline is not None:  # only the last stage computed the loss: take its value
-            tensor = self._pipeline.from_last_stage(tensor)
-        if self._ctx is None or self._ctx.dp_size == 1:
-            return tensor  # tp ranks already hold identical metrics
-        out = tensor.detach().clone().to(self.root_device)
-        dist.all_reduce(out, group=self._ctx.dp_group)  # dp replicas sum their metric
-        return out / self._ctx.dp_size if op == "mean" else out
+        ctx = self._ctx
+        out = tensor.detach().float().clone().to(self.root_device)
+        if self.stage is not None:  # only the last stage computed the loss: its value for all
+            # the last stage sends its value to every stage of its pipeline
+            dist.broadcast(out, src=ctx.pp_ranks[-1], group=ctx.pp_group)
+        if ctx.dp_size > 1:  # tp ranks already hold identical metrics
+            dist.all_reduce(out, group=ctx.dp_group)  # dp replicas sum their metric
+            out = out / ctx.dp_size if op == "mean" else out
+        return out
 
     def barrier(self, name: str | None = None) -> None:
         if self._ctx is not None:
@@ -317,33 +249,45 @@ class Parallel3DStrategy(GatheredStateMixin, Strategy):
         dist.all_reduce(box, op=dist.ReduceOp.MAX)  # every rank sends its 0/1 flag, all get the max
         return bool(box.item())
 
-    # ---- checkpoints: per-rank shards + index (sharded_checkpoint.py) ------------------------
+    # ---- checkpoints: per-rank shards + index ------------------------------------------------
     def save_checkpoint(self, path: str | Path, state: dict[str, Any]) -> None:
         """Every rank writes what it owns; rank 0 the index; published atomically (collective)."""
-        self._checkpointer.save(Path(path), self.optimizers, state)
+        save_sharded(
+            Path(path), self.module, self.optimizers, self.layout, state, self.topology, self._model_meta,
+            self.root_device,
+        )  # fmt: skip
 
-    def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
-        """A sharded checkpoint from any topology (or a single-device one): this rank's slices."""
-        if not is_sharded_checkpoint(path):
-            return super().load_checkpoint(path, load_optimizer)
-        state = self._checkpointer.load_model(Path(path))
-        if self._dp is not None:
-            self._dp.reload_master_weights()  # ZeRO-1's fp32 master shards follow the new weights
-        if load_optimizer:
-            self.load_optimizer_checkpoint(path)
-        return state
+    def on_weights_loaded(self) -> None:
+        if self.grads is not None and self.grads.zero is not None:
+            self.grads.zero.reload_master_weights()  # ZeRO-1's fp32 master shards follow the weights
 
-    def load_optimizer_checkpoint(self, path: str | Path) -> None:
-        if not is_sharded_checkpoint(path):
-            return super().load_optimizer_checkpoint(path)
-        self._checkpointer.load_optimizers(Path(path), self.optimizers)
+    def optimizer_param_names(self) -> list[list[str]]:
+        """The one-process optimizers' parameter order: each group's names across all stages, in
+        the full model's order (what a one-process run of `configure_optimizers` builds)."""
+        local = super().optimizer_param_names()
+        if self.stage is None:
+            return local
+        order = {k: i for i, k in enumerate(self.layout.full_shapes)}
+        out = []
+        for opt, names in zip(self.optimizers, local, strict=True):
+            sizes = [len(g["params"]) for g in opt.param_groups]
+            groups = [names[sum(sizes[:g]) : sum(sizes[: g + 1])] for g in range(len(sizes))]
+            everyone: list[Any] = [None] * self._ctx.pp_size
+            # every stage shares the parameter names of its optimizer groups with its pipeline
+            dist.all_gather_object(everyone, groups, group=self._ctx.pp_group)
+            merged = [
+                sorted({n for part in everyone for n in part[g]}, key=order.__getitem__)
+                for g in range(len(sizes))
+            ]
+            out.append([n for group in merged for n in group])
+        return out
 
 
-def _find_tp_model(module: nn.Module) -> nn.Module:
-    """The (first) submodule that declares a tensor-parallel plan, e.g. `LlamaForCausalLM`."""
-    for sub in module.modules():
+def _find_plan_model(module: nn.Module) -> tuple[nn.Module, str]:
+    """The (first) submodule that declares a tensor-parallel plan, and its state-dict key prefix."""
+    for name, sub in module.named_modules():
         if isinstance(getattr(sub, "tp_plan", None), dict):
-            return sub
+            return sub, f"{name}." if name else ""
     raise TypeError(
         f"Parallel3DStrategy found no model with a `tp_plan` inside {type(module).__name__}; build one "
         "(e.g. nanolight.models.LlamaForCausalLM) in configure_model()"

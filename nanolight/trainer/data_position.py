@@ -1,4 +1,4 @@
-"""Training-data iteration that can resume mid-epoch.
+"""Where training stands in its data: iteration that can resume mid-epoch, and what a step consumed.
 
 Two kinds of loaders:
 

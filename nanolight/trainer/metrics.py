@@ -2,7 +2,8 @@
 
 Training: values logged during one optimizer step are averaged over its micro-batches (so
 ``train/loss`` is the global-batch mean), then -- when ``sync_dist`` -- averaged over
-data-parallel ranks by `Strategy.reduce`. Validation: values are averaged over the epoch.
+data-parallel ranks by `Strategy.reduce` (the one path every metric and the loss take across
+ranks). Validation: values are averaged over the epoch.
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ def _to_tensor(name: str, value: Any) -> torch.Tensor:
     if isinstance(value, (int, float, bool)):
         return torch.tensor(float(value))
     raise TypeError(f"self.log({name!r}) needs a number or scalar tensor, got {type(value).__name__}")
+
+
+def _reduced(
+    entries: dict[str, _Entry], reduce: Reduce, always: frozenset[str] = frozenset()
+) -> dict[str, torch.Tensor]:
+    """Each entry's mean; the ``sync_dist`` ones (and `always`) reduced over ranks together, in one
+    collective, so a step costs one reduction however many metrics it logs."""
+    values = {name: torch.stack(e.values).mean() for name, e in entries.items()}
+    synced = [name for name, e in entries.items() if e.sync_dist or name in always]
+    if synced:
+        reduced = reduce(torch.stack([values[name] for name in synced]))
+        values.update(zip(synced, reduced.unbind(), strict=True))
+    return values
 
 
 class MetricStore:
@@ -74,11 +88,10 @@ class MetricStore:
     ) -> dict[str, torch.Tensor]:
         """Close one optimizer step: the metrics for the loggers, as tensors (converting to float
         forces a device sync, so the trainer does it only on logging steps)."""
+        values = _reduced(self._step, reduce, always_sync)
         out: dict[str, torch.Tensor] = {}
         for name, e in self._step.items():
-            value = torch.stack(e.values).mean()
-            if e.sync_dist or name in always_sync:
-                value = reduce(value)
+            value = values[name]
             key = f"{name}_step" if e.on_step and e.on_epoch else name
             if e.on_step:
                 self._publish(key, value, e)
@@ -96,18 +109,15 @@ class MetricStore:
 
     def finish_epoch(self, reduce: Reduce) -> dict[str, torch.Tensor]:
         """Close a train or validation epoch: epoch means of ``on_epoch`` metrics."""
+        entries = {n: e for n, e in self._epoch[self.stage].items() if e.on_epoch and e.values}
+        values = _reduced(entries, reduce)
         out: dict[str, torch.Tensor] = {}
-        for name, e in self._epoch[self.stage].items():
-            if not e.on_epoch or not e.values:
-                continue
-            value = torch.stack(e.values).mean()
-            if e.sync_dist:
-                value = reduce(value)
+        for name, e in entries.items():
             key = f"{name}_epoch" if e.on_step and e.on_epoch else name
-            self._publish(key, value, e)
-            self.callback_metrics[name] = value
+            self._publish(key, values[name], e)
+            self.callback_metrics[name] = values[name]
             if e.logger:
-                out[key] = value
+                out[key] = values[name]
         self._epoch[self.stage] = {}
         return out
 

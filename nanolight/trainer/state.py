@@ -1,7 +1,7 @@
-"""Building and restoring the trainer part of a checkpoint (the strategy writes the files).
+"""The trainer's part of a checkpoint: built, restored, and found (``ckpt_path="last"``).
 
-Kept out of ``trainer.py`` so the loop reads top to bottom; every value here is a tensor or a
-plain container, so ``torch.load(weights_only=True)`` reads it back.
+The strategy writes and reads the files; this is what goes into ``trainer_state.pt``. Every value
+is a tensor or a plain container, so ``torch.load(weights_only=True)`` reads it back.
 """
 
 from __future__ import annotations
@@ -11,14 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from nanolight.checkpoint.trainer_state import (
-    LAST_POINTER,
-    capture_rng_state,
-    resolve_checkpoint,
-)
+from nanolight.checkpoint.atomic import LAST_POINTER, resolve_checkpoint
+from nanolight.seed import capture_rng_state
 
 if TYPE_CHECKING:
-    from nanolight.trainer import NanoTrainer
+    from nanolight.trainer.trainer import NanoTrainer
 
 FORMAT = "nanolight-trainer-v1"
 
@@ -28,7 +25,7 @@ def build_state(trainer: NanoTrainer) -> dict[str, Any]:
     state: dict[str, Any] = {
         "format": FORMAT,
         "progress": dict(trainer.progress),
-        "loop": trainer._loop_state(),
+        "loop": trainer.fit_loop.state_dict(),
         "schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
         "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
         "rng": capture_rng_state(),
@@ -59,8 +56,7 @@ def restore_state(trainer: NanoTrainer, path: Path) -> dict[str, Any]:
 
 
 def restore_training_state(trainer: NanoTrainer, path: Path, state: dict[str, Any]) -> None:
-    strategy = trainer.strategy
-    strategy.load_optimizer_checkpoint(path)
+    trainer.strategy.load_optimizer_checkpoint(path)
     scheds = state.get("schedulers", [])
     if len(scheds) != len(trainer.lr_scheduler_configs):
         raise ValueError(
@@ -70,8 +66,7 @@ def restore_training_state(trainer: NanoTrainer, path: Path, state: dict[str, An
     for cfg, sd in zip(trainer.lr_scheduler_configs, scheds, strict=True):
         cfg.scheduler.load_state_dict(sd)
     trainer.progress.update(state.get("progress", {}))
-    trainer._resume_loop = state.get("loop")
-    trainer._resume_rng = state.get("rng")
+    trainer.fit_loop.load_state_dict(state.get("loop"), state.get("rng"))
 
 
 def resolve_ckpt_path(trainer: NanoTrainer, ckpt_path: str | Path | None) -> Path | None:

@@ -1,43 +1,44 @@
-"""Pipeline parallelism: stage split by module name, P2P, schedules (all-fwd-all-bwd, 1F1B)."""
+"""Pipeline parallelism: split by module name (`split.py`), schedules as data (`schedules.py`),
+point-to-point exchange (`p2p.py`) and one rank's stage (`stage.py`)."""
 
-from nanolight.parallel.pipeline.engine import PipelineEngine
 from nanolight.parallel.pipeline.p2p import StageP2P
 from nanolight.parallel.pipeline.schedules import (
+    BACKWARD,
+    FORWARD,
     all_forward_all_backward,
     bubble_fraction,
     build_schedule,
+    check_micro_batches,
     max_in_flight,
+    one_by_one,
     one_forward_one_backward,
 )
 from nanolight.parallel.pipeline.split import (
+    PipelineSplit,
     StageLayers,
+    apply_split,
     balanced_layer_split,
-    check_micro_batches,
     check_pipeline_layout,
-    init_stage_,
-    llama_stage_costs,
-    param_specs,
-    split_causal_lm,
-    tie_stage_weights,
+    plan_split,
 )
 from nanolight.parallel.pipeline.stage import PipelineStage
 
 __all__ = [
-    "PipelineEngine",
+    "BACKWARD",
+    "FORWARD",
+    "PipelineSplit",
     "PipelineStage",
     "StageLayers",
     "StageP2P",
     "all_forward_all_backward",
+    "apply_split",
     "balanced_layer_split",
     "bubble_fraction",
     "build_schedule",
     "check_micro_batches",
     "check_pipeline_layout",
-    "init_stage_",
-    "llama_stage_costs",
     "max_in_flight",
+    "one_by_one",
     "one_forward_one_backward",
-    "param_specs",
-    "split_causal_lm",
-    "tie_stage_weights",
+    "plan_split",
 ]

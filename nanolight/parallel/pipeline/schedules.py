@@ -1,9 +1,10 @@
 """Pipeline schedules: the order in which one stage runs forwards (F) and backwards (B).
 
 A schedule is plain data -- a list of (`FORWARD` | `BACKWARD`, micro-batch index) -- built per
-stage, so it can be printed, tested and reasoned about without processes. The engine
-(`engine.py`) walks it; the point-to-point exchanges inside F and B make the stages wait for
-each other, so the per-stage lists together form the pipeline.
+stage, so it can be printed, tested and reasoned about without processes. The trainer walks it
+(the strategy hands it over); the point-to-point exchanges inside F and B make the stages wait
+for each other, so the per-stage lists together form the pipeline. Without pipeline parallelism
+the schedule is `one_by_one`: plain gradient accumulation.
 
 With p stages and m micro-batches both schedules leave the same idle "bubble" of
 (p-1)/(m+p-1) of the step; they differ in memory. All-forward-all-backward (GPipe) keeps the
@@ -16,6 +17,11 @@ from __future__ import annotations
 FORWARD, BACKWARD = "F", "B"
 Action = tuple[str, int]
 SCHEDULES = ("1f1b", "afab")
+
+
+def one_by_one(num_micro_batches: int) -> list[Action]:
+    """Gradient accumulation on one stage: each micro-batch's forward, then its backward."""
+    return [(kind, i) for i in range(num_micro_batches) for kind in (FORWARD, BACKWARD)]
 
 
 def all_forward_all_backward(num_micro_batches: int) -> list[Action]:
@@ -50,7 +56,20 @@ def one_forward_one_backward(num_micro_batches: int, pp_size: int, pp_rank: int)
     return schedule
 
 
+def check_micro_batches(pp: int, schedule: str, micro_batches: int) -> None:
+    """1F1B needs at least pp micro-batches per step to reach its steady phase; say so clearly."""
+    if pp > 1 and schedule == "1f1b" and micro_batches < pp:
+        raise ValueError(
+            f"the 1F1B schedule needs at least pp={pp} micro-batches per optimizer step, got "
+            f"accumulate_grad_batches={micro_batches}: with fewer, stages idle most of the step "
+            f"(bubble (p-1)/(m+p-1) = {(pp - 1) / (micro_batches + pp - 1):.0%}). Set "
+            f"trainer.accumulate_grad_batches >= {pp} (4*pp or more keeps the bubble small) or "
+            "use pp_schedule='afab'"
+        )
+
+
 def build_schedule(name: str, num_micro_batches: int, pp_size: int, pp_rank: int) -> list[Action]:
+    """Stage `pp_rank`'s actions for one step (`check_micro_batches` says whether m suits p)."""
     if name == "1f1b":
         return one_forward_one_backward(num_micro_batches, pp_size, pp_rank)
     if name == "afab":

@@ -1,40 +1,38 @@
-"""Cut a plain causal LM into pipeline stages by module name, and initialise one stage.
+"""Cut a model into pipeline stages by module name: which stage holds what, as a record.
 
-Which stage holds what (the model keeps its module names, so checkpoints load at any layout):
+The model declares its pipeline plan as data (`LlamaForCausalLM.pp_plan`), as it declares its
+tensor-parallel plan; nothing here knows Llama:
 
-    stage 0        model.embed_tokens + model.layers.{a..b}
-    stage 1..p-2   model.layers.{..}
-    stage p-1      model.layers.{..} + model.norm + lm_head (+ the loss)
-                   (+ model.embed_tokens when embeddings are tied: it *is* lm_head.weight, so
-                   keeping the module costs no memory and keeps the parameter's name)
+    "first":  modules only the first stage runs           (the embedding)
+    "layers": the repeated blocks, split into contiguous runs, one run per stage
+    "last":   modules only the last stage runs            (final norm, output head)
 
-Layers are split into contiguous runs balanced by cost (`balanced_layer_split`): a decoder
-layer costs its parameter count (≈ its matmul FLOPs per token / 2), the output head costs
-hidden * vocab on the last stage. An explicit `layers_per_stage` overrides the balance.
+A "first" module whose parameter is tied to a "last" module's (the embedding that *is*
+``lm_head.weight``) is kept on the last stage too: it costs no memory there and keeps the
+parameter's name. Dropped modules become None (`nn.Module` then skips them in
+`named_parameters` and `state_dict`, and the model's forward skips them); the blocks become a
+`StageLayers` dict keyed by their global index, so a kept layer is still ``model.layers.5`` and
+checkpoints load at any layout. Splitting runs on the meta device, before materialisation, so
+a rank never allocates other stages' weights.
 
-A dropped module is set to None (`nn.Module` then skips it in `named_parameters` and
-`state_dict`); the decoder layers become a `StageLayers` dict keyed by their global index,
-so a kept layer is still `model.layers.5`. Splitting runs on the meta device, before
-materialisation, so a rank never allocates other stages' weights (memory ~ 1/pp).
+Layers are balanced by cost (`balanced_layer_split`, costs from the model's
+``pipeline_costs()``, which lives with its FLOPs); `layers_per_stage` overrides the balance.
+`PipelineSplit.holders` answers "which stages hold this tensor" for every rank without any
+communication: the record is the same on every rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
 from torch import nn
-
-from nanolight.parallel.tensor_parallel.apply import shard_dims
 
 
 class StageLayers(nn.ModuleDict):
-    """The decoder layers one stage owns, keyed by their global index ("5" -> model.layers.5).
+    """The blocks one stage owns, keyed by their global index ("5" -> model.layers.5).
 
-    Iterating yields the layers (like the `nn.ModuleList` it replaces), in index order.
-    """
+    Iterating yields the layers (like the `nn.ModuleList` it replaces), in index order."""
 
     def __iter__(self) -> Iterator[nn.Module]:  # type: ignore[override]
         return iter(self.values())
@@ -49,18 +47,6 @@ def check_pipeline_layout(pp: int, num_layers: int) -> None:
         )
 
 
-def check_micro_batches(pp: int, schedule: str, micro_batches: int) -> None:
-    """1F1B needs at least pp micro-batches per step to reach its steady phase; say so clearly."""
-    if pp > 1 and schedule == "1f1b" and micro_batches < pp:
-        raise ValueError(
-            f"the 1F1B schedule needs at least pp={pp} micro-batches per optimizer step, got "
-            f"accumulate_grad_batches={micro_batches}: with fewer, stages idle most of the step "
-            f"(bubble (p-1)/(m+p-1) = {(pp - 1) / (micro_batches + pp - 1):.0%}). Set "
-            f"trainer.accumulate_grad_batches >= {pp} (4*pp or more keeps the bubble small) or "
-            "use pp_schedule='afab'"
-        )
-
-
 def balanced_layer_split(
     num_layers: int,
     pp: int,
@@ -71,7 +57,7 @@ def balanced_layer_split(
 ) -> list[range]:
     """Contiguous layer ranges per stage minimising the costliest stage (the pipeline's pace).
 
-    `first_extra` / `last_extra` are the embedding's / head's costs in the same units as
+    `first_extra` / `last_extra` are the first / last stage's extra modules' costs in units of
     `layer_cost`. Exact dynamic programme over split points: O(pp * L^2), trivial for L <= 1000.
     """
     check_pipeline_layout(pp, num_layers)
@@ -110,62 +96,73 @@ def _min_max_partition(L: int, pp: int, cost: float, first: float, last: float) 
     return best[pp - 1][L][1]
 
 
-def llama_stage_costs(config: Any) -> tuple[float, float, float]:
-    """(layer, embedding, head) costs of a Llama config in parameter units (≈ FLOPs/token / 2)."""
-    h, i, hd = config.hidden_size, config.intermediate_size, config.head_dim
-    n_q, n_kv = config.num_attention_heads, config.num_key_value_heads
-    layer = h * (n_q + 2 * n_kv) * hd + n_q * hd * h + 3 * h * i
-    return float(layer), 0.0, float(h * config.vocab_size)  # a lookup costs no matmul
+@dataclass(frozen=True)
+class PipelineSplit:
+    """Which stage holds which module of a model cut by its ``pp_plan`` (the same on every rank)."""
+
+    first: tuple[str, ...]
+    layers: str
+    last: tuple[str, ...]
+    ranges: tuple[range, ...]
+    shared: frozenset[str]  # "first" modules the last stage keeps too (tied to a "last" module)
+
+    @property
+    def pp_size(self) -> int:
+        return len(self.ranges)
+
+    def holders(self, key: str) -> tuple[int, ...]:
+        """The stages holding parameter/state-dict key `key` (a name inside the split model)."""
+        last = self.pp_size - 1
+        if key.startswith(self.layers + "."):
+            index = int(key[len(self.layers) + 1 :].split(".", 1)[0])
+            return tuple(s for s, r in enumerate(self.ranges) if index in r)
+        if _under(key, self.first):
+            return (0, last) if _under(key, tuple(self.shared)) and last > 0 else (0,)
+        if _under(key, self.last):
+            return (last,)
+        return tuple(range(self.pp_size))  # not in the plan: every stage holds its own copy
+
+    def keeps(self, stage: int, module: str) -> bool:
+        if module in self.first:
+            return stage == 0 or (module in self.shared and stage == self.pp_size - 1)
+        return module not in self.last or stage == self.pp_size - 1
 
 
-def split_causal_lm(lm: nn.Module, pp_rank: int, pp_size: int, layers: range) -> nn.Module:
-    """Drop from `lm` (a LlamaForCausalLM, ideally on meta) every module not on this stage."""
-    first, last = pp_rank == 0, pp_rank == pp_size - 1
-    tied = bool(getattr(lm.config, "tie_word_embeddings", False))
-    old = lm.model.layers
-    lm.model.layers = StageLayers({str(i): old[i] for i in layers})
-    if not first and not (last and tied):
-        lm.model.embed_tokens = None
-    if not last:
-        lm.model.norm = None
-        lm.lm_head = None
-    return lm
+def _under(key: str, modules: tuple[str, ...]) -> bool:
+    return any(key == m or key.startswith(m + ".") for m in modules)
 
 
-def tie_stage_weights(lm: nn.Module) -> None:
-    """Re-tie lm_head to the embedding where a stage holds both (materialising made new Parameters)."""
-    if getattr(lm.config, "tie_word_embeddings", False) and lm.lm_head is not None:
-        if lm.model.embed_tokens is not None:
-            lm.lm_head.weight = lm.model.embed_tokens.weight
+def plan_split(model: nn.Module, pp: int, layers_per_stage: Sequence[int] | None = None) -> PipelineSplit:
+    """The split of `model` (declaring ``pp_plan``) into `pp` stages, balanced by its costs."""
+    plan = getattr(model, "pp_plan", None)
+    if not isinstance(plan, dict):
+        raise TypeError(f"{type(model).__name__} declares no `pp_plan`; pipeline parallelism needs one")
+    first, last = tuple(plan.get("first", ())), tuple(plan.get("last", ()))
+    num_layers = len(model.get_submodule(plan["layers"]))
+    costs = model.pipeline_costs() if hasattr(model, "pipeline_costs") else (1.0, 0.0, 0.0)
+    ranges = balanced_layer_split(num_layers, pp, *costs, layers_per_stage=layers_per_stage)
+    tied = _tied_keys(model)
+    shared = frozenset(m for m in first if any(_under(a, (m,)) and _under(b, last) for a, b in tied))
+    return PipelineSplit(first, plan["layers"], last, tuple(ranges), shared)
 
 
-def param_specs(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, full shape) of every parameter of the *unsplit, unsharded* model, in init order."""
-    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+def _tied_keys(model: nn.Module) -> list[tuple[str, str]]:
+    """(key, alias) pairs of state-dict entries that are one tensor (lm_head tied to the embedding)."""
+    first: dict[int, str] = {}
+    pairs = []
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in first:
+            pairs.append((first[id(tensor)], key))
+        else:
+            first[id(tensor)] = key
+    return pairs
 
 
-def init_stage_(
-    model: nn.Module,
-    specs: list[tuple[str, tuple[int, ...]]],
-    generator: torch.Generator,
-    tp_group: Any | None = None,
-) -> None:
-    """Initialise a split (and maybe tp-sharded) model exactly as the unsplit model would be.
-
-    Why not `init_sharded_`: it draws only the parameters the model holds, so after a split the
-    generator stream would shift and every later parameter would differ from the single-device
-    init. Here every rank replays *all* parameters of the full model (`specs`, in
-    `named_parameters()` order) and keeps the ones its stage owns (its tp slice of them).
-    """
-    rank, size = (0, 1) if tp_group is None else (dist.get_rank(tp_group), dist.get_world_size(tp_group))
-    kept = dict(model.named_parameters())
-    dims = shard_dims(model)
-    for name, shape in specs:
-        full = torch.empty(shape, dtype=torch.float32)  # CPU: the CPU generator's stream
-        model.init_param(name, full, generator)
-        if name not in kept:
-            continue  # another stage's parameter: drawn only to keep the stream aligned
-        dim = dims[name]
-        local = full if dim is None else full.chunk(size, dim=dim)[rank]
-        with torch.no_grad():
-            kept[name].copy_(local)
+def apply_split(model: nn.Module, split: PipelineSplit, stage: int) -> None:
+    """Drop from `model` (ideally on meta) every module that `stage` does not hold."""
+    blocks = model.get_submodule(split.layers)
+    model.set_submodule(split.layers, StageLayers({str(i): blocks[i] for i in split.ranges[stage]}))
+    for name in split.first + split.last:
+        if not split.keeps(stage, name):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, None)

@@ -1,41 +1,41 @@
-"""`PipelineStage`: one rank's slice of a causal LM, called exactly like the whole model.
+"""`PipelineStage`: one rank's slice of a model, called exactly like the whole model.
 
-The user's `training_step` keeps calling `self.model(input_ids, labels=labels)`. After the
-split, that call runs this stage's part of the forward (the stage replaces the model's
-`forward` on the instance, so module names, hooks and `state_dict` keys are untouched):
+The user's `training_step` keeps calling ``self.model(input_ids, labels=labels)``. After the split
+(`split.py`) the model holds only this stage's modules, and its own forward skips the absent ones
+(it takes ``hidden_states=`` in place of its embedding's output and returns its last hidden state
+when it has no head). The stage wraps that forward on the instance (module names, hooks and
+``state_dict`` keys are untouched) and adds the exchange with the neighbours:
 
-    first stage   embed(input_ids) -> its layers -> send the activation to the next stage
-    middle stage  receive the activation -> its layers -> send it on
-    last stage    receive -> its layers -> norm -> lm_head -> loss (the real, scalar loss)
+    first stage   forward(input_ids)                        -> send the activation to the next stage
+    middle stage  receive -> forward(..., hidden_states=x)  -> send it on
+    last stage    receive -> forward(..., hidden_states=x)  -> the model's own loss (or logits)
 
-A non-last stage returns a *placeholder* loss: a zero scalar that is differentiable with
-respect to the stage's output. The user logs it and returns it like a real loss; when the
-engine later back-propagates it, the placeholder's backward hands autograd the gradient the
-next stage sent for this output, so the user's `loss.backward()` path (hooks included) drives
-the stage's real backward. The true loss reaches the metrics through the strategy (see
-`engine.py`).
+A non-last stage returns a *placeholder* loss: a zero scalar that is differentiable with respect
+to the stage's output. The user logs it and returns it like a real loss; when the strategy later
+back-propagates it (`backward`), the placeholder's backward hands autograd the gradient the next
+stage sent for this output. The true loss reaches the metrics through `Strategy.reduce`, which
+takes it from the last stage.
 
-Outside a schedule (validation, `model(ids)` for inference) each call is a plain forward
+Which micro-batch a forward belongs to is set by the strategy around the user's training_step
+(`micro_batch`); outside a schedule (validation, inference) each call is a plain forward
 through the pipeline: receive, compute, send, return (a placeholder on non-last stages).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanolight.parallel.pipeline.p2p import StageP2P
 
-IGNORE_INDEX = -100
-
 
 class _GradSlot:
-    """Where the engine puts the gradient received for one micro-batch's stage output."""
+    """Where `backward` puts the gradient received for one micro-batch's stage output."""
 
     grad: torch.Tensor | None = None
 
@@ -51,13 +51,13 @@ class _Placeholder(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, _grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        # The incoming 1/n scaling is already inside the received gradient (the last stage
+        # The 1/n scaling is already inside the received gradient (the last stage
         # back-propagated loss/n), so it is not applied twice.
         grad, ctx.slot.grad = ctx.slot.grad, None
         if grad is None:
             raise RuntimeError(
-                "pipeline placeholder loss was back-propagated outside the pipeline engine; under "
-                "pipeline parallelism the strategy drives backward (do not call loss.backward() yourself)"
+                "pipeline placeholder loss was back-propagated outside the pipeline schedule; under "
+                "pipeline parallelism the trainer drives backward (do not call loss.backward() yourself)"
             )
         return grad, None
 
@@ -72,43 +72,43 @@ class _InFlight:
 
 
 class PipelineStage:
-    """Runs one stage of a split `LlamaForCausalLM` (see `split.py`) and talks to its neighbours."""
+    """Runs this rank's stage of a split model (see `split.py`) and talks to its neighbours."""
 
-    def __init__(self, lm: nn.Module, pp_rank: int, pp_size: int, p2p: StageP2P) -> None:
-        self.lm, self.p2p = lm, p2p
+    def __init__(self, model: nn.Module, pp_rank: int, pp_size: int, p2p: StageP2P) -> None:
+        self.model, self.p2p = model, p2p
         self.pp_rank, self.pp_size = pp_rank, pp_size
         self.is_first, self.is_last = pp_rank == 0, pp_rank == pp_size - 1
-        self.current: int | None = None  # micro-batch index while the engine runs its forward
+        self.current: int | None = None  # micro-batch index during its forward in the schedule
         self.in_flight: dict[int, _InFlight] = {}
-        lm.forward = self.forward  # instance attribute: nn.Module.__call__ (and its hooks) run it
+        self.max_in_flight = 0  # most micro-batches alive at once during the current/last step
+        self._forward = type(model).forward.__get__(model)  # the model's own, stage-skipping forward
+        model.forward = self.forward  # instance attribute: nn.Module.__call__ (and its hooks) run it
 
-    # ---- forward ----------------------------------------------------------------------------
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        labels: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        lm, i = self.lm, self.current
+    @contextmanager
+    def micro_batch(self, i: int) -> Iterator[None]:
+        """Around the user's training_step for micro-batch `i` of the schedule."""
+        if i == 0:  # every schedule starts a step with micro-batch 0's forward
+            self.max_in_flight = 0
+        self.current = i
+        try:
+            yield
+        finally:
+            self.current = None
+
+    def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         key = tuple(input_ids.shape)  # the activation shape follows from it
-        if self.is_first:
-            x = lm.model.embed_tokens(input_ids)  # (B, T, C)
-            stage_input = None
-        else:
+        stage_input = None
+        if not self.is_first:
             stage_input = self.p2p.recv_forward(key)  # (B, T, C) from the previous stage
             if torch.is_grad_enabled():
                 stage_input.requires_grad_()  # a leaf: its .grad is what we send back
-            x = stage_input
-        cos, sin = lm.model.rotary_tables(input_ids.shape, position_ids, x)
-        for layer in lm.model.layers:  # this stage's layers only, in global order
-            x = layer(x, cos, sin)
-
-        slot = _GradSlot()  # filled with d loss/d x by `backward` (unused on the last stage)
-        if self.is_last:
-            out = self._head_and_loss(x, labels)
-        else:
-            self.p2p.send_forward(x, key)  # (B, T, C) to the next stage
-            out = _Placeholder.apply(x, slot)
+            kwargs["hidden_states"] = stage_input
+        out = self._forward(input_ids, *args, **kwargs)
+        slot = _GradSlot()  # filled with d loss/d out by `backward` (unused on the last stage)
+        if not self.is_last:
+            self.p2p.send_forward(out, key)  # (B, T, C) to the next stage
+            out = _Placeholder.apply(out, slot)
+        i = self.current
         if i is None:  # a plain forward (validation / inference): nothing stays in flight
             self.p2p.wait()
             return out
@@ -118,23 +118,11 @@ class PipelineStage:
                 "parallelism call self.model(...) exactly once per training_step"
             )
         self.in_flight[i] = _InFlight(key, stage_input, slot)
+        self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
         return out
 
-    def _head_and_loss(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
-        """The last stage: final norm, output head, and the model's own loss (as its forward)."""
-        lm = self.lm
-        logits = lm.lm_head(lm.model.norm(x))  # (B, T, V)
-        if labels is None:
-            return logits
-        shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T): t predicts t+1
-        return lm.loss_fn(logits, shifted)
-
-    # ---- backward -----------------------------------------------------------------------------
-    def backward(self, i: int, loss: torch.Tensor, run_backward: Any) -> None:
-        """Backward of micro-batch `i`: receive d loss/d output, back-propagate, send d loss/d input.
-
-        `run_backward(loss)` is the trainer's `micro_step.backward` (hooks + `loss.backward()`).
-        """
+    def backward(self, i: int, loss: torch.Tensor) -> None:
+        """Backward of micro-batch `i`: receive d loss/d output, back-propagate, send d loss/d input."""
         if i not in self.in_flight:
             raise RuntimeError(
                 f"micro-batch {i} never went through the pipelined model; under pipeline parallelism "
@@ -143,7 +131,11 @@ class PipelineStage:
         flight = self.in_flight.pop(i)
         if not self.is_last:
             flight.slot.grad = self.p2p.recv_backward(flight.key)  # d loss/d output <- next stage
-        run_backward(loss)
+        loss.backward()
         if not self.is_first:
             grad = flight.stage_input.grad if flight.stage_input is not None else None
             self.p2p.send_backward(grad, flight.key)  # d loss/d input -> previous stage
+
+    def finish(self) -> None:
+        """End of a step: wait until every activation/gradient this stage sent was received."""
+        self.p2p.wait()

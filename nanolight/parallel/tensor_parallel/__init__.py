@@ -2,9 +2,9 @@
 
 from nanolight.parallel.tensor_parallel.apply import (
     apply_tensor_parallel,
-    grad_norm_squared,
+    gather_full,
     shard_dims,
-    sync_replicated_grads,
+    take_shard,
 )
 from nanolight.parallel.tensor_parallel.cross_entropy import (
     VocabParallelCrossEntropyLoss,
@@ -24,8 +24,8 @@ __all__ = [
     "VocabParallelCrossEntropyLoss",
     "VocabParallelEmbedding",
     "apply_tensor_parallel",
-    "grad_norm_squared",
+    "gather_full",
     "shard_dims",
-    "sync_replicated_grads",
+    "take_shard",
     "vocab_parallel_cross_entropy",
 ]

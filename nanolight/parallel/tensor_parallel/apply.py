@@ -20,8 +20,8 @@ all-gathered on entry to the *parent* of each column layer (`self_attn`, `mlp`) 
 the layer, because the parent reads `T` from its input's shape (attention reshapes by it) and
 must see the full sequence; the column layer then does no entry collective itself. (The
 output head's parent is the model root, so `lm_head` gathers the sequence itself.) Each rank
-then runs the norms on its own tokens only, so their replicated weights get partial gradients:
-`sync_replicated_grads` sums them over tp after backward.
+then runs the norms on its own tokens only, so their replicated weights get partial gradients,
+which `parallel/grads.py` sums over tp after backward.
 
 Tied embeddings: the embedding and `lm_head` both split the vocabulary into the same
 contiguous rows, so after re-tying, `lm_head` uses the embedding's shard as is.
@@ -34,7 +34,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from nanolight.parallel.tensor_parallel import comm
@@ -172,36 +171,3 @@ def take_shard(full: Tensor, dim: int | None, group: Any) -> Tensor:
         return full
     rank, size = comm.tp_world(group)
     return full.chunk(size, dim=dim)[rank]
-
-
-def sync_replicated_grads(model: nn.Module, group: Any) -> None:
-    """With sequence parallelism, sum replicated parameters' gradients over tp.
-
-    Each tp rank ran the norms on its own T/tp tokens, so a norm weight's gradient is a partial
-    sum; without sequence parallelism every rank saw every token and this is not needed. Call
-    once after the last micro-batch's backward (the sum is linear, so accumulation commutes).
-    """
-    dims = shard_dims(model)
-    grads = [p.grad for name, p in model.named_parameters() if dims[name] is None and p.grad is not None]
-    if not grads or dist.get_world_size(group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)  # tp ranks sum their partial norm-weight gradients
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def grad_norm_squared(model: nn.Module, group: Any) -> Tensor:
-    """Squared global L2 norm of the gradients over the tp group, replicated params counted once."""
-    dims = shard_dims(model)
-    sharded, replicated = [], []
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            (replicated if dims[name] is None else sharded).append(p.grad.detach().float().pow(2).sum())
-    device = next(model.parameters()).device
-    local = torch.stack(sharded).sum() if sharded else torch.zeros((), device=device)
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(local, group=group)  # tp ranks sum the squared norms of their shards
-    return local + (torch.stack(replicated).sum() if replicated else 0.0)

@@ -19,6 +19,7 @@ All exchanges are among the ranks of one tensor-parallel group (same dp and pp c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -81,131 +82,82 @@ def _reduce_scatter(x: Tensor, dim: int, group: Any) -> Tensor:
     return out.movedim(0, dim)
 
 
-class _CopyToTP(torch.autograd.Function):
-    """Forward: every tp rank already holds the same input, keep it.
-    Backward: each rank's column shard produced only a partial input gradient; tp ranks
-    all-reduce (sum) those partials so every rank gets the full gradient."""
+class _Region(torch.autograd.Function):
+    """A tensor-parallel region boundary: `forward(x, group)` going in, its adjoint `backward`
+    for the gradient coming out (each one of the collectives above, or none)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        ctx.group = group
-        return x
+    def forward(ctx: Any, x: Tensor, group: Any, forward: Callable, backward: Callable) -> Tensor:
+        ctx.group, ctx.adjoint = group, backward
+        return forward(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _all_reduce(grad.clone(), ctx.group), None  # tp ranks: sum partial input grads
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return ctx.adjoint(grad, ctx.group), None, None, None
 
 
-class _ReduceFromTP(torch.autograd.Function):
-    """Forward: tp ranks all-reduce (sum) their partial outputs (row-parallel matmul pieces).
-    Backward: the summed output's gradient is the same on every rank; pass it through."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        return _all_reduce(x.clone(), group)  # tp ranks: sum partial outputs
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad, None
+def _identity(x: Tensor, group: Any) -> Tensor:
+    return x
 
 
-class _GatherFromTP(torch.autograd.Function):
-    """Forward: tp ranks all-gather their last-dim shards (e.g. vocab slices of the logits).
-    Backward: each rank keeps the gradient of its own slice (no communication)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        ctx.group = group
-        return all_gather_tensor(x, -1, group)  # tp ranks: exchange last-dim shards
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _split(grad, -1, ctx.group), None
+def _sum(x: Tensor, group: Any) -> Tensor:
+    return _all_reduce(x.clone(), group)  # tp ranks: sum their partial tensors
 
 
-class _ScatterToTP(torch.autograd.Function):
-    """Forward: each rank keeps its last-dim slice of a replicated tensor (no communication).
-    Backward: tp ranks all-gather the slice gradients back into the full gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        ctx.group = group
-        return _split(x, -1, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return all_gather_tensor(grad, -1, ctx.group), None  # tp ranks: exchange slice grads
+def _gather_last(x: Tensor, group: Any) -> Tensor:
+    return all_gather_tensor(x, -1, group)  # tp ranks: exchange last-dim shards
 
 
-class _GatherFromSP(torch.autograd.Function):
-    """Forward: tp ranks all-gather their sequence chunks (B, T/tp, H) -> (B, T, H) before a
-    column-parallel layer. Backward: each rank's input gradient over the full sequence is a
-    partial sum (its column shard only); tp ranks reduce-scatter it, each keeping the summed
-    gradient of its own sequence chunk."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        ctx.group = group
-        return all_gather_tensor(x, 1, group)  # tp ranks: exchange sequence chunks
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _reduce_scatter(grad, 1, ctx.group), None  # tp ranks: sum partials, keep own chunk
+def _split_last(x: Tensor, group: Any) -> Tensor:
+    return _split(x, -1, group)
 
 
-class _ReduceScatterToSP(torch.autograd.Function):
-    """Forward: after a row-parallel layer every rank holds a partial (B, T, H); tp ranks
-    reduce-scatter it so each keeps the sum for its sequence chunk (B, T/tp, H).
-    Backward: tp ranks all-gather the chunk gradients (the full-sequence gradient is the same
-    for every partial summand)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        ctx.group = group
-        return _reduce_scatter(x, 1, group)  # tp ranks: sum partial outputs, keep own chunk
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return all_gather_tensor(grad, 1, ctx.group), None  # tp ranks: exchange chunk grads
+def _gather_seq(x: Tensor, group: Any) -> Tensor:
+    return all_gather_tensor(x, 1, group)  # tp ranks: exchange sequence chunks
 
 
-class _ScatterToSP(torch.autograd.Function):
-    """Forward: each rank keeps its sequence chunk of a replicated (B, T, H) (no communication).
-    Backward: tp ranks all-gather the chunk gradients into the full-sequence gradient."""
+def _reduce_scatter_seq(x: Tensor, group: Any) -> Tensor:
+    return _reduce_scatter(x, 1, group)  # tp ranks: sum partials, each keeps its sequence chunk
 
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        ctx.group = group
-        return _split(x, 1, group)
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return all_gather_tensor(grad, 1, ctx.group), None  # tp ranks: exchange chunk grads
+def _split_seq(x: Tensor, group: Any) -> Tensor:
+    return _split(x, 1, group)
 
 
 def copy_to_tp(x: Tensor, group: Any) -> Tensor:
-    return _CopyToTP.apply(x, group)
+    """Before a column-parallel layer: every rank holds the input; each rank's column shard gives
+    a partial input gradient, summed over tp."""
+    return _Region.apply(x, group, _identity, _sum)
 
 
 def reduce_from_tp(x: Tensor, group: Any) -> Tensor:
-    return _ReduceFromTP.apply(x, group)
+    """After a row-parallel layer: sum the partial outputs; the gradient passes through."""
+    return _Region.apply(x, group, _sum, _identity)
 
 
 def gather_from_tp(x: Tensor, group: Any) -> Tensor:
-    return _GatherFromTP.apply(x, group)
+    """Last-dim shards (vocab slices of the logits) -> the full tensor; each rank keeps its
+    slice's gradient."""
+    return _Region.apply(x, group, _gather_last, _split_last)
 
 
 def scatter_to_tp(x: Tensor, group: Any) -> Tensor:
-    return _ScatterToTP.apply(x, group)
+    """A replicated tensor -> this rank's last-dim slice; slice gradients are all-gathered."""
+    return _Region.apply(x, group, _split_last, _gather_last)
 
 
 def gather_from_sp(x: Tensor, group: Any) -> Tensor:
-    return _GatherFromSP.apply(x, group)
+    """(B, T/tp, H) chunks -> (B, T, H) before a column-parallel layer; its full-sequence input
+    gradient is a partial sum (this rank's column shard), reduce-scattered back to the chunks."""
+    return _Region.apply(x, group, _gather_seq, _reduce_scatter_seq)
 
 
 def reduce_scatter_to_sp(x: Tensor, group: Any) -> Tensor:
-    return _ReduceScatterToSP.apply(x, group)
+    """After a row-parallel layer: sum the partial (B, T, H), each rank keeping its (B, T/tp, H)
+    chunk; the chunk gradients are all-gathered."""
+    return _Region.apply(x, group, _reduce_scatter_seq, _gather_seq)
 
 
 def scatter_to_sp(x: Tensor, group: Any) -> Tensor:
-    return _ScatterToSP.apply(x, group)
+    """A replicated (B, T, H) -> this rank's sequence chunk; chunk gradients are all-gathered."""
+    return _Region.apply(x, group, _split_seq, _gather_seq)

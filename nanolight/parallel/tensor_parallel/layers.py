@@ -31,7 +31,35 @@ def _shard_size(total: int, size: int, what: str) -> int:
     return total // size
 
 
-class ColumnParallelLinear(nn.Module):
+class _ParallelLinear(nn.Module):
+    """A bias-free linear layer holding the `tp_shard_dim` slice of its dense twin's weight."""
+
+    tp_shard_dim = 0
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: Any,
+        sequence_parallel: bool,
+        device: Any,
+        dtype: Any,
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.tp_rank, self.tp_size = comm.tp_world(group)
+        self.in_features, self.out_features, self.sequence_parallel = (
+            in_features,
+            out_features,
+            sequence_parallel,
+        )
+        shape = [out_features, in_features]
+        what = ("out_features", "in_features")[self.tp_shard_dim]
+        shape[self.tp_shard_dim] = _shard_size(shape[self.tp_shard_dim], self.tp_size, what)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """Linear layer whose output features are split over the tp group (no bias: Llama has none).
 
     `gather_output=False` leaves the output sharded on the last dim, which is what the next
@@ -54,14 +82,8 @@ class ColumnParallelLinear(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.group = group
-        self.tp_rank, self.tp_size = comm.tp_world(group)
-        self.in_features, self.out_features = in_features, out_features
-        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        self.input_is_gathered = input_is_gathered
-        local_out = _shard_size(out_features, self.tp_size, "out_features")
-        self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
+        super().__init__(in_features, out_features, group, sequence_parallel, device, dtype)
+        self.gather_output, self.input_is_gathered = gather_output, input_is_gathered
 
     def forward(self, x: Tensor) -> Tensor:
         if self.input_is_gathered:
@@ -81,7 +103,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """Linear layer whose input features are split over the tp group.
 
     Its input is the sharded output of a column-parallel layer (`input_is_parallel=True`), so
@@ -102,13 +124,8 @@ class RowParallelLinear(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.group = group
-        self.tp_rank, self.tp_size = comm.tp_world(group)
-        self.in_features, self.out_features = in_features, out_features
-        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        local_in = _shard_size(in_features, self.tp_size, "in_features")
-        self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype))
+        super().__init__(in_features, out_features, group, sequence_parallel, device, dtype)
+        self.input_is_parallel = input_is_parallel
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:

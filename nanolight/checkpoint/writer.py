@@ -4,30 +4,21 @@ A rank collects the pieces it owns (`ShardWriter.add`), writes them into its own
 file, fsyncs it and returns the index entries for them (`ShardWriter.write`). Global rank 0
 gathers those entries and writes ``index.json`` last (`write_index`): a directory without an
 index is never a checkpoint, which is one of the two guarantees of atomicity (the other is the
-rename of the whole directory, in ``nanolight/strategies/sharded_checkpoint.py``).
+rename of the whole directory: `save.py`, `atomic.py`).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from nanolight.checkpoint.sharded.index import INDEX_FILE, CheckpointIndex, Shard, TensorEntry, check_coverage
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a directory's entry list: makes renames durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from nanolight.checkpoint.atomic import fsync_path
+from nanolight.checkpoint.files import save_tensors
+from nanolight.checkpoint.index import INDEX_FILE, CheckpointIndex, Shard, TensorEntry, check_coverage
 
 
 @dataclass
@@ -86,8 +77,7 @@ class ShardWriter:
         """Write and fsync this rank's files; return its part of the index."""
         for file, tensors in self._files.items():
             path = Path(directory) / file
-            save_file(tensors, str(path), metadata={"format": "pt"})
-            fsync_path(path)
+            save_tensors(path, tensors)
             self.part.files[file] = path.stat().st_size
         return self.part
 

@@ -1,4 +1,4 @@
-"""The index of a sharded checkpoint: what every file holds and how it maps to global tensors.
+"""The checkpoint index: what every file holds and how it maps to global tensors.
 
 Why an index: each rank writes only the tensors (or slices of tensors) it owns, so no file is
 a whole model. The index is the one place that says, for every *global* tensor (the tensor a
@@ -20,6 +20,10 @@ Names: ``model/<module state_dict key>`` for weights, ``optim/<k>/<param state_d
 key>`` for optimizer k's per-parameter state (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``).
 `aliases` maps a tied name (``model/model.lm_head.weight``) to the stored one. `files` records
 every file's byte size, so a truncated or missing file is found before any tensor is read.
+
+A one-process checkpoint (``model.safetensors`` + ``optimizer.pt``) has no ``index.json`` on disk;
+`reader.py` builds the same index for it in memory (every tensor one whole shard), so both
+layouts are read, and resharded, by one reader.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from nanolight.checkpoint.files import CheckpointError
 
 INDEX_FILE = "index.json"
 FORMAT = "nanolight-sharded-v1"
@@ -95,7 +101,7 @@ class CheckpointIndex:
             }
             return cls(raw["topology"], tensors, raw["files"], raw.get("aliases", {}), raw.get("extras", {}))
         except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
-            raise ValueError(
+            raise CheckpointError(
                 f"checkpoint index {where} is unreadable ({exc}); the save did not finish or the file "
                 "was damaged -- resume from an earlier checkpoint"
             ) from exc

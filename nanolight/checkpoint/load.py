@@ -1,0 +1,163 @@
+"""Loading a checkpoint into any layout: where a checkpoint is resharded.
+
+Whatever wrote it (one process, or tp x pp x dp ranks with or without ZeRO-1) and whatever loads
+it, each rank reads exactly the blocks its `ModelLayout` says it holds (`CheckpointReader.read`
+assembles them from the stored shards), for the weights and for every parameter-shaped piece of
+optimizer state. A ZeRO-1 optimizer keeps only its flat partition, so only the rows covering it
+are read. One process is the trivial layout: every block is the whole tensor.
+
+The data position and RNG states are restored per rank when the topology is unchanged; at another
+topology every rank takes rank 0's, which is what a fresh run of that topology would have, since
+all ranks are seeded alike and the data position counts global samples.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from nanolight.checkpoint.reader import CheckpointReader
+
+
+def check_matches(expected: dict[str, tuple[int, ...]], stored: dict[str, tuple[int, ...]]) -> None:
+    """Raise a ValueError listing missing/unexpected keys and shape mismatches (first few of each)."""
+    missing = [k for k in expected if k not in stored]
+    unexpected = [k for k in stored if k not in expected]
+    shapes = [
+        f"{k}: checkpoint {tuple(stored[k])} vs model {tuple(v)}"
+        for k, v in expected.items()
+        if k in stored and tuple(stored[k]) != tuple(v)
+    ]
+    if not (missing or unexpected or shapes):
+        return
+
+    def head(items: list[str]) -> str:
+        return ", ".join(items[:8]) + (f", ... ({len(items)} total)" if len(items) > 8 else "")
+
+    parts = [f"missing in checkpoint: {head(missing)}"] if missing else []
+    parts += [f"unexpected in checkpoint: {head(unexpected)}"] if unexpected else []
+    parts += [f"shape mismatch: {head(shapes)}"] if shapes else []
+    raise ValueError(
+        "checkpoint does not match the model (was it saved from another model?) -- " + "; ".join(parts)
+    )
+
+
+def load_model(
+    reader: CheckpointReader, module: nn.Module, layout: Any, strip: str = "", stored_prefix: str = ""
+) -> None:
+    """Copy this rank's blocks of the stored weights into `module` (in place, no reallocation).
+
+    A model directory names the causal LM's tensors, while a training module holds the LM under
+    an attribute: `strip` is the module's key prefix of the part to load (keys outside it are not
+    loaded), `stored_prefix` the checkpoint's own prefix (a training step directory's)."""
+    keys = [k for k in module.state_dict() if k.startswith(strip) and k not in layout.aliases]
+    # checked against the whole model (every stage's tensors), then this rank reads its blocks
+    expected = {
+        k.removeprefix(strip): s
+        for k, s in layout.full_shapes.items()
+        if k.startswith(strip) and k not in layout.aliases
+    }
+    aliases = {a.removeprefix(strip) for a in layout.aliases}
+    stored = {
+        n.removeprefix("model/" + stored_prefix): reader.shape(n)
+        for n in reader.names("model/" + stored_prefix)
+    }
+    check_matches(expected, {k: s for k, s in stored.items() if k not in aliases})
+    tensors = module.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for key in keys:
+            offset, shape = layout.block(key, tensors[key].shape)
+            name = f"model/{stored_prefix}{key.removeprefix(strip)}"
+            tensors[key].copy_(reader.read(name, offset, shape))
+
+
+def load_optimizers(
+    reader: CheckpointReader,
+    optimizers: list[Any],
+    module: nn.Module,
+    layout: Any,
+    param_names: Callable[[], list[list[str]]],
+) -> None:
+    """Build each optimizer's ``torch.optim`` state dict from the checkpoint and load it.
+
+    `param_names()` lists every optimizer's parameter keys in the one-process flat order (only
+    called for a one-process checkpoint, whose ``optimizer.pt`` names parameters by position). A
+    ZeRO optimizer takes the same format and keeps its own flat partition of it."""
+    if reader.needs_param_names:
+        reader.bind_param_names(param_names())
+    saved_groups = reader.optimizer_groups()
+    if len(saved_groups) != len(optimizers):
+        raise ValueError(
+            f"checkpoint {reader.path} holds {len(saved_groups)} optimizer(s), "
+            f"configure_optimizers returned {len(optimizers)}"
+        )
+    by_param: dict[tuple[int, str], list[str]] = defaultdict(list)
+    for name in reader.names("optim/") + [n for n in reader.index.extras if n.startswith("optim/")]:
+        _, k, key, skey = name.split("/", 3)
+        by_param[(int(k), key)].append(skey)
+    names = {id(p): n for n, p in module.named_parameters()}
+    for k, (opt, hyper) in enumerate(zip(optimizers, saved_groups, strict=True)):
+        if len(hyper) != len(opt.param_groups):
+            raise ValueError(
+                f"optimizer {k}: the checkpoint has {len(hyper)} param groups, the optimizer {len(opt.param_groups)}"
+            )
+        owned = opt.owned_ranges() if hasattr(opt, "owned_ranges") else None  # ZeRO-1: 1/dp of the rows
+        state, groups, idx = {}, [], 0
+        for g, group in enumerate(opt.param_groups):
+            ids = []
+            for p in group["params"]:
+                key = names[id(p)]
+                entry = {}
+                for skey in by_param.get((k, key), []):
+                    name = f"optim/{k}/{key}/{skey}"
+                    if name in reader.index.extras:
+                        entry[skey] = reader.index.extras[name]
+                    elif list(reader.shape(name)) == list(layout.full_shapes[key]):
+                        entry[skey] = _read_param_state(reader, name, *layout.block(key, p.shape), owned, p)
+                    else:
+                        entry[skey] = reader.read(name).to(p.device)
+                if entry:
+                    state[idx] = entry
+                ids.append(idx)
+                idx += 1
+            groups.append({**hyper[g], "params": ids})
+        opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _read_param_state(
+    reader: CheckpointReader,
+    name: str,
+    offset: list[int],
+    shape: list[int],
+    owned: dict | None,
+    p: torch.Tensor,
+) -> torch.Tensor:
+    """A param-shaped state tensor (this rank's tp block of it). With `owned` (ZeRO-1), only the
+    rows covering the owned flat range are read; the rest stays zero and is never used."""
+    if owned is None or p.dim() == 0:
+        return reader.read(name, offset, shape).to(p.device)
+    if id(p) not in owned:
+        return torch.empty(0, device=p.device)  # another dp rank's partition: not read at all
+    start, end = owned[id(p)]
+    row = math.prod(shape[1:])
+    r0, r1 = start // row, -(-end // row)
+    rows = reader.read(name, [offset[0] + r0, *offset[1:]], [r1 - r0, *shape[1:]])
+    out = torch.zeros(shape, dtype=rows.dtype)
+    out.view(-1)[r0 * row : r1 * row] = rows.reshape(-1)
+    return out.to(p.device)
+
+
+def trainer_state(reader: CheckpointReader, rank: int, topology: dict[str, Any]) -> dict[str, Any]:
+    """The trainer's state, with this rank's own RNG and data position when the layout is unchanged."""
+    state = reader.trainer_state()
+    if reader.sharded:
+        saved = {k: reader.topology.get(k) for k in ("tp", "pp", "dp", "world_size")}
+        if saved == {k: topology.get(k) for k in saved}:
+            own = reader.rank_state(rank)
+            state["rng"], state["loop"] = own["rng"], own["loop"]
+    return state

@@ -1,0 +1,272 @@
+"""Reading any block of any global tensor of a checkpoint directory, whatever layout wrote it.
+
+Two layouts, one reader. A sharded directory (``Parallel3DStrategy``) has an ``index.json``; a
+one-process directory (``SingleDeviceStrategy``, and model directories) has ``model.safetensors``
+(+ ``optimizer.pt``), for which the same index is built in memory: every tensor one whole shard.
+Either way a loading rank asks for exactly what it will hold -- rows [96, 192) of a qkv weight at
+tp=2, or the whole tensor on one device -- and `read` assembles it from whichever stored shards
+overlap, reading only those rows/columns (safetensors slices come from the memory-mapped file).
+ZeRO-1 pieces are flat ranges of a block; their block is rebuilt from the pieces that overlap.
+
+Every file named in an index is checked up front (exists, byte size as written), so a missing
+or truncated shard is an error naming the file before any tensor is read; a one-process file is
+checked when it is opened (safetensors validates its header against the file size).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanolight.checkpoint.files import CheckpointError, MissingCheckpointFile, load_torch, open_tensors
+from nanolight.checkpoint.index import INDEX_FILE, CheckpointIndex, Shard, TensorEntry
+
+WEIGHTS_FILE, OPTIMIZER_FILE, TRAINER_FILE = "model.safetensors", "optimizer.pt", "trainer_state.pt"
+GROUPS_FILE = "optimizer_groups.pt"  # sharded: every optimizer's param-group hyperparameters
+ONE_PROCESS = {"tp": 1, "pp": 1, "dp": 1, "world_size": 1}
+SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / INDEX_FILE).is_file()
+
+
+class _InMemory:
+    """``optimizer.pt``'s tensors behind the safetensors handle interface the reader uses."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+    def get_slice(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+
+class CheckpointReader:
+    """Validated, read-only view of a checkpoint directory. Open it with `CheckpointReader.open`."""
+
+    def __init__(self, path: Path, index: CheckpointIndex, sharded: bool) -> None:
+        self.path, self.index, self.sharded = path, index, sharded
+        self._handles: dict[str, Any] = {}
+        self._groups: list[list[dict[str, Any]]] = []
+        self._optimizer_bound = sharded  # a one-process optimizer.pt is indexed on request
+
+    @classmethod
+    def open(cls, path: str | Path, verify: str = "") -> CheckpointReader:
+        """`verify`: check only the files holding tensors whose names start with it (e.g.
+        ``"model/"`` to convert the weights even if an optimizer shard was lost); "" checks all."""
+        path = Path(path)
+        if is_sharded_checkpoint(path):
+            index_file = path / INDEX_FILE
+            reader = cls(path, CheckpointIndex.from_json(index_file.read_text(), index_file), True)
+            reader._check_files(verify)
+            return reader
+        if (path / WEIGHTS_FILE).is_file():
+            return cls(path, CheckpointIndex(dict(ONE_PROCESS), {}, {}), False)._index_weights()
+        raise MissingCheckpointFile(
+            f"{path} has no {INDEX_FILE}: not a complete sharded checkpoint (an interrupted save leaves "
+            f"no index), nor a one-process one ({WEIGHTS_FILE}); resume from `last` or an earlier step"
+        )
+
+    # ---- building the in-memory index of a one-process checkpoint ----------------------------
+    def _index_weights(self) -> CheckpointReader:
+        handle = self._handle(WEIGHTS_FILE)
+        for key in handle.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
+            part = handle.get_slice(key)
+            self._add_whole(
+                f"model/{key}",
+                WEIGHTS_FILE,
+                key,
+                list(part.get_shape()),
+                SAFETENSORS_DTYPES[part.get_dtype()],
+            )
+        return self
+
+    def _add_whole(self, name: str, file: str, key: str, shape: list[int], dtype: str) -> None:
+        shard = Shard(file, key, [0] * len(shape), shape)
+        self.index.tensors[name] = TensorEntry(shape, dtype, [shard])
+
+    @property
+    def needs_param_names(self) -> bool:
+        """True until `bind_param_names`: a one-process optimizer.pt names parameters by position."""
+        return not self._optimizer_bound
+
+    def bind_param_names(self, names: list[list[str]]) -> None:
+        """Index ``optimizer.pt``: `names[k]` are optimizer k's parameter keys in its flat order."""
+        states = load_torch(self.path / OPTIMIZER_FILE, "optimizer state")
+        if len(states) != len(names):
+            raise ValueError(
+                f"checkpoint {self.path} holds {len(states)} optimizer(s), configure_optimizers returned {len(names)}"
+            )
+        tensors: dict[str, torch.Tensor] = {}
+        self._groups = []
+        for k, (sd, keys) in enumerate(zip(states, names, strict=True)):
+            self._groups.append([{h: v for h, v in g.items() if h != "params"} for g in sd["param_groups"]])
+            for idx, entry in sd["state"].items():
+                for skey, value in entry.items():
+                    name = f"optim/{k}/{keys[int(idx)]}/{skey}"
+                    if isinstance(value, torch.Tensor):
+                        tensors[name] = value
+                        dtype = str(value.dtype).removeprefix("torch.")
+                        self._add_whole(name, OPTIMIZER_FILE, name, list(value.shape), dtype)
+                    else:
+                        self.index.extras[name] = value
+        self._handles[OPTIMIZER_FILE] = _InMemory(tensors)
+        self._optimizer_bound = True
+
+    # ---- checks --------------------------------------------------------------------------------
+    def _check_files(self, prefix: str) -> None:
+        needed = None
+        if prefix:
+            needed = {s.file for n, e in self.index.tensors.items() if n.startswith(prefix) for s in e.shards}
+        for file, size in self.index.files.items():
+            if needed is not None and file not in needed:
+                continue
+            path = self.path / file
+            if not path.is_file():
+                raise MissingCheckpointFile(
+                    f"checkpoint shard {path} is missing (the index lists it); the checkpoint is incomplete "
+                    "-- restore the file or resume from an earlier checkpoint"
+                )
+            actual = path.stat().st_size
+            if actual != size:
+                raise CheckpointError(
+                    f"checkpoint shard {path} is truncated or damaged: {actual} bytes, {size} were written; "
+                    "restore the file or resume from an earlier checkpoint"
+                )
+
+    # ---- what is stored --------------------------------------------------------------------------
+    @property
+    def topology(self) -> dict[str, Any]:
+        return dict(self.index.topology)
+
+    def names(self, prefix: str = "") -> list[str]:
+        """Stored tensor names (and aliases) starting with `prefix`."""
+        names = [n for n in self.index.tensors if n.startswith(prefix)]
+        return sorted(names + [a for a in self.index.aliases if a.startswith(prefix)])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._entry(name).shape)
+
+    def extra(self, name: str, default: Any = None) -> Any:
+        return self.index.extras.get(name, default)
+
+    def _entry(self, name: str) -> TensorEntry:
+        stored = self.index.resolve(name)
+        if stored not in self.index.tensors:
+            raise KeyError(f"checkpoint {self.path} holds no tensor {name!r}")
+        return self.index.tensors[stored]
+
+    def optimizer_groups(self) -> list[list[dict[str, Any]]]:
+        """Every optimizer's param-group hyperparameters (without the parameters), as saved."""
+        if not self.sharded:
+            return self._groups
+        groups_file = self.path / GROUPS_FILE
+        return load_torch(groups_file, "optimizer hyperparameters") if groups_file.exists() else []
+
+    def trainer_state(self) -> dict[str, Any]:
+        """Progress, schedulers, callbacks, loop position and RNG, as the trainer saved them."""
+        file = self.path / TRAINER_FILE
+        return load_torch(file, "trainer state") if file.exists() else {}
+
+    def rank_state(self, rank: int) -> dict[str, Any]:
+        """A sharded checkpoint's per-rank part: that rank's RNG states and data position."""
+        return load_torch(self.path / f"rank-{rank:05d}.pt", "rank state")
+
+    # ---- reading -------------------------------------------------------------------------------
+    def _handle(self, file: str) -> Any:
+        if file not in self._handles:
+            self._handles[file] = open_tensors(self.path / file)
+        return self._handles[file]
+
+    def read(
+        self, name: str, offset: list[int] | None = None, shape: list[int] | None = None
+    ) -> torch.Tensor:
+        """The block [offset, offset + shape) of global tensor `name` (default: all of it), on CPU."""
+        entry = self._entry(name)
+        shape = list(shape if shape is not None else entry.shape)
+        offset = list(offset if offset is not None else [0] * len(shape))
+        if any(o < 0 or o + s > g for o, s, g in zip(offset, shape, entry.shape, strict=True)):
+            raise ValueError(f"{name}: block {offset}+{shape} is outside the stored shape {entry.shape}")
+        whole = [s for s in entry.shards if s.flat is None and s.offset == offset and s.shape == shape]
+        if whole:  # exactly one stored block (same topology): no assembly, no extra copy
+            return self._get(whole[0])
+        out = torch.empty(shape, dtype=getattr(torch, entry.dtype))
+        filled = 0
+        for block_offset, block_shape, shards in _blocks(entry.shards):
+            lo = [max(a, b) for a, b in zip(offset, block_offset, strict=True)]
+            hi = [
+                min(a + s, b + t) for a, s, b, t in zip(offset, shape, block_offset, block_shape, strict=True)
+            ]
+            if any(h <= x for x, h in zip(lo, hi, strict=True)):
+                continue  # no overlap
+            src = tuple(slice(x - b, h - b) for x, h, b in zip(lo, hi, block_offset, strict=True))
+            dst = tuple(slice(x - o, h - o) for x, h, o in zip(lo, hi, offset, strict=True))
+            out[dst] = self._read_block_part(block_shape, shards, src, out.dtype)
+            filled += math.prod(h - x for x, h in zip(lo, hi, strict=True))
+        if filled != math.prod(shape):
+            raise CheckpointError(
+                f"checkpoint {self.path}: the shards of {name} do not cover {offset}+{shape}"
+            )
+        return out
+
+    def _read_block_part(
+        self, block_shape: list[int], shards: list[Shard], src: tuple, dtype: torch.dtype
+    ) -> torch.Tensor:
+        if len(shards) == 1 and shards[0].flat is None:  # a whole block: read just the slice
+            shard = shards[0]
+            return self._handle(shard.file).get_slice(shard.key)[src] if src else self._get(shard)
+        # ZeRO-1: flat pieces of the block from several dp ranks. Read only the pieces (and the
+        # parts of them) overlapping the flat extent of the requested region.
+        row = math.prod(block_shape[1:]) if block_shape else 1
+        full_rows = all(s == slice(0, n) for s, n in zip(src[1:], block_shape[1:], strict=True))
+        lo, hi = (src[0].start * row, src[0].stop * row) if src and full_rows else (0, math.prod(block_shape))
+        buf = torch.empty(hi - lo, dtype=dtype)
+        for shard in shards:
+            start, end = shard.flat if shard.flat is not None else (0, math.prod(block_shape))
+            a, b = max(start, lo), min(end, hi)
+            if a < b:
+                buf[a - lo : b - lo] = self._handle(shard.file).get_slice(shard.key)[a - start : b - start]
+        if lo == 0 and hi == math.prod(block_shape):
+            return buf.view(block_shape)[src]
+        return buf.view(-1, *block_shape[1:])  # exactly the requested rows
+
+    def _get(self, shard: Shard) -> torch.Tensor:
+        try:
+            return self._handle(shard.file).get_tensor(shard.key)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint shard {self.path / shard.file} is unreadable ({exc})") from exc
+
+    def model_state(self, strip_prefix: str = "") -> dict[str, torch.Tensor]:
+        """Every model tensor in full, keyed by state-dict name (minus `strip_prefix`), aliases
+        included (a tied lm_head shares the embedding's tensor)."""
+        out: dict[str, torch.Tensor] = {}
+        full: dict[str, torch.Tensor] = {}
+        for name in self.names("model/"):
+            key = name.removeprefix("model/")
+            if not key.startswith(strip_prefix):
+                continue
+            stored = self.index.resolve(name)
+            if stored not in full:
+                full[stored] = self.read(stored)
+            out[key.removeprefix(strip_prefix)] = full[stored]
+        return out
+
+
+def _blocks(shards: list[Shard]) -> list[tuple[list[int], list[int], list[Shard]]]:
+    """Group shards by the block they belong to (ZeRO pieces of one block share it)."""
+    groups: dict[tuple, tuple[list[int], list[int], list[Shard]]] = {}
+    for shard in shards:
+        key = (tuple(shard.offset), tuple(shard.shape))
+        groups.setdefault(key, (shard.offset, shard.shape, []))[2].append(shard)
+    return list(groups.values())

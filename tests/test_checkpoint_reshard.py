@@ -9,14 +9,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import _tiny as tiny
 import pytest
 import torch
-from _tiny import full_state, run_distributed
+from _tiny import full_state, run_distributed, tiny_config
 from torch.utils.data import DataLoader
 
-from nanolight import NanoModule, NanoTrainer
+from nanolight import NanoTrainer
 from nanolight.checkpoint import CheckpointReader
-from nanolight.models import LlamaConfig, LlamaForCausalLM
+from nanolight.models import LlamaConfig
 from nanolight.strategies.parallel3d import Parallel3DStrategy
 from nanolight.strategies.single_device import SingleDeviceStrategy
 
@@ -24,33 +25,12 @@ STEPS, T = 3, 16
 
 
 def _config() -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
-        tie_word_embeddings=True, attn_implementation="eager",
-    )  # fmt: skip
+    return tiny_config(layers=4, heads=8, kv_heads=4)
 
 
-class TinyLM(NanoModule):
+class TinyLM(tiny.TinyLM):
     def __init__(self) -> None:
-        super().__init__()
-        self.model: LlamaForCausalLM | None = None
-
-    def configure_model(self) -> None:
-        if self.model is None:
-            self.model = LlamaForCausalLM(_config())
-            if not next(self.model.parameters()).is_meta:
-                self.model.init_weights(torch.Generator().manual_seed(5))
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        return self.model(batch["input_ids"], labels=batch["labels"])
-
-    def configure_optimizers(self) -> dict:
-        decay = [p for p in self.parameters() if p.ndim >= 2]
-        no_decay = [p for p in self.parameters() if p.ndim < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay}], lr=1e-2)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        super().__init__(_config(), seed=5, lr=1e-2, decay_groups=True, warmup=2)
 
 
 def _loader() -> DataLoader:

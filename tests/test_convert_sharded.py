@@ -11,14 +11,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _tiny as tiny
 import pytest
 import torch
 import transformers
 from _dist import REPO_ROOT, run_distributed
+from _tiny import tiny_config
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
-from nanolight import NanoModule, NanoTrainer
+from nanolight import NanoTrainer
 from nanolight.checkpoint import write_last_pointer
 from nanolight.checkpoint.hf import convert_nanolight_to_hf
 from nanolight.checkpoint.pretrained import load_pretrained, read_checkpoint, save_pretrained
@@ -36,36 +38,12 @@ LAYOUTS = {
 
 
 def _config(tied: bool) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # GQA
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-        attn_implementation="eager",
-    )
+    return tiny_config(vocab=VOCAB, layers=4, tied=tied)
 
 
-class TinyLM(NanoModule):
+class TinyLM(tiny.TinyLM):
     def __init__(self, tied: bool) -> None:
-        super().__init__()
-        self.tied = tied
-        self.model: LlamaForCausalLM | None = None
-
-    def configure_model(self) -> None:
-        if self.model is None:
-            self.model = LlamaForCausalLM(_config(self.tied))
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self.model(batch["input_ids"], labels=batch["labels"])
-        self.log("train/loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)  # large: the weights move visibly
+        super().__init__(_config(tied), lr=1e-2)  # a large lr: the weights move visibly
 
 
 def _loader(dp_rank: int) -> DataLoader:

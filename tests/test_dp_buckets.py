@@ -12,9 +12,9 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_distributed
+from _tiny import run_distributed, tiny_config
 
-from nanolight.models import LlamaConfig, LlamaForCausalLM
+from nanolight.models import LlamaForCausalLM
 from nanolight.parallel import data_parallel
 from nanolight.parallel.data_parallel import GradReducer
 from nanolight.parallel.grad_buckets import build_buckets
@@ -23,17 +23,7 @@ MICRO, B, T, BUCKET = 3, 2, 16, 16 * 1024
 
 
 def tiny_model() -> LlamaForCausalLM:
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        attn_implementation="eager",
-    )
+    cfg = tiny_config()
     model = LlamaForCausalLM(cfg)
     model.init_weights(torch.Generator().manual_seed(0))
     return model

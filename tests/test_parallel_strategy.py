@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import _tiny as tiny
 import pytest
 import torch
 from _dist import run_distributed
@@ -12,48 +13,25 @@ from _tiny import full_state as single_device_view
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from nanolight import NanoModule, NanoTrainer
-from nanolight.models import LlamaConfig, LlamaForCausalLM
+from nanolight import NanoTrainer
+from nanolight.models import LlamaForCausalLM
 from nanolight.strategies.parallel3d import Parallel3DStrategy
 from nanolight.strategies.single_device import SingleDeviceStrategy
 
 SEED, STEPS, ACCUM, MICRO, T = 11, 10, 2, 2, 16
 
 
-def _config() -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        attn_implementation="eager",
-    )
+class TinyLM(tiny.TinyLM):
+    """Records every micro-batch's local loss (the tp ranks must agree bitwise)."""
 
-
-class TinyLM(NanoModule):
     def __init__(self) -> None:
-        super().__init__()
-        self.model: LlamaForCausalLM | None = None
+        super().__init__(seed=SEED)
         self.losses: list[float] = []
 
-    def configure_model(self) -> None:
-        if self.model is None:
-            self.model = LlamaForCausalLM(_config())
-            if not next(self.model.parameters()).is_meta:  # single device: same init, same seed
-                self.model.init_weights(torch.Generator().manual_seed(SEED))
-
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self.model(batch["input_ids"], labels=batch["labels"])
-        self.log("train/loss", loss)
+        loss = super().training_step(batch, batch_idx)
         self.losses.append(loss.item())
         return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
 
 def _loader() -> DataLoader:
@@ -136,7 +114,7 @@ def _pretrained_worker(rank: int, world: int, path: str) -> bool:
 def test_pretrained_checkpoint_loads_sliced(tmp_path: Path) -> None:
     from nanolight import save_pretrained
 
-    model = LlamaForCausalLM(_config())
+    model = LlamaForCausalLM(tiny.tiny_config())
     model.init_weights(torch.Generator().manual_seed(123))
     save_pretrained(model, tmp_path / "pretrained")
     assert run_distributed(_pretrained_worker, 2, str(tmp_path / "pretrained")) == [True, True]

@@ -7,14 +7,16 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import _tiny as tiny
 import pytest
 import torch
 from _dist import run_distributed
 from _tiny import full_state as single_device_view
+from _tiny import tiny_config
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from nanolight import NanoModule, NanoTrainer
+from nanolight import NanoTrainer
 from nanolight.loggers import CSVLogger
 from nanolight.models import LlamaConfig, LlamaForCausalLM
 from nanolight.parallel.pipeline import balanced_layer_split, check_micro_batches
@@ -25,47 +27,18 @@ SEED, STEPS, ACCUM, MICRO, T = 11, 6, 4, 2, 16
 
 
 def _config(layers: int = 4) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        attn_implementation="eager",
-    )
+    return tiny_config(vocab=256, layers=layers)
 
 
-class TinyLM(NanoModule):
+class TinyLM(tiny.TinyLM):
     """The two-line training_step a user writes; nothing here knows about stages."""
 
     def __init__(self, layers: int = 4) -> None:
-        super().__init__()
-        self.layers = layers
-        self.model: LlamaForCausalLM | None = None
+        super().__init__(_config(layers), seed=SEED)
         self.hook_calls = 0
-
-    def configure_model(self) -> None:
-        if self.model is None:
-            self.model = LlamaForCausalLM(_config(self.layers))
-            if not next(self.model.parameters()).is_meta:  # single device: same init, same seed
-                self.model.init_weights(torch.Generator().manual_seed(SEED))
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self.model(batch["input_ids"], labels=batch["labels"])
-        self.log("train/loss", loss)
-        return loss
-
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self.log("val/loss", self.model(batch["input_ids"], labels=batch["labels"]), sync_dist=True)
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
         self.hook_calls += 1
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
 
 def _loader(n: int) -> DataLoader:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_distributed
+from _tiny import run_distributed, tiny_config
 
 from nanolight.models import LlamaConfig, LlamaForCausalLM
 from nanolight.parallel import ParallelContext
@@ -26,23 +26,15 @@ ATTN = {
 }
 
 
-def tiny_config(attn: str, tied: bool) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-        attn_implementation="eager",
-        **ATTN[attn],
-    )
+def tp_config(attn: str, tied: bool) -> LlamaConfig:
+    heads = ATTN[attn]
+    return tiny_config(tied=tied, heads=heads["num_attention_heads"], kv_heads=heads["num_key_value_heads"])
 
 
 def _train_and_compare(rank: int, world: int, attn: str, tied: bool, sp: bool) -> list[float]:
     ctx = ParallelContext(tp=world)
     group = ctx.tp_group
-    cfg = tiny_config(attn, tied)
+    cfg = tp_config(attn, tied)
     ref = LlamaForCausalLM(cfg)
     ref.init_weights(torch.Generator().manual_seed(SEED))
     with torch.device("meta"):
@@ -121,7 +113,7 @@ def test_tp_training_matrix(tp: int, attn: str, tied: bool, sp: bool) -> None:
 
 def _bf16_autocast(rank: int, world: int) -> float:
     group = dist.group.WORLD
-    cfg = tiny_config("gqa", tied=True)
+    cfg = tp_config("gqa", tied=True)
     ref = LlamaForCausalLM(cfg)
     ref.init_weights(torch.Generator().manual_seed(SEED))
     model = LlamaForCausalLM(cfg)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_distributed
+from _tiny import run_distributed, tiny_config
 
-from nanolight.models import LlamaConfig, LlamaForCausalLM
+from nanolight.models import LlamaForCausalLM
 from nanolight.parallel.zero import ZeroOptimizer
 
 SEED, B, T, LR = 5, 2, 16, 1e-2
@@ -20,18 +20,7 @@ BUCKET = 16 * 1024  # bytes: several buckets for this tiny model
 
 
 def tiny_model() -> LlamaForCausalLM:
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        attn_implementation="eager",
-    )
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(tiny_config())
     model.init_weights(torch.Generator().manual_seed(SEED))
     return model
 

@@ -32,6 +32,7 @@ import torch
 from nanolight.checkpoint.atomic import atomic_directory
 from nanolight.checkpoint.files import MissingCheckpointFile, save_tensors
 from nanolight.checkpoint.index import INDEX_FILE
+from nanolight.checkpoint.load import check_matches
 from nanolight.checkpoint.reader import TRAINER_FILE, WEIGHTS_FILE, CheckpointReader
 from nanolight.checkpoint.save import CONFIG_FILE
 from nanolight.models.llama import LlamaForCausalLM
@@ -197,17 +198,9 @@ def check_state_dict(config: LlamaConfig, state_dict: dict[str, torch.Tensor]) -
     """Compare names and shapes with a model of `config`; name every offending tensor."""
     with torch.device("meta"):
         expected = model_state_dict(LlamaForCausalLM(_buildable(config)))
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint tensors do not match the config: missing {missing}, unexpected {unexpected}"
-        )
-    for name, t in expected.items():
-        if tuple(state_dict[name].shape) != tuple(t.shape):
-            raise ValueError(
-                f"tensor {name} has shape {tuple(state_dict[name].shape)} but the config implies {tuple(t.shape)}"
-            )
+    check_matches(
+        {k: tuple(t.shape) for k, t in expected.items()}, {k: tuple(t.shape) for k, t in state_dict.items()}
+    )
 
 
 def save_pretrained(

@@ -11,13 +11,16 @@ class Logger:
     then callbacks such as LearningRateMonitor/ThroughputMonitor, then validation); loggers
     merge them into one row/record per step."""
 
+    def __init__(self, save_dir: str | Path | None = None) -> None:
+        self._save_dir = str(save_dir) if save_dir is not None else None
+
     @property
     def name(self) -> str:
         return type(self).__name__
 
     @property
     def save_dir(self) -> str | None:
-        return None
+        return self._save_dir
 
     @property
     def log_dir(self) -> str:
@@ -26,6 +29,8 @@ class Logger:
 
     def set_default_save_dir(self, path: str | Path) -> None:
         """Called by the trainer with ``default_root_dir``; used only if no ``save_dir`` was given."""
+        if self._save_dir is None:
+            self._save_dir = str(path)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         raise NotImplementedError

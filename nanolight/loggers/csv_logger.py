@@ -21,7 +21,7 @@ from nanolight.loggers.base import Logger
 
 class CSVLogger(Logger):
     def __init__(self, save_dir: str | Path | None = None, filename: str = "metrics.csv") -> None:
-        self._save_dir = str(save_dir) if save_dir is not None else None
+        super().__init__(save_dir)
         self.filename = filename
         self.columns: list[str] = ["step"]
         self.rows: list[dict[str, Any]] = []
@@ -29,14 +29,6 @@ class CSVLogger(Logger):
         self._written = 0  # rows already in the file
         self._loaded = False
         self.hparams: dict[str, Any] = {}
-
-    @property
-    def save_dir(self) -> str | None:
-        return self._save_dir
-
-    def set_default_save_dir(self, path: str | Path) -> None:
-        if self._save_dir is None:
-            self._save_dir = str(path)
 
     @property
     def path(self) -> Path:

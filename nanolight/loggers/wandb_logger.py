@@ -42,7 +42,7 @@ class WandbLogger(Logger):
         **init_kwargs: Any,
     ) -> None:
         self.project, self._name, self.offline = project, name, offline
-        self._save_dir = str(save_dir) if save_dir is not None else None
+        super().__init__(save_dir)
         self.log_model, self.init_kwargs = log_model, init_kwargs
         self._run: Any = None
         self._last_checkpoint: str | None = None
@@ -50,14 +50,6 @@ class WandbLogger(Logger):
     @property
     def name(self) -> str:
         return self._name or "wandb"
-
-    @property
-    def save_dir(self) -> str | None:
-        return self._save_dir
-
-    def set_default_save_dir(self, path: str | Path) -> None:
-        if self._save_dir is None:
-            self._save_dir = str(path)
 
     @property
     def mode(self) -> str:

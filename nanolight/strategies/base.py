@@ -36,10 +36,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
 
 from nanolight.checkpoint.load import load_model, load_optimizers, trainer_state
 from nanolight.checkpoint.pretrained import step_dir_meta
@@ -49,9 +50,6 @@ from nanolight.parallel.layout import ModelLayout
 from nanolight.parallel.pipeline.schedules import BACKWARD, FORWARD, Action, one_by_one
 from nanolight.precision import Precision
 
-if TYPE_CHECKING:
-    from nanolight.module import NanoModule
-
 __all__ = ["BACKWARD", "FORWARD", "Action", "Strategy"]
 
 
@@ -60,7 +58,7 @@ class Strategy:
 
     def __init__(self, precision: str | Precision = "32-true") -> None:
         self.precision = precision if isinstance(precision, Precision) else Precision(precision)
-        self.module: NanoModule | None = None
+        self.module: nn.Module | None = None  # the NanoModule being trained
         self.optimizers: list[torch.optim.Optimizer] = []
         self.layout: ModelLayout | None = None  # where each tensor lives (set by setup_module)
 
@@ -114,7 +112,7 @@ class Strategy:
         device = self.init_device()
         return torch.device(device) if device is not None else nullcontext()
 
-    def setup_module(self, module: NanoModule) -> NanoModule:
+    def setup_module(self, module: nn.Module) -> nn.Module:
         """Move/cast/parallelize the freshly configured module; returns what the trainer trains."""
         module.to(self.root_device)
         self.precision.convert_module(module)

@@ -41,18 +41,16 @@ class _ParallelLinear(nn.Module):
         in_features: int,
         out_features: int,
         group: Any,
-        sequence_parallel: bool,
-        device: Any,
-        dtype: Any,
+        *,
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.group = group
         self.tp_rank, self.tp_size = comm.tp_world(group)
-        self.in_features, self.out_features, self.sequence_parallel = (
-            in_features,
-            out_features,
-            sequence_parallel,
-        )
+        self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel = sequence_parallel
         shape = [out_features, in_features]
         what = ("out_features", "in_features")[self.tp_shard_dim]
         shape[self.tp_shard_dim] = _shard_size(shape[self.tp_shard_dim], self.tp_size, what)
@@ -77,12 +75,10 @@ class ColumnParallelLinear(_ParallelLinear):
         group: Any,
         *,
         gather_output: bool = False,
-        sequence_parallel: bool = False,
         input_is_gathered: bool = False,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        **common: Any,  # sequence_parallel, device, dtype
     ) -> None:
-        super().__init__(in_features, out_features, group, sequence_parallel, device, dtype)
+        super().__init__(in_features, out_features, group, **common)
         self.gather_output, self.input_is_gathered = gather_output, input_is_gathered
 
     def forward(self, x: Tensor) -> Tensor:
@@ -120,11 +116,9 @@ class RowParallelLinear(_ParallelLinear):
         group: Any,
         *,
         input_is_parallel: bool = True,
-        sequence_parallel: bool = False,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        **common: Any,
     ) -> None:
-        super().__init__(in_features, out_features, group, sequence_parallel, device, dtype)
+        super().__init__(in_features, out_features, group, **common)
         self.input_is_parallel = input_is_parallel
 
     def forward(self, x: Tensor) -> Tensor:

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import run_distributed
+from safetensors import SafetensorError
 from test_checkpoint_reshard import TinyLM, _config, _loader, _trainer
 
-from nanolight.checkpoint import INDEX_FILE, CheckpointReader
+from nanolight.checkpoint import INDEX_FILE, CheckpointError, CheckpointReader, files
 from nanolight.checkpoint.writer import ShardWriter, merge_parts, write_index
 from nanolight.models import LlamaForCausalLM
 from nanolight.strategies.parallel3d import Parallel3DStrategy
@@ -84,7 +85,13 @@ def test_missing_truncated_or_unindexed_files_are_named(tmp_path: Path) -> None:
     shard.unlink()
     with pytest.raises(FileNotFoundError, match=rf"shard {shard} is missing"):
         CheckpointReader.open(tmp_path)
-    shard.write_bytes(b"\xff" * len(data))  # right size, garbage header
+    shard.write_bytes(b"\xff" * len(data))  # right size, garbage header: the checksum catches it
+    with pytest.raises(ValueError, match=rf"file {shard} is damaged: its checksum differs"):
+        CheckpointReader.open(tmp_path).read("optim/0/w/exp_avg")
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    (tmp_path / INDEX_FILE).write_text(
+        json.dumps({**index, "checksums": {}})
+    )  # an index from before checksums
     with pytest.raises(ValueError, match=rf"shard {shard} is unreadable"):
         CheckpointReader.open(tmp_path).read("optim/0/w/exp_avg")
     (tmp_path / INDEX_FILE).write_text('{"format": "nanolight-sharded-v1", "tens')
@@ -127,26 +134,34 @@ def test_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
 def _failed_write_worker(rank: int, world: int, root: str) -> str:
     trainer = _trainer(Parallel3DStrategy(dp=world, zero_stage=1), 1)
     trainer.fit(TinyLM(), train_dataloaders=_loader())
-    if rank == 1:  # this rank's disk is full
+    trainer.save_checkpoint(Path(root) / "step-1")
+    if rank == 1:  # this rank's disk is full: safetensors says so as it does on a real full disk
 
-        def fail(self, directory):  # noqa: ANN001, ANN202
-            raise OSError(28, "No space left on device")
+        def fail(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-        ShardWriter.write = fail
+        files.save_file = fail
     try:
-        trainer.save_checkpoint(Path(root) / "step-1")
-    except (OSError, RuntimeError) as exc:
+        trainer.save_checkpoint(Path(root) / "step-2")
+    except CheckpointError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "saved"
 
 
 def test_a_rank_failing_to_write_fails_every_rank_and_publishes_nothing(tmp_path: Path) -> None:
     errors = run_distributed(_failed_write_worker, 2, str(tmp_path), timeout=180, pg_timeout=60)
-    assert errors[1] == "OSError: [Errno 28] No space left on device"
-    assert errors[0].startswith(
-        "RuntimeError: checkpoint save failed: another rank failed writing its checkpoint"
+    assert errors[1].startswith(
+        f"DiskFullError: disk full writing {tmp_path / '.tmp-step-2'}/optim-pp00-tp00-dp01"
     )
-    assert list(tmp_path.iterdir()) == []  # no step-1, no temporary directory, no `last`
+    assert "bytes needed" in errors[1] and "`last` still points at step-1" in errors[1]
+    assert errors[0].startswith(
+        "CheckpointError: checkpoint save failed: rank 1 failed writing its checkpoint shards"
+    )
+    assert "nothing of step-2 was published, `last` still points at step-1" in errors[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "last",
+        "step-1",
+    ]  # no step-2, no temporary directory
 
 
 def _from_pretrained_worker(rank: int, world: int, root: str) -> dict:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import zlib
+
 import pytest
 import torch
 from _trainer_helpers import MLPModule, loader, make_data
@@ -50,7 +53,13 @@ def test_checkpoint_files_are_weights_only(tmp_path):
         MLPModule(scheduler=True), loader(make_data(32), 4)
     )
     ckpt = tmp_path / "checkpoints" / "step-2"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["model.safetensors", "optimizer.pt", "trainer_state.pt"]
+    names = ["model.safetensors", "optimizer.pt", "trainer_state.pt"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["checksums.json", *names]
+    manifest = json.loads((ckpt / "checksums.json").read_text())  # what was written, checked at load
+    assert sorted(manifest) == names
+    for name, rec in manifest.items():
+        data = (ckpt / name).read_bytes()
+        assert rec == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
     state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
     assert state["progress"]["global_step"] == 2 and state["progress"]["batch_idx"] == 4
     assert {"python", "numpy", "torch"} <= set(state["rng"])

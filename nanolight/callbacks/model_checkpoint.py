@@ -15,6 +15,7 @@ from typing import Any
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from nanolight.callbacks.base import Callback
+from nanolight.checkpoint.atomic import remove_stale
 
 
 class ModelCheckpoint(Callback):
@@ -25,6 +26,8 @@ class ModelCheckpoint(Callback):
     monitor / mode / save_top_k: keep the ``save_top_k`` best by ``callback_metrics[monitor]``
         (-1 keeps all). Without ``monitor``, ``save_top_k`` >= 1 keeps the newest that many.
     keep_last_n: additionally (or instead) keep the newest N.
+    save_on_train_end: also save the step training ends at (when it was not saved already), so
+        the end of a run is never lost between periodic saves (the recipe turns it on).
     """
 
     def __init__(
@@ -36,6 +39,7 @@ class ModelCheckpoint(Callback):
         mode: str = "min",
         save_top_k: int = -1,
         keep_last_n: int | None = None,
+        save_on_train_end: bool = False,
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
@@ -47,6 +51,7 @@ class ModelCheckpoint(Callback):
         self.every_n_train_steps = every_n_train_steps
         self.save_last = save_last
         self.monitor, self.mode, self.save_top_k, self.keep_last_n = monitor, mode, save_top_k, keep_last_n
+        self.save_on_train_end = save_on_train_end
         self.saved: list[str] = []  # oldest first
         self.scores: dict[str, float] = {}
         self.last_saved_step = -1
@@ -70,6 +75,8 @@ class ModelCheckpoint(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self.dirpath is None:
             self.dirpath = Path(trainer.default_root_dir) / "checkpoints"
+        if trainer.is_global_zero and self.dirpath.is_dir():
+            remove_stale(self.dirpath)  # temporary directories of saves that were killed
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # the step training starts from (0, or the one resumed) is not saved again
@@ -81,6 +88,10 @@ class ModelCheckpoint(Callback):
         n = self.every_n_train_steps
         if n is not None and trainer.global_step % n == 0:
             self.save(trainer)  # once per step: a micro-batch before the update sees the last step
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.save_on_train_end and trainer.global_step > 0:
+            self.save(trainer)  # a no-op when this step was saved already
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if self.every_n_train_steps is None:

@@ -5,12 +5,18 @@ Why a wrapper: safetensors and ``torch.load`` report a truncated or damaged file
 naming no file. A user resuming a run needs to know which file is bad and what to do, so every
 read of a checkpoint file goes through `load_torch` / `open_tensors`, which raise
 `CheckpointError` naming the file. Writes honour the umask (safetensors alone writes 0600, which
-teammates and eval jobs on a shared cluster cannot read).
+teammates and eval jobs on a shared cluster cannot read), return the file's CRC-32 (recorded
+next to it and checked when read, so damage that keeps a file's size is caught too), and say
+which file and how many bytes when the disk is full.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
+import zlib
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +35,56 @@ class MissingCheckpointFile(CheckpointError, FileNotFoundError):
     """A file the checkpoint needs is not there."""
 
 
+def with_hint(exc: CheckpointError, hint: str) -> CheckpointError:
+    """The same error with `hint` appended to its message (what to do about it)."""
+    return type(exc)(*exc.args[:-1], f"{exc.args[-1]}; {hint}")
+
+
 _FIX = "restore the file or resume from an earlier checkpoint"
+
+
+class DiskFullError(CheckpointError):
+    """The filesystem ran out of space while a checkpoint file was written."""
+
+    errno = errno.ENOSPC
+
+
+def file_crc32(path: Path, chunk: int = 16 << 20) -> str:
+    """CRC-32 of a file's bytes (hex): recorded when a checkpoint is written, checked when read."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+@contextmanager
+def _writing(path: Path, obj: Any) -> Any:
+    """Turn a full disk into a `DiskFullError` that says which file and how many bytes it needed:
+    ``OSError`` ENOSPC, safetensors' "(os error 28)", or torch.save's "unexpected pos" (which
+    names no cause) when the filesystem has less room left than the object needs."""
+    try:
+        yield
+    except Exception as exc:
+        needed = _nbytes(obj)
+        free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+        full = getattr(exc, "errno", None) == errno.ENOSPC or "os error 28" in str(exc) or free < needed
+        if not full:
+            raise
+        raise DiskFullError(
+            f"disk full writing {path}: about {needed:,} bytes needed, {free:,} free on that filesystem; "
+            "free space (or point the run at another disk) and resume",
+        ) from exc
 
 
 def _umask() -> int:
@@ -38,21 +93,39 @@ def _umask() -> int:
     return mask
 
 
-def _readable_by_group(path: Path) -> None:
-    os.chmod(path, 0o666 & ~_umask())
+def save_torch(path: Path, obj: Any) -> str:
+    """`obj` must hold tensors and plain containers only (read back with ``weights_only=True``).
+    Fsynced; returns its CRC-32."""
+    with _writing(path, obj):
+        torch.save(obj, path)
+        fsync_path(path)
+    return file_crc32(path)
 
 
-def save_torch(path: Path, obj: Any) -> None:
-    """`obj` must hold tensors and plain containers only (read back with ``weights_only=True``)."""
-    torch.save(obj, path)
-    fsync_path(path)
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
+    """A safetensors file of CPU tensors, fsynced, with the permissions of any other file (the
+    umask's, where safetensors alone writes 0600). Returns its CRC-32."""
+    with _writing(path, tensors):
+        save_file(
+            {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(path), {"format": "pt"}
+        )
+        os.chmod(path, 0o666 & ~_umask())
+        fsync_path(path)
+    return file_crc32(path)
 
 
-def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """A safetensors file of CPU tensors, fsynced, with the permissions of any other file."""
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(path), {"format": "pt"})
-    _readable_by_group(path)
-    fsync_path(path)
+def verify(path: Path, size: int | None = None, crc32: str | None = None) -> None:
+    """The file is there, as large as written and (when recorded) with the same CRC-32."""
+    require(path)
+    actual = path.stat().st_size
+    if size is not None and actual != size:
+        raise CheckpointError(
+            f"checkpoint file {path} is truncated or damaged: {actual} bytes, {size} were written; {_FIX}"
+        )
+    if crc32 is not None and file_crc32(path) != crc32:
+        raise CheckpointError(
+            f"checkpoint file {path} is damaged: its checksum differs from the one written; {_FIX}"
+        )
 
 
 def require(path: Path, what: str = "checkpoint file") -> Path:

@@ -19,7 +19,8 @@ loading only needs the geometry, which is what makes a checkpoint loadable at an
 Names: ``model/<module state_dict key>`` for weights, ``optim/<k>/<param state_dict key>/<state
 key>`` for optimizer k's per-parameter state (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``).
 `aliases` maps a tied name (``model/model.lm_head.weight``) to the stored one. `files` records
-every file's byte size, so a truncated or missing file is found before any tensor is read.
+every file's byte size and CRC-32, so a truncated, missing or damaged file is found before its
+tensors are used.
 
 A one-process checkpoint (``model.safetensors`` + ``optimizer.pt``) has no ``index.json`` on disk;
 `reader.py` builds the same index for it in memory (every tensor one whole shard), so both
@@ -75,6 +76,7 @@ class CheckpointIndex:
     files: dict[str, int]  # file name -> size in bytes, as written
     aliases: dict[str, str] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)  # non-tensor optimizer state (e.g. None)
+    checksums: dict[str, str] = field(default_factory=dict)  # file name -> CRC-32, as written
     format: str = FORMAT
 
     def to_json(self) -> str:
@@ -85,7 +87,7 @@ class CheckpointIndex:
         }
         raw = {
             "format": self.format, "topology": self.topology, "files": self.files,
-            "aliases": self.aliases, "extras": self.extras, "tensors": tensors,
+            "aliases": self.aliases, "extras": self.extras, "checksums": self.checksums, "tensors": tensors,
         }  # fmt: skip
         return json.dumps(raw, separators=(",", ":")) + "\n"  # `python -m json.tool` to read
 
@@ -99,7 +101,10 @@ class CheckpointIndex:
                 name: TensorEntry(e["shape"], e["dtype"], [Shard(**s) for s in e["shards"]])
                 for name, e in raw["tensors"].items()
             }
-            return cls(raw["topology"], tensors, raw["files"], raw.get("aliases", {}), raw.get("extras", {}))
+            return cls(
+                raw["topology"], tensors, raw["files"], raw.get("aliases", {}), raw.get("extras", {}),
+                raw.get("checksums", {}),  # absent in indexes written before checksums (still read)
+            )  # fmt: skip
         except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
             raise CheckpointError(
                 f"checkpoint index {where} is unreadable ({exc}); the save did not finish or the file "

@@ -9,23 +9,32 @@ overlap, reading only those rows/columns (safetensors slices come from the memor
 ZeRO-1 pieces are flat ranges of a block; their block is rebuilt from the pieces that overlap.
 
 Every file named in an index is checked up front (exists, byte size as written), so a missing
-or truncated shard is an error naming the file before any tensor is read; a one-process file is
-checked when it is opened (safetensors validates its header against the file size).
+or truncated shard is an error naming the file before any tensor is read, and each file's CRC-32
+when this rank first opens it (damage that keeps the size); a one-process directory's
+``checksums.json`` plays the index's part.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from nanolight.checkpoint.files import CheckpointError, MissingCheckpointFile, load_torch, open_tensors
+from nanolight.checkpoint.files import (
+    CheckpointError,
+    MissingCheckpointFile,
+    load_torch,
+    open_tensors,
+    verify,
+)
 from nanolight.checkpoint.index import INDEX_FILE, CheckpointIndex, Shard, TensorEntry
 
 WEIGHTS_FILE, OPTIMIZER_FILE, TRAINER_FILE = "model.safetensors", "optimizer.pt", "trainer_state.pt"
 GROUPS_FILE = "optimizer_groups.pt"  # sharded: every optimizer's param-group hyperparameters
+CHECKSUMS_FILE = "checksums.json"  # one process: {file: {"size", "crc32"}} of what was written
 ONE_PROCESS = {"tp": 1, "pp": 1, "dp": 1, "world_size": 1}
 SAFETENSORS_DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
@@ -56,6 +65,7 @@ class CheckpointReader:
     def __init__(self, path: Path, index: CheckpointIndex, sharded: bool) -> None:
         self.path, self.index, self.sharded = path, index, sharded
         self._handles: dict[str, Any] = {}
+        self._verified: set[str] = set()
         self._groups: list[list[dict[str, Any]]] = []
         self._optimizer_bound = sharded  # a one-process optimizer.pt is indexed on request
 
@@ -70,7 +80,11 @@ class CheckpointReader:
             reader._check_files(verify)
             return reader
         if (path / WEIGHTS_FILE).is_file():
-            return cls(path, CheckpointIndex(dict(ONE_PROCESS), {}, {}), False)._index_weights()
+            index = CheckpointIndex(dict(ONE_PROCESS), {}, {})
+            manifest = path / CHECKSUMS_FILE  # absent in checkpoints written before checksums
+            for name, rec in (json.loads(manifest.read_text()) if manifest.is_file() else {}).items():
+                index.files[name], index.checksums[name] = rec["size"], rec["crc32"]
+            return cls(path, index, False)._index_weights()
         raise MissingCheckpointFile(
             f"{path} has no {INDEX_FILE}: not a complete sharded checkpoint (an interrupted save leaves "
             f"no index), nor a one-process one ({WEIGHTS_FILE}); resume from `last` or an earlier step"
@@ -101,7 +115,7 @@ class CheckpointReader:
 
     def bind_param_names(self, names: list[list[str]]) -> None:
         """Index ``optimizer.pt``: `names[k]` are optimizer k's parameter keys in its flat order."""
-        states = load_torch(self.path / OPTIMIZER_FILE, "optimizer state")
+        states = load_torch(self._checked(OPTIMIZER_FILE), "optimizer state")
         if len(states) != len(names):
             raise ValueError(
                 f"checkpoint {self.path} holds {len(states)} optimizer(s), configure_optimizers returned {len(names)}"
@@ -170,21 +184,32 @@ class CheckpointReader:
         if not self.sharded:
             return self._groups
         groups_file = self.path / GROUPS_FILE
-        return load_torch(groups_file, "optimizer hyperparameters") if groups_file.exists() else []
+        return (
+            load_torch(self._checked(GROUPS_FILE), "optimizer hyperparameters")
+            if groups_file.exists()
+            else []
+        )
 
     def trainer_state(self) -> dict[str, Any]:
         """Progress, schedulers, callbacks, loop position and RNG, as the trainer saved them."""
         file = self.path / TRAINER_FILE
-        return load_torch(file, "trainer state") if file.exists() else {}
+        return load_torch(self._checked(TRAINER_FILE), "trainer state") if file.exists() else {}
 
     def rank_state(self, rank: int) -> dict[str, Any]:
         """A sharded checkpoint's per-rank part: that rank's RNG states and data position."""
-        return load_torch(self.path / f"rank-{rank:05d}.pt", "rank state")
+        return load_torch(self._checked(f"rank-{rank:05d}.pt"), "rank state")
 
     # ---- reading -------------------------------------------------------------------------------
+    def _checked(self, file: str) -> Path:
+        """`file`'s path, once verified against the size and CRC-32 recorded when it was written."""
+        if file not in self._verified:
+            verify(self.path / file, self.index.files.get(file), self.index.checksums.get(file))
+            self._verified.add(file)
+        return self.path / file
+
     def _handle(self, file: str) -> Any:
         if file not in self._handles:
-            self._handles[file] = open_tensors(self.path / file)
+            self._handles[file] = open_tensors(self._checked(file))
         return self._handles[file]
 
     def read(
@@ -261,6 +286,32 @@ class CheckpointReader:
                 full[stored] = self.read(stored)
             out[key.removeprefix(strip_prefix)] = full[stored]
         return out
+
+
+def is_intact(path: str | Path) -> bool:
+    """Every file of checkpoint `path` is there, as large as written and with its checksum (a
+    checkpoint from before checksums: every file opens)."""
+    try:
+        reader = CheckpointReader.open(path)
+        for file in sorted(
+            set(reader.index.files) | {s.file for e in reader.index.tensors.values() for s in e.shards}
+        ):
+            reader._checked(file) if file in reader.index.files else reader._handle(file)
+        reader.trainer_state()
+        if not reader.sharded:
+            load_torch(reader._checked(OPTIMIZER_FILE), "optimizer state")
+    except (CheckpointError, OSError, ValueError):
+        return False
+    return True
+
+
+def newest_intact(parent: Path, exclude: Path | None = None) -> Path | None:
+    """The newest ``step-<N>`` checkpoint under `parent` (other than `exclude`) that `is_intact`."""
+    steps = [p for p in Path(parent).glob("step-*") if p.is_dir() and p.name[5:].isdigit()]
+    for step in sorted(steps, key=lambda p: int(p.name[5:]), reverse=True):
+        if (exclude is None or step.resolve() != Path(exclude).resolve()) and is_intact(step):
+            return step
+    return None
 
 
 def _blocks(shards: list[Shard]) -> list[tuple[list[int], list[int], list[Shard]]]:

@@ -32,8 +32,14 @@ import torch.distributed as dist
 from torch import nn
 
 from nanolight.checkpoint.atomic import atomic_directory, fsync_path, publish, remove_stale, temp_dir_for
-from nanolight.checkpoint.files import save_tensors, save_torch
-from nanolight.checkpoint.reader import GROUPS_FILE, OPTIMIZER_FILE, TRAINER_FILE, WEIGHTS_FILE
+from nanolight.checkpoint.files import CheckpointError, save_tensors, save_torch
+from nanolight.checkpoint.reader import (
+    CHECKSUMS_FILE,
+    GROUPS_FILE,
+    OPTIMIZER_FILE,
+    TRAINER_FILE,
+    WEIGHTS_FILE,
+)
 from nanolight.checkpoint.writer import RankPart, ShardWriter, merge_parts, write_index
 
 CONFIG_FILE = "config.json"
@@ -67,11 +73,15 @@ def save_one_process(
     if path.parent.is_dir():
         remove_stale(path.parent)
     with atomic_directory(path, overwrite=True) as tmp:
-        save_tensors(tmp / WEIGHTS_FILE, _dedupe_shared(model_state))
-        save_torch(tmp / OPTIMIZER_FILE, optimizer_states)
-        save_torch(tmp / TRAINER_FILE, trainer_state)
+        crcs = {
+            WEIGHTS_FILE: save_tensors(tmp / WEIGHTS_FILE, _dedupe_shared(model_state)),
+            OPTIMIZER_FILE: save_torch(tmp / OPTIMIZER_FILE, optimizer_states),
+            TRAINER_FILE: save_torch(tmp / TRAINER_FILE, trainer_state),
+        }
         if model_meta is not None:
             _write_json(tmp / CONFIG_FILE, model_meta)
+        manifest = {name: {"size": (tmp / name).stat().st_size, "crc32": crc} for name, crc in crcs.items()}
+        _write_json(tmp / CHECKSUMS_FILE, manifest)  # the one-process index of what was written
 
 
 # ---- several ranks ---------------------------------------------------------------------------
@@ -139,15 +149,16 @@ def _rank_part(
                     _add_value(writer, _file("optim", coords), name, value)
     part = writer.write(tmp)
     rank_file = tmp / f"rank-{rank_state['rank']:05d}.pt"
-    save_torch(rank_file, {"rng": rank_state.get("rng"), "loop": rank_state.get("loop"), "coords": coords})
+    own = {"rng": rank_state.get("rng"), "loop": rank_state.get("loop"), "coords": coords}
+    part.checksums[rank_file.name] = save_torch(rank_file, own)
     part.files[rank_file.name] = rank_file.stat().st_size
     return part
 
 
 def _raise_if_any(error: Exception | None, what: str, cleanup: Path | None, device: torch.device) -> None:
     """All ranks learn whether any rank failed (then every rank raises; rank 0 removes the temp dir)."""
-    flag = torch.tensor([0 if error is None else 1], device=device)
-    # every rank contributes whether it failed; MAX: one failure fails the save everywhere
+    flag = torch.tensor([0 if error is None else dist.get_rank() + 1], device=device)
+    # every rank contributes (its rank + 1) if it failed; MAX: one failure fails the save everywhere
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if int(flag) == 0:
         return
@@ -155,9 +166,7 @@ def _raise_if_any(error: Exception | None, what: str, cleanup: Path | None, devi
         shutil.rmtree(cleanup, ignore_errors=True)
     if error is not None:
         raise error
-    raise RuntimeError(
-        f"checkpoint save failed: another rank failed {what} (see its error); nothing was published"
-    )
+    raise CheckpointError(f"checkpoint save failed: rank {int(flag) - 1} failed {what} (see its error)")
 
 
 def save_sharded(
@@ -201,13 +210,15 @@ def _finish(
     trainer_state: dict, topology: dict, model_meta: dict | None,
 ) -> None:  # fmt: skip
     groups = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in optimizers]
-    save_torch(tmp / GROUPS_FILE, groups)
-    save_torch(tmp / TRAINER_FILE, trainer_state)
+    crcs = {
+        GROUPS_FILE: save_torch(tmp / GROUPS_FILE, groups),
+        TRAINER_FILE: save_torch(tmp / TRAINER_FILE, trainer_state),
+    }
     if model_meta is not None:
         _write_json(tmp / CONFIG_FILE, model_meta)
         fsync_path(tmp / CONFIG_FILE)
     index = merge_parts(parts, topology, {f"model/{a}": f"model/{c}" for a, c in layout.aliases.items()})
-    for name in (GROUPS_FILE, TRAINER_FILE):
-        index.files[name] = (tmp / name).stat().st_size
+    for name, crc in crcs.items():
+        index.files[name], index.checksums[name] = (tmp / name).stat().st_size, crc
     write_index(tmp, index)  # last: a directory without an index is not a checkpoint
     publish(tmp, final)

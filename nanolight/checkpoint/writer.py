@@ -26,6 +26,7 @@ class RankPart:
     """What one rank wrote: its files' sizes and the index entries (name, global shape, dtype, shard)."""
 
     files: dict[str, int] = field(default_factory=dict)
+    checksums: dict[str, str] = field(default_factory=dict)
     entries: list[tuple[str, list[int], str, dict[str, Any]]] = field(default_factory=list)
     extras: dict[str, Any] = field(default_factory=dict)
 
@@ -77,7 +78,7 @@ class ShardWriter:
         """Write and fsync this rank's files; return its part of the index."""
         for file, tensors in self._files.items():
             path = Path(directory) / file
-            save_tensors(path, tensors)
+            self.part.checksums[file] = save_tensors(path, tensors)
             self.part.files[file] = path.stat().st_size
         return self.part
 
@@ -87,9 +88,11 @@ def merge_parts(parts: list[RankPart], topology: dict[str, Any], aliases: dict[s
     tensors: dict[str, TensorEntry] = {}
     files: dict[str, int] = {}
     extras: dict[str, Any] = {}
+    checksums: dict[str, str] = {}
     for part in parts:
         files.update(part.files)
         extras.update(part.extras)
+        checksums.update(part.checksums)
         for name, shape, dtype, shard in part.entries:
             entry = tensors.setdefault(name, TensorEntry(shape, dtype))
             if entry.shape != shape or entry.dtype != dtype:
@@ -97,7 +100,7 @@ def merge_parts(parts: list[RankPart], topology: dict[str, Any], aliases: dict[s
                     f"ranks disagree about {name}: {entry.shape}/{entry.dtype} vs {shape}/{dtype}"
                 )
             entry.shards.append(Shard(**shard))
-    index = CheckpointIndex(topology, dict(sorted(tensors.items())), files, aliases, extras)
+    index = CheckpointIndex(topology, dict(sorted(tensors.items())), files, aliases, extras, checksums)
     check_coverage(index)
     return index
 

@@ -106,7 +106,10 @@ def build_trainer(config: PretrainConfig, strategy: Strategy, root: Path) -> Nan
     if c.every_n_steps is not None or c.save_last:
         callbacks.append(
             ModelCheckpoint(
-                every_n_train_steps=c.every_n_steps, save_last=c.save_last, keep_last_n=c.keep_last_n
+                every_n_train_steps=c.every_n_steps,
+                save_last=c.save_last,
+                keep_last_n=c.keep_last_n,
+                save_on_train_end=True,  # the end of a run is always saved
             )
         )
     return NanoTrainer(

@@ -6,12 +6,16 @@ is a tensor or a plain container, so ``torch.load(weights_only=True)`` reads it 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from nanolight.checkpoint.atomic import LAST_POINTER, resolve_checkpoint
+from nanolight.checkpoint.files import CheckpointError, with_hint
+from nanolight.checkpoint.reader import newest_intact
 from nanolight.seed import capture_rng_state
 
 if TYPE_CHECKING:
@@ -44,7 +48,8 @@ def restore_state(trainer: NanoTrainer, path: Path) -> dict[str, Any]:
     optimizer/scheduler/progress part follows in `restore_training_state`.
     """
     module, strategy = trainer.lightning_module, trainer.strategy
-    state = strategy.load_checkpoint(path, load_optimizer=False)
+    with _naming_an_intact_one(path):
+        state = strategy.load_checkpoint(path, load_optimizer=False)
     module.on_load_checkpoint(state)
     for cb in trainer.callbacks:
         cb.on_load_checkpoint(trainer, module, state)
@@ -56,7 +61,8 @@ def restore_state(trainer: NanoTrainer, path: Path) -> dict[str, Any]:
 
 
 def restore_training_state(trainer: NanoTrainer, path: Path, state: dict[str, Any]) -> None:
-    trainer.strategy.load_optimizer_checkpoint(path)
+    with _naming_an_intact_one(path):
+        trainer.strategy.load_optimizer_checkpoint(path)
     scheds = state.get("schedulers", [])
     if len(scheds) != len(trainer.lr_scheduler_configs):
         raise ValueError(
@@ -67,6 +73,19 @@ def restore_training_state(trainer: NanoTrainer, path: Path, state: dict[str, An
         cfg.scheduler.load_state_dict(sd)
     trainer.progress.update(state.get("progress", {}))
     trainer.fit_loop.load_state_dict(state.get("loop"), state.get("rng"))
+
+
+@contextmanager
+def _naming_an_intact_one(path: Path) -> Iterator[None]:
+    """A damaged checkpoint's error also names the newest intact one next to it, to resume from."""
+    try:
+        yield
+    except CheckpointError as exc:
+        other = newest_intact(Path(path).parent, exclude=path)
+        if other is None:
+            raise
+        hint = f"the newest intact checkpoint is {other}: resume from it (ckpt_path='{other}', recipe: checkpoint.resume={other})"
+        raise with_hint(exc, hint) from exc
 
 
 def resolve_ckpt_path(trainer: NanoTrainer, ckpt_path: str | Path | None) -> Path | None:

@@ -22,7 +22,8 @@ from lightning_utilities.core.rank_zero import rank_zero_info
 from nanolight.callbacks.base import Callback
 from nanolight.callbacks.model_checkpoint import ModelCheckpoint
 from nanolight.callbacks.progress import RichProgressBar
-from nanolight.checkpoint.atomic import write_last_pointer
+from nanolight.checkpoint.atomic import LAST_POINTER, resolve_checkpoint, write_last_pointer
+from nanolight.checkpoint.files import CheckpointError, with_hint
 from nanolight.loggers.base import Logger
 from nanolight.loggers.csv_logger import CSVLogger
 from nanolight.module import NanoModule
@@ -253,7 +254,12 @@ class NanoTrainer:
     def save_checkpoint(self, path: str | Path, update_last: bool = True) -> None:
         """Save a full training checkpoint to directory ``path`` (all ranks must call this)."""
         path = Path(path)
-        self.strategy.save_checkpoint(path, build_state(self))
+        try:
+            self.strategy.save_checkpoint(path, build_state(self))
+        except CheckpointError as exc:  # e.g. a full disk: the save's temporary directory is gone
+            last = resolve_checkpoint(path.parent / LAST_POINTER)
+            where = f"`last` still points at {last.name}" if last else "there is no earlier checkpoint"
+            raise with_hint(exc, f"nothing of {path.name} was published, {where}") from exc
         if update_last and self.is_global_zero:
             write_last_pointer(path)
         self.strategy.barrier("last_pointer")

@@ -153,17 +153,16 @@ class VocabParallelEmbedding(nn.Module):
         group: Any,
         *,
         sequence_parallel: bool = False,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        **factory: Any,
     ) -> None:
+        """`factory`: ``device`` / ``dtype`` of the weight."""
         super().__init__()
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.tp_rank, self.tp_size = comm.tp_world(group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.sequence_parallel = sequence_parallel
         local = _shard_size(num_embeddings, self.tp_size, "num_embeddings (vocab_size)")
         self.vocab_start, self.vocab_end = self.tp_rank * local, (self.tp_rank + 1) * local
-        self.weight = nn.Parameter(torch.empty(local, embedding_dim, device=device, dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(local, embedding_dim, **factory))
 
     def forward(self, ids: Tensor) -> Tensor:
         foreign = (ids < self.vocab_start) | (ids >= self.vocab_end)

@@ -5,6 +5,7 @@
     torchrun --nproc_per_node=8 recipes/smollm.py model=smollm-1.7b +parallel.tp=8
 
 Configs live in conf/; every key is validated (nanolight/pretrain/config.py) before anything runs.
+Errors are one line (``nanolight: error: ...``); ``--debug`` shows their traceback.
 """
 
 import sys
@@ -12,23 +13,20 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from nanolight.pretrain import ConfigError, PretrainConfig, load_config, run
+from nanolight.pretrain import PretrainConfig, load_config, run
+from nanolight.pretrain.cli import reported_errors, take_debug_flag
 from nanolight.pretrain.schema import check_override_keys
+
+DEBUG = take_debug_flag(sys.argv)
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    try:
+    with reported_errors(DEBUG):
         run(load_config(cfg))
-    except ConfigError as err:
-        print(f"nanolight: config error: {err}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":
-    try:  # name the valid keys for a misspelled override before Hydra composes
+    with reported_errors(DEBUG):  # name the valid keys for a misspelled override before Hydra composes
         check_override_keys(PretrainConfig, sys.argv[1:], groups=("model", "data", "logger"))
-    except ConfigError as err:
-        print(f"nanolight: config error: {err}", file=sys.stderr)
-        sys.exit(2)
     main()

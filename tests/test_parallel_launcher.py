@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from nanolight.parallel.launcher import ProcessEnv, detect_environment, ensure_processes, first_slurm_host
+from nanolight.parallel.environment import ProcessEnv, detect_environment, first_slurm_host
+from nanolight.parallel.launcher import ensure_processes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -75,6 +75,8 @@ class ModelCheckpoint(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self.dirpath is None:
             self.dirpath = Path(trainer.default_root_dir) / "checkpoints"
+        if stage == "fit":  # every rank writes here: make sure every rank sees it, now, not at the first save
+            trainer.strategy.check_shared_directory(self.dirpath)
         if trainer.is_global_zero and self.dirpath.is_dir():
             remove_stale(self.dirpath)  # temporary directories of saves that were killed
 

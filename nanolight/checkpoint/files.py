@@ -25,9 +25,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from nanolight.checkpoint.atomic import fsync_path
+from nanolight.errors import NanolightError
 
 
-class CheckpointError(ValueError):
+class CheckpointError(NanolightError, ValueError):
     """A checkpoint that cannot be read: a file is truncated or damaged. The message names it."""
 
 
@@ -47,6 +48,7 @@ class DiskFullError(CheckpointError):
     """The filesystem ran out of space while a checkpoint file was written."""
 
     errno = errno.ENOSPC
+    rank_specific = True
 
 
 def file_crc32(path: Path, chunk: int = 16 << 20) -> str:

@@ -266,7 +266,9 @@ def convert_hf_to_nanolight(
 def convert_nanolight_to_hf(
     checkpoint_path: str | Path, save_path: str | Path, overwrite: bool = False
 ) -> Path:
-    """nanolight checkpoint directory -> HF LlamaForCausalLM directory, written atomically.
+    """nanolight checkpoint directory -> HF LlamaForCausalLM directory, written atomically: the
+    weights, config.json, generation_config.json and the tokenizer the checkpoint carries, so
+    ``AutoTokenizer`` and ``pipeline("text-generation")`` load the export as is.
 
     The source may be a sharded training step directory from any topology (`read_checkpoint`),
     or a run's ``last`` pointer (or the ``checkpoints`` directory holding it)."""
@@ -284,6 +286,9 @@ def convert_nanolight_to_hf(
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         save_tensors(tmp / "model.safetensors", hf_sd)
         copy_tokenizer_files(src, tmp)
+        if not (tmp / "generation_config.json").exists():  # what `generate` / `pipeline` start from
+            generation = {k: v for k, v in hf_extra.items() if k in HF_PASSTHROUGH_KEYS}
+            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return Path(save_path)
 
 

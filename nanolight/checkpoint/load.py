@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from nanolight.checkpoint.reader import CheckpointReader
+from nanolight.errors import UsageError
 
 
 def check_matches(expected: dict[str, tuple[int, ...]], stored: dict[str, tuple[int, ...]]) -> None:
@@ -42,7 +43,7 @@ def check_matches(expected: dict[str, tuple[int, ...]], stored: dict[str, tuple[
     parts = [f"missing in checkpoint: {head(missing)}"] if missing else []
     parts += [f"unexpected in checkpoint: {head(unexpected)}"] if unexpected else []
     parts += [f"shape mismatch: {head(shapes)}"] if shapes else []
-    raise ValueError(
+    raise UsageError(
         "checkpoint does not match the model (was it saved from another model?) -- " + "; ".join(parts)
     )
 
@@ -92,7 +93,7 @@ def load_optimizers(
         reader.bind_param_names(param_names())
     saved_groups = reader.optimizer_groups()
     if len(saved_groups) != len(optimizers):
-        raise ValueError(
+        raise UsageError(
             f"checkpoint {reader.path} holds {len(saved_groups)} optimizer(s), "
             f"configure_optimizers returned {len(optimizers)}"
         )
@@ -103,7 +104,7 @@ def load_optimizers(
     names = {id(p): n for n, p in module.named_parameters()}
     for k, (opt, hyper) in enumerate(zip(optimizers, saved_groups, strict=True)):
         if len(hyper) != len(opt.param_groups):
-            raise ValueError(
+            raise UsageError(
                 f"optimizer {k}: the checkpoint has {len(hyper)} param groups, the optimizer {len(opt.param_groups)}"
             )
         owned = opt.owned_ranges() if hasattr(opt, "owned_ranges") else None  # ZeRO-1: 1/dp of the rows

@@ -146,6 +146,13 @@ def read_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tens
     return config, state_dict, dict(meta.get("hf_extra") or {})
 
 
+def model_dir_files(module: torch.nn.Module) -> dict[str, Path]:
+    """The tokenizer files a module's checkpoints carry, so an export is a complete HF directory:
+    those found in its ``tokenizer_dir`` attribute (the recipe's module sets it)."""
+    src = getattr(module, "tokenizer_dir", None)
+    return {name: Path(src) / name for name in TOKENIZER_FILES if src and (Path(src) / name).is_file()}
+
+
 def stored_model_prefix(path: str | Path) -> str:
     """The key prefix of the model's tensors in a nanolight directory ("" in a model directory,
     the module attribute in a training step directory, as its config.json says)."""
@@ -163,8 +170,9 @@ def step_dir_meta(
     directory is also a model directory (``load_pretrained``, HF conversion): this format's meta
     with ``"sharding": {"index": index, "prefix": <the model's key prefix>}`` -- `index` is
     ``index.json`` for per-rank shards, None for one ``model.safetensors`` of the whole module.
-    A run started from `pretrained` keeps its ``hf_extra`` (HF token ids) for the way back to HF.
-    None when the module holds no ``LlamaForCausalLM``."""
+    A run started from `pretrained` keeps its ``hf_extra`` (HF token ids) for the way back to HF;
+    otherwise the module's ``hf_extra`` attribute gives them. None when the module holds no
+    ``LlamaForCausalLM``."""
     found = next(((n, m) for n, m in module.named_modules() if isinstance(m, LlamaForCausalLM)), None)
     if found is None:
         return None
@@ -172,9 +180,9 @@ def step_dir_meta(
     fields = model.config.to_dict()
     if fields.get("rope_scaling") is None:
         fields.pop("rope_scaling", None)  # as write_checkpoint does
-    hf_extra = {}
+    hf_extra = dict(getattr(module, "hf_extra", None) or {})  # e.g. the run's tokenizer's token ids
     if pretrained is not None and (Path(pretrained) / CONFIG_FILE).is_file():
-        hf_extra = json.loads((Path(pretrained) / CONFIG_FILE).read_text()).get("hf_extra") or {}
+        hf_extra = json.loads((Path(pretrained) / CONFIG_FILE).read_text()).get("hf_extra") or hf_extra
     sharding = {"index": index, "prefix": f"{prefix}." if prefix else ""}
     return {
         **fields,

@@ -67,8 +67,10 @@ def save_one_process(
     optimizer_states: list[dict[str, Any]],
     trainer_state: dict[str, Any],
     model_meta: dict[str, Any] | None = None,
+    files: dict[str, Path] | None = None,
 ) -> None:
-    """Write a one-process checkpoint directory atomically (replacing an earlier save of it)."""
+    """Write a one-process checkpoint directory atomically (replacing an earlier save of it);
+    `files` (name -> source) are copied in, e.g. the tokenizer."""
     path = Path(path)
     if path.parent.is_dir():
         remove_stale(path.parent)
@@ -80,11 +82,18 @@ def save_one_process(
         }
         if model_meta is not None:
             _write_json(tmp / CONFIG_FILE, model_meta)
+        _copy(files, tmp)
         manifest = {name: {"size": (tmp / name).stat().st_size, "crc32": crc} for name, crc in crcs.items()}
         _write_json(tmp / CHECKSUMS_FILE, manifest)  # the one-process index of what was written
 
 
 # ---- several ranks ---------------------------------------------------------------------------
+def _copy(files: dict[str, Path] | None, directory: Path) -> None:
+    for name, src in (files or {}).items():
+        shutil.copyfile(src, directory / name)
+        fsync_path(directory / name)
+
+
 def _file(kind: str, coords: dict[str, int]) -> str:
     name = f"{kind}-pp{coords['pp']:02d}-tp{coords['tp']:02d}"
     return f"{name}-dp{coords['dp']:02d}.safetensors" if kind == "optim" else f"{name}.safetensors"
@@ -178,8 +187,10 @@ def save_sharded(
     topology: dict[str, Any],
     model_meta: dict[str, Any] | None,
     device: torch.device,
+    files: dict[str, Path] | None = None,
 ) -> None:
-    """Write checkpoint directory `path` from every rank (collective: all ranks call it)."""
+    """Write checkpoint directory `path` from every rank (collective: all ranks call it); rank 0
+    copies `files` (name -> source) in."""
     final, rank, world = Path(path), dist.get_rank(), dist.get_world_size()
     tmp = temp_dir_for(final)
     if rank == 0:
@@ -199,6 +210,7 @@ def save_sharded(
     error = None
     if rank == 0:
         try:
+            _copy(files, tmp)
             _finish(tmp, final, parts, optimizers, layout, trainer_state, topology, model_meta)
         except Exception as exc:
             error = exc

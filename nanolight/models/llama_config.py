@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from nanolight.errors import UsageError
+
 ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
 SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_HF_MODEL_TYPES = ("llama",)
@@ -51,7 +53,7 @@ class LlamaConfig:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None and self.num_attention_heads and self.hidden_size:
             if self.hidden_size % self.num_attention_heads != 0:
-                raise ValueError(
+                raise UsageError(
                     f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
                     f"{self.num_attention_heads}; pick a head count that divides it or set head_dim explicitly"
                 )
@@ -69,25 +71,25 @@ class LlamaConfig:
         for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             _require_positive_int(name, getattr(self, name))
         if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(
+            raise UsageError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention shares each "
                 "kv head between a whole number of query heads); change one of them"
             )
         if self.head_dim % 2 != 0:
-            raise ValueError(
+            raise UsageError(
                 f"head_dim={self.head_dim} must be even for rotary embeddings; use an even head_dim"
             )
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
-            raise ValueError(
+            raise UsageError(
                 f"attn_implementation={self.attn_implementation!r} is not supported; "
                 f"choose one of {', '.join(ATTN_IMPLEMENTATIONS)}"
             )
         for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+                raise UsageError(f"{name}={getattr(self, name)} must be > 0")
         if not isinstance(self.tie_word_embeddings, bool):
-            raise ValueError(f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}")
+            raise UsageError(f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}")
         _validate_rope_scaling(self.rope_scaling)
 
     # ------------------------------------------------------------------ constructors
@@ -97,7 +99,7 @@ class LlamaConfig:
         from nanolight.models.presets import PRESETS
 
         if name not in PRESETS:
-            raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
+            raise UsageError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
 
     @classmethod
@@ -107,7 +109,7 @@ class LlamaConfig:
         names = [f.name for f in fields(cls)]
         unknown = sorted(set(d) - set(names))
         if strict and unknown:
-            raise ValueError(f"unknown model config key(s) {unknown}; valid keys: {', '.join(names)}")
+            raise UsageError(f"unknown model config key(s) {unknown}; valid keys: {', '.join(names)}")
         return cls(**{k: v for k, v in d.items() if k in names})
 
     @classmethod
@@ -121,17 +123,17 @@ class LlamaConfig:
         check_hf_architecture(d)
         for key in ("attention_bias", "mlp_bias"):
             if d.get(key):
-                raise ValueError(
+                raise UsageError(
                     f"HF config sets {key}=true; nanolight's Llama has no biases (set it to false)"
                 )
         if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(
+            raise UsageError(
                 f"HF config has hidden_act={d['hidden_act']!r}; only 'silu' (SwiGLU) is supported"
             )
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(
+            raise UsageError(
                 "HF config sets partial_rotary_factor != 1; nanolight rotates the whole head_dim"
             )
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -140,7 +142,7 @@ class LlamaConfig:
         elif rope_type == "llama3":
             scaling = {"rope_type": "llama3", **{k: rope.get(k) for k in LLAMA3_ROPE_KEYS}}
         else:
-            raise ValueError(
+            raise UsageError(
                 f"HF config uses rope_scaling type {rope_type!r}; nanolight supports 'default' and 'llama3'"
             )
         kwargs = dict(
@@ -212,7 +214,7 @@ def check_hf_architecture(d: Mapping[str, Any]) -> None:
     arch_ok = not archs or any(a in SUPPORTED_HF_ARCHITECTURES for a in archs)
     type_ok = model_type in SUPPORTED_HF_MODEL_TYPES or (model_type is None and bool(archs))
     if not (arch_ok and type_ok):
-        raise ValueError(
+        raise UsageError(
             f"unsupported architecture {archs or None} (model_type={model_type!r}); nanolight converts "
             f"{', '.join(SUPPORTED_HF_ARCHITECTURES)} (model_type "
             f"{', '.join(repr(t) for t in SUPPORTED_HF_MODEL_TYPES)}) only"
@@ -221,7 +223,7 @@ def check_hf_architecture(d: Mapping[str, Any]) -> None:
 
 def _require_positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise UsageError(f"{name} must be a positive integer, got {value!r}")
 
 
 def _validate_rope_scaling(rope_scaling: dict | None) -> None:
@@ -229,12 +231,12 @@ def _validate_rope_scaling(rope_scaling: dict | None) -> None:
         return
     rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
     if rope_type != "llama3":
-        raise ValueError(
+        raise UsageError(
             f"rope_scaling type {rope_type!r} is not supported; use null (plain RoPE) or "
             "{'rope_type': 'llama3', ...}"
         )
     missing = [k for k in LLAMA3_ROPE_KEYS if rope_scaling.get(k) is None]
     if missing:
-        raise ValueError(f"llama3 rope_scaling is missing {', '.join(missing)}; add them to rope_scaling")
+        raise UsageError(f"llama3 rope_scaling is missing {', '.join(missing)}; add them to rope_scaling")
     if rope_scaling["high_freq_factor"] <= rope_scaling["low_freq_factor"]:
-        raise ValueError("llama3 rope_scaling needs high_freq_factor > low_freq_factor")
+        raise UsageError("llama3 rope_scaling needs high_freq_factor > low_freq_factor")

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nanolight.errors import UsageError
+
 PP_SCHEDULES = ("1f1b", "afab")  # one-forward-one-backward, all-forward-all-backward
 ZERO_STAGES = (0, 1)
 
@@ -33,6 +35,7 @@ class ParallelConfig:
     zero_stage: int = 0
     pp_schedule: str = "1f1b"
     sequence_parallel: bool = False
+    timeout_s: int = 600  # how long a rank waits for its peers (joining, or any collective)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -42,33 +45,38 @@ class ParallelConfig:
         for name in ("tp", "pp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
+                raise UsageError(
                     f"parallel.{name}={value!r} must be a positive integer, e.g. +parallel.{name}=2"
                 )
         if self.dp != "auto" and (isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1):
-            raise ValueError(
+            raise UsageError(
                 f"parallel.dp={self.dp!r} must be a positive integer or 'auto' (fill the world: "
                 "dp = world_size // (tp * pp)), e.g. +parallel.dp=auto"
             )
         if self.zero_stage not in ZERO_STAGES:
-            raise ValueError(
+            raise UsageError(
                 f"parallel.zero_stage={self.zero_stage!r} is not supported; choose one of {ZERO_STAGES} "
                 "(1 shards optimizer state and fp32 master weights over dp)"
             )
         if self.pp_schedule not in PP_SCHEDULES:
-            raise ValueError(
+            raise UsageError(
                 f"parallel.pp_schedule={self.pp_schedule!r} is unknown; choose one of {PP_SCHEDULES} "
                 "('1f1b' = one-forward-one-backward, 'afab' = all-forward-all-backward)"
             )
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int) or self.timeout_s < 1:
+            raise UsageError(
+                f"parallel.timeout_s={self.timeout_s!r} must be a positive number of seconds: how long a rank "
+                "waits for the others (to join, or in a collective) before the job ends, e.g. +parallel.timeout_s=120"
+            )
         if not isinstance(self.sequence_parallel, bool):
-            raise ValueError(f"parallel.sequence_parallel={self.sequence_parallel!r} must be true or false")
+            raise UsageError(f"parallel.sequence_parallel={self.sequence_parallel!r} must be true or false")
 
     def resolve_dp(self, world_size: int) -> int:
         """The data-parallel degree for a world of `world_size` processes; checks tp*pp*dp == world."""
         model_parallel = self.tp * self.pp
         if self.dp == "auto":
             if world_size % model_parallel != 0:
-                raise ValueError(
+                raise UsageError(
                     f"world size {world_size} is not a multiple of tp*pp = {self.tp}*{self.pp} = "
                     f"{model_parallel}, so dp='auto' cannot fill it; launch a multiple of {model_parallel} "
                     "processes or change tp/pp"
@@ -84,7 +92,7 @@ class ParallelConfig:
             return
         expected = self.tp * self.pp * self.dp
         if world_size != expected:
-            raise ValueError(
+            raise UsageError(
                 f"world size {world_size} != tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {expected}; "
                 f"launch {expected} processes (e.g. torchrun --nproc-per-node={expected}) or set "
                 "+parallel.dp=auto to fill the world"
@@ -100,13 +108,13 @@ class ParallelConfig:
         for name, value, why in checks:
             if value % tp != 0:
                 divisors = [d for d in range(1, value + 1) if value % d == 0]
-                raise ValueError(
+                raise UsageError(
                     f"tensor parallelism tp={tp} does not divide {name}={value} ({why}); "
                     f"choose tp from {divisors}"
                 )
         if vocab_size % tp != 0:
             padded = -(-vocab_size // tp) * tp
-            raise ValueError(
+            raise UsageError(
                 f"tensor parallelism tp={tp} does not divide vocab_size={vocab_size} (the embedding and "
                 f"lm_head are split into equal vocabulary shards); pad the model's vocab_size to "
                 f"{padded} (the next multiple of {tp}) or choose another tp"

@@ -1,112 +1,37 @@
 """Make sure the processes of a distributed run exist, then join them into one world.
 
-Three ways a nanolight script runs with more than one process:
+Under torchrun or srun the processes exist (`environment.py` reads where this one sits). Under
+plain ``python script.py`` with a world of N, `SubprocessLauncher` re-runs the same command line
+as N local children (as Lightning's launcher does for ``devices=N``), waits for them and exits
+with their status:
 
-* `torchrun ... script.py`   torchrun set RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT;
-* `srun ... python script.py` SLURM set SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID; the master is
-  the first host of the step's node list;
-* `python script.py`          nobody did: `SubprocessLauncher` re-runs the same command line as
-  N local children with the torchrun variables set (as Lightning's launcher does for
-  `devices=N`), waits for them and exits with their status. If one child fails, the parent
-  kills the others at once, so a crashed rank never leaves its peers blocked in a collective.
-  SIGTERM/SIGUSR1 to the parent (pre-emption) are passed on to every child, and the parent keeps
-  waiting while they finish their step and save (``nanolight/trainer/preemption.py``).
+* one child failing stops the others at once, so a crashed rank never leaves its peers blocked;
+* SIGTERM/SIGUSR1 to the parent (pre-emption) are passed on, and the parent keeps waiting while
+  the children finish their step and save (``nanolight/trainer/preemption.py``);
+* each child gets ``cores // N`` threads (``OMP_NUM_THREADS``) unless the user set it: N ranks
+  of torch's default (every core each) oversubscribe the machine several times over.
 
-Reading those variables is the launcher's job alone; the rest of nanolight receives a
-`ProcessEnv` / `ParallelContext` and never looks at the environment.
+A worker whose launcher died (ours, or torchrun's agent) stops by itself: `watch_launcher` sees
+its parent change, signals itself SIGTERM -- the pre-emption path: finish the step, save, exit --
+and exits hard if that has not happened within a grace period.
 """
 
 from __future__ import annotations
 
 import os
-import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-PARENT_PID_VAR = "NANOLIGHT_LAUNCHER_PARENT_PID"  # set on our children: "exit if I am orphaned"
-
-
-@dataclass(frozen=True)
-class ProcessEnv:
-    """Where this process sits in the run, and where the rendezvous is."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-    source: str  # "torchrun" | "slurm" | "subprocess" | "single"
-
-
-def free_port() -> int:
-    """A TCP port free on this machine right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def first_slurm_host(nodelist: str) -> str:
-    """First host of a SLURM node list ("gpu[003-005,009],cpu1" -> "gpu003")."""
-    scontrol = shutil.which("scontrol")
-    if scontrol:
-        try:
-            out = subprocess.run(
-                [scontrol, "show", "hostnames", nodelist],
-                capture_output=True,
-                text=True,
-                timeout=30,
-                check=True,
-            ).stdout.split()
-            if out:
-                return out[0]
-        except (subprocess.SubprocessError, OSError):
-            pass  # fall back to parsing the compressed list ourselves
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not match:
-        raise ValueError(f"cannot parse SLURM node list {nodelist!r}; set MASTER_ADDR explicitly")
-    prefix, ranges = match.groups()
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
-
-
-def detect_environment(environ: Mapping[str, str] | None = None) -> ProcessEnv | None:
-    """The `ProcessEnv` set up by torchrun, SLURM or our own launcher; None under plain python."""
-    env = os.environ if environ is None else environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return ProcessEnv(
-            rank=int(env["RANK"]),
-            world_size=int(env["WORLD_SIZE"]),
-            local_rank=int(env.get("LOCAL_RANK", "0")),
-            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=int(env.get("MASTER_PORT", "29500")),
-            source="subprocess" if PARENT_PID_VAR in env else "torchrun",
-        )
-    ntasks = int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1")))
-    if "SLURM_PROCID" in env and ntasks > 1:  # under srun (a batch script's shell has 1 task)
-        nodelist = env.get("SLURM_STEP_NODELIST", env.get("SLURM_NODELIST", "127.0.0.1"))
-        job_id = int(env.get("SLURM_JOB_ID", "0"))
-        return ProcessEnv(
-            rank=int(env["SLURM_PROCID"]),
-            world_size=ntasks,
-            local_rank=int(env.get("SLURM_LOCALID", "0")),
-            master_addr=env.get("MASTER_ADDR") or first_slurm_host(nodelist),
-            # same port on every task of the job, different across jobs sharing a node
-            master_port=int(env.get("MASTER_PORT", 15000 + job_id % 20000)),
-            source="slurm",
-        )
-    return None
+from nanolight.errors import NanolightError, UsageError
+from nanolight.parallel.environment import PARENT_PID_VAR, ProcessEnv, detect_environment, free_port
+from nanolight.parallel.health import Heartbeat
 
 
 def _script_command() -> list[str]:
@@ -150,8 +75,18 @@ class SubprocessLauncher:
         cmd = _script_command()
         return cmd + _hydra_overrides(cmd)
 
+    def threads_per_rank(self) -> int | None:
+        """``cores // ranks`` (at least 1) unless the user chose ``OMP_NUM_THREADS``."""
+        if "OMP_NUM_THREADS" in os.environ:
+            return None
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, cores // self.world_size)
+
     def child_env(self, rank: int, port: int) -> dict[str, str]:
         env = dict(os.environ)
+        threads = self.threads_per_rank()
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
         env.update(
             RANK=str(rank),
             LOCAL_RANK=str(rank),
@@ -166,6 +101,13 @@ class SubprocessLauncher:
     def launch(self) -> int:
         """Start the children, wait, return the first failure's exit code (0 if all succeed)."""
         port, cmd = free_port(), self.command()
+        threads = self.threads_per_rank()
+        if threads is not None:
+            print(
+                f"nanolight: {self.world_size} local ranks, {threads} thread(s) each (OMP_NUM_THREADS; set it to "
+                "choose another count)",
+                file=sys.stderr,
+            )
         children = [subprocess.Popen(cmd, env=self.child_env(r, port)) for r in range(self.world_size)]
         # Pre-emption (SIGTERM, SLURM's SIGUSR1) must reach the children, which finish their step,
         # save and exit 0: pass it on and keep waiting. Ctrl-C (SIGINT) reaches them from the
@@ -218,16 +160,22 @@ def _forward(children: list[subprocess.Popen], signum: int) -> None:
         child.send_signal(signum)  # a no-op for a child that already exited
 
 
-def _exit_when_orphaned(parent_pid: int, poll_s: float = 1.0) -> None:
-    """Children of a killed launcher must not linger: exit when the parent is gone."""
+def watch_launcher(parent_pid: int, rank: int, grace_s: float = 120.0, poll_s: float = 1.0) -> None:
+    """When the process that started this worker (our launcher, torchrun's agent) is gone, stop:
+    SIGTERM to ourselves (in `fit`: finish the step, save, exit), then exit after `grace_s`."""
 
     def watch() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
+        while os.getppid() == parent_pid:
             time.sleep(poll_s)
+        print(
+            f"nanolight: rank {rank}: the launcher (pid {parent_pid}) is gone; saving and stopping",
+            file=sys.stderr,
+        )
+        signal.raise_signal(signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(1)
 
-    threading.Thread(target=watch, name="nanolight-orphan-watch", daemon=True).start()
+    threading.Thread(target=watch, name="nanolight-launcher-watch", daemon=True).start()
 
 
 def ensure_processes(world_size: int) -> ProcessEnv:
@@ -240,12 +188,14 @@ def ensure_processes(world_size: int) -> ProcessEnv:
     env = detect_environment()
     if env is not None:
         if env.world_size != world_size:
-            raise ValueError(
+            raise UsageError(
                 f"the launcher ({env.source}) started {env.world_size} processes but the parallel layout "
                 f"needs tp*pp*dp = {world_size}; launch {world_size} processes or change the layout"
             )
         if env.source == "subprocess":
-            _exit_when_orphaned(int(os.environ[PARENT_PID_VAR]))
+            watch_launcher(int(os.environ[PARENT_PID_VAR]), env.rank)
+        elif env.source == "torchrun":
+            watch_launcher(os.getppid(), env.rank)  # torchrun's agent
         return env
     if world_size == 1:
         return ProcessEnv(0, 1, 0, "127.0.0.1", free_port(), "single")
@@ -254,24 +204,41 @@ def ensure_processes(world_size: int) -> ProcessEnv:
 
 def init_distributed(
     env: ProcessEnv, backend: str | None = None, timeout: timedelta = timedelta(minutes=10)
-) -> None:
-    """Join the default process group (NCCL on GPU, gloo on CPU) with a collective timeout.
+) -> Heartbeat | None:
+    """Join the default process group (NCCL on GPU, gloo on CPU); returns this rank's heartbeat.
 
-    The timeout bounds how long a rank waits for a dead peer when no launcher supervises it.
+    `timeout` bounds both the wait for the other ranks to join (after 10 s of waiting a line says
+    who waits for whom) and every later collective, so a dead or stopped peer ends the job.
     """
     if dist.is_initialized():
-        return
+        return None
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
-    if env.source == "torchrun":
-        # torchrun's agent already hosts the store on MASTER_PORT; env:// connects to it.
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
-    else:
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{env.master_addr}:{env.master_port}",
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timeout,
-        )
+    where = f"{env.master_addr}:{env.master_port}"
+    notice = threading.Timer(10.0, lambda: print(
+        f"nanolight: rank {env.rank} of {env.world_size} waiting for the other ranks at {where} "
+        f"(gives up after {timeout.total_seconds():.0f} s: +parallel.timeout_s)", file=sys.stderr, flush=True,
+    ))  # fmt: skip
+    notice.daemon = True
+    notice.start()
+    try:
+        if env.source == "torchrun":  # torchrun's agent hosts the store on MASTER_PORT: env:// joins it
+            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{where}",
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=timeout,
+            )
+    except (RuntimeError, dist.DistError) as exc:
+        raise NanolightError(
+            f"rank {env.rank} of {env.world_size}: the other ranks did not join at {where} within "
+            f"{timeout.total_seconds():.0f} s ({str(exc).splitlines()[0][:160]}); start every rank (under SLURM "
+            "with srun, not in the batch script's own shell) or raise +parallel.timeout_s"
+        ) from exc
+    finally:
+        notice.cancel()
+    return Heartbeat(env.master_addr, env.master_port, env.rank, env.world_size)

@@ -12,10 +12,13 @@ import math
 import torch
 from torch import nn
 
-from nanolight.checkpoint.pretrained import read_checkpoint
+from nanolight.checkpoint.load import load_model
+from nanolight.checkpoint.pretrained import stored_model_prefix
+from nanolight.checkpoint.reader import CheckpointReader
 from nanolight.models.flops import flops_per_token
 from nanolight.models.llama import LlamaConfig, LlamaForCausalLM
 from nanolight.module import NanoModule
+from nanolight.parallel.layout import ModelLayout
 from nanolight.pretrain.config import OptimConfig
 
 
@@ -41,15 +44,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def load_weights(model: LlamaForCausalLM, path: str) -> None:
-    """Copy a nanolight model directory's weights into `model`; a different model is an error."""
-    _, state, _ = read_checkpoint(path)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint.init_from={path} does not fit model: missing {missing[:6]}, unexpected {unexpected[:6]}; "
-            "pick the model preset the checkpoint was converted from"
-        )
+    """Copy a nanolight model directory's weights into `model`; another model is an error naming
+    the tensors (the same check a resume makes)."""
+    reader = CheckpointReader.open(path, verify="model/")
+    load_model(reader, model, ModelLayout.whole(model), stored_prefix=stored_model_prefix(path))
 
 
 class CausalLMPretrain(NanoModule):
@@ -62,9 +60,13 @@ class CausalLMPretrain(NanoModule):
         seq_len: int,
         max_steps: int,
         init_from: str | None = None,
+        tokenizer_dir: str | None = None,
+        hf_extra: dict | None = None,
     ) -> None:
+        """`tokenizer_dir` / `hf_extra` (the tokenizer's HF token ids) go into every checkpoint, so
+        that a checkpoint converts to a complete Hugging Face directory."""
         super().__init__()
-        self.init_from = init_from
+        self.init_from, self.tokenizer_dir, self.hf_extra = init_from, tokenizer_dir, hf_extra or {}
         self.model_config = model_config
         self.optim = optim
         self.seq_len = seq_len

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from nanolight.callbacks import LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
+from nanolight.checkpoint.atomic import atomic_directory, atomic_write_text
 from nanolight.data import DataConfig, build_datamodule, vocab_size
 from nanolight.loggers import CSVLogger, Logger, WandbLogger
 from nanolight.loggers.wandb_logger import has_wandb_credentials
@@ -26,6 +27,8 @@ from nanolight.pretrain.config import ConfigError, PretrainConfig, to_dict
 from nanolight.pretrain.module import CausalLMPretrain
 from nanolight.strategies import Parallel3DStrategy, SingleDeviceStrategy, Strategy
 from nanolight.trainer import NanoTrainer
+
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # carried to the HF export
 
 
 def check_layout(config: PretrainConfig) -> None:
@@ -45,7 +48,9 @@ def check_run_dir(config: PretrainConfig) -> Path:
     root = Path(config.trainer.default_root_dir)
     ckpt_dir = root / "checkpoints"
     resume = config.checkpoint.resume
-    has_checkpoints = ckpt_dir.is_dir() and any(ckpt_dir.iterdir())
+    has_checkpoints = ckpt_dir.is_dir() and any(
+        p.name == "last" or p.name.startswith("step-") for p in ckpt_dir.iterdir()
+    )
     if resume is None and has_checkpoints:
         raise ConfigError(
             f"run directory {root} already holds checkpoints; continue it with checkpoint.resume=last, "
@@ -133,10 +138,7 @@ def build_trainer(config: PretrainConfig, strategy: Strategy, root: Path) -> Nan
 
 
 def save_config(config: PretrainConfig, root: Path) -> None:
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / "config.yaml.tmp"
-    tmp.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-    tmp.replace(root / "config.yaml")
+    atomic_write_text(root / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
 
 
 def run(config: PretrainConfig) -> NanoTrainer:
@@ -149,10 +151,17 @@ def run(config: PretrainConfig) -> NanoTrainer:
     if strategy.data_parallel_size > 1:
         ctx = strategy.parallel_context
         dm = build_data(config, ctx.dp_rank, ctx.dp_size)
+    tokenizer_dir = root / "tokenizer"  # every checkpoint carries it: an export is a complete HF dir
     if strategy.is_global_zero:
         save_config(config, root)
+        with atomic_directory(tokenizer_dir, overwrite=True) as tmp:
+            dm.tokenizer.save_pretrained(str(tmp))
     t = config.trainer
-    module = CausalLMPretrain(config.model, config.optim, t.seq_len, t.max_steps, config.checkpoint.init_from)
+    token_ids = {k: getattr(dm.tokenizer, k) for k in TOKEN_IDS if getattr(dm.tokenizer, k) is not None}
+    c = config.checkpoint
+    module = CausalLMPretrain(
+        config.model, config.optim, t.seq_len, t.max_steps, c.init_from, str(tokenizer_dir), token_ids
+    )
     trainer = build_trainer(config, strategy, root)
     # resume="last" with no checkpoint yet starts fresh with a warning, as Lightning does
     trainer.fit(module, dm.train_loader, dm.val_loader, ckpt_path=config.checkpoint.resume)

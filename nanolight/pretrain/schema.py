@@ -14,10 +14,12 @@ import types
 import typing
 from typing import Any, TypeVar
 
+from nanolight.errors import UsageError
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A recipe config that cannot run. The message says which key and how to fix it."""
 
 

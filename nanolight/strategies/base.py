@@ -33,6 +33,7 @@ Call order during ``NanoTrainer.fit`` (each a method below)::
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -43,9 +44,10 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 from nanolight.checkpoint.load import load_model, load_optimizers, trainer_state
-from nanolight.checkpoint.pretrained import step_dir_meta
+from nanolight.checkpoint.pretrained import model_dir_files, step_dir_meta
 from nanolight.checkpoint.reader import CheckpointReader
 from nanolight.checkpoint.save import save_one_process
+from nanolight.errors import UsageError
 from nanolight.parallel.layout import ModelLayout
 from nanolight.parallel.pipeline.schedules import BACKWARD, FORWARD, Action, one_by_one
 from nanolight.precision import Precision
@@ -190,6 +192,31 @@ class Strategy:
         """True on every rank if ``flag`` is True on any rank (e.g. "a signal reached me")."""
         return flag
 
+    def check_shared_directory(self, path: str | Path) -> None:
+        """Every rank must see the directory rank 0 writes into (checkpoints are written by all
+        ranks): rank 0 writes a token there, every rank reads it back. Checked at start-up, not
+        hours later at the first save."""
+        if self.world_size == 1:
+            return
+        path, token = Path(path), self.broadcast(uuid.uuid4().hex if self.is_global_zero else None)
+        probe = path / f".nanolight-shared-{token[:12]}"
+        if self.is_global_zero:
+            path.mkdir(parents=True, exist_ok=True)
+            probe.write_text(token)
+        self.barrier()
+        seen = probe.read_text() if probe.is_file() else None
+        if self.any_rank(seen != token):
+            if self.is_global_zero:
+                probe.unlink(missing_ok=True)
+            raise UsageError(
+                f"rank {self.global_rank} {'sees' if seen == token else 'does not see'} the run directory {path} "
+                "that rank 0 writes (not every rank sees it): put trainer.default_root_dir on a filesystem that "
+                "every node shares (or a path that exists on every node)"
+            )
+        self.barrier()
+        if self.is_global_zero:
+            probe.unlink(missing_ok=True)
+
     # ---- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self, path: str | Path, state: dict[str, Any]) -> None:
         """Write checkpoint directory `path` atomically: weights, optimizer state and the trainer's
@@ -198,7 +225,8 @@ class Strategy:
         if self.is_global_zero:
             optimizers = [opt.state_dict() for opt in self.optimizers]
             meta = step_dir_meta(self.module, index=None)  # a Llama inside: also a model dir
-            save_one_process(Path(path), self.module.state_dict(), optimizers, state, meta)
+            files = model_dir_files(self.module)  # e.g. its tokenizer: exports are complete
+            save_one_process(Path(path), self.module.state_dict(), optimizers, state, meta, files)
         self.barrier("save_checkpoint")
 
     def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:

@@ -11,11 +11,11 @@ processes. It says *what* happens, in the documented order; the parallel core sa
    records the `ModelLayout` every later concern reads.
 3. `setup_optimizers`: `GradientSync` (`parallel/grads.py`) -- the dp reduction in buckets or
    ZeRO-1 around the optimizer, the partial-gradient sums, the global norm and clipping.
-4. Each step the trainer walks `micro_batch_schedule` (1F1B / all-forward-all-backward under pp,
-   `parallel/pipeline/schedules.py`); `forward_context` tells the pipeline stage which
-   micro-batch runs, `backward` back-propagates through it (receive, backward, send) and lets the
-   dp reduction run in the last backward only; `reduce` takes a metric from the last stage,
-   which owns the loss, and averages it over dp.
+4. Each step the trainer walks `micro_batch_schedule` (1F1B / all-forward-all-backward under pp);
+   `forward_context` tells the pipeline stage which micro-batch runs, `backward` back-propagates
+   through it (receive, backward, send) and lets the dp reduction run in the last backward only;
+   `reduce` takes a metric from the last stage, which owns the loss, and averages it over dp.
+   Every collective runs under `parallel/health.py`'s watch: a silent peer is named.
 5. Checkpoints are per-rank shards plus one index, written and resharded by `checkpoint/`.
 """
 
@@ -34,15 +34,16 @@ import torch.distributed as dist
 from torch import nn
 
 from nanolight.checkpoint.load import load_model
-from nanolight.checkpoint.pretrained import step_dir_meta, stored_model_prefix
+from nanolight.checkpoint.pretrained import model_dir_files, step_dir_meta, stored_model_prefix
 from nanolight.checkpoint.reader import CheckpointReader
 from nanolight.checkpoint.save import save_sharded
 from nanolight.parallel import ParallelConfig, ParallelContext
 from nanolight.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from nanolight.parallel.grads import GradientSync
+from nanolight.parallel.health import Heartbeat, watch, watched
 from nanolight.parallel.init import init_replayed_, param_specs
 from nanolight.parallel.launcher import detect_environment, ensure_processes, init_distributed
-from nanolight.parallel.layout import ModelLayout, tied_aliases
+from nanolight.parallel.layout import ModelLayout, one_process_order, tied_aliases
 from nanolight.parallel.pipeline import PipelineStage, StageP2P, apply_split, build_schedule, plan_split
 from nanolight.parallel.pipeline.schedules import Action, check_micro_batches
 from nanolight.parallel.tensor_parallel.apply import apply_tensor_parallel, shard_dims
@@ -65,19 +66,21 @@ class Parallel3DStrategy(Strategy):
         zero_stage: int = 0,
         pp_schedule: str = "1f1b",
         sequence_parallel: bool = False,
+        timeout_s: int = 600,
         precision: str | Precision = "32-true",
         *,
         init_seed: int | None = None,
         pretrained: str | Path | None = None,
         backend: str | None = None,
-        timeout: timedelta = timedelta(minutes=10),
+        timeout: timedelta | None = None,  # default: timeout_s
         pp_layers_per_stage: list[int] | None = None,
         dp_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         super().__init__(precision)
-        self.config = ParallelConfig(tp, pp, dp, zero_stage, pp_schedule, sequence_parallel)
+        self.config = ParallelConfig(tp, pp, dp, zero_stage, pp_schedule, sequence_parallel, timeout_s)
         self.init_seed, self.pretrained = init_seed, pretrained
-        self.backend, self.timeout = backend, timeout
+        self.backend, self.timeout = backend, timeout or timedelta(seconds=timeout_s)
+        self.heartbeat: Heartbeat | None = None  # this rank's, and the way to tell who stopped
         self.pp_layers_per_stage = pp_layers_per_stage  # None: balanced by the model's stage costs
         self.dp_bucket_bytes = dp_bucket_bytes
         self._ctx: ParallelContext | None = None
@@ -99,11 +102,8 @@ class Parallel3DStrategy(Strategy):
     def root_device(self) -> torch.device:
         if self._ctx is not None:
             return self._ctx.device
-        return (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
+        cuda = torch.cuda.is_available()
+        return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
     @property
     def world_size(self) -> int:
@@ -135,7 +135,7 @@ class Parallel3DStrategy(Strategy):
             )
             dp = cfg.resolve_dp(world)  # world must be tp*pp*dp: a clear error, before anything starts
             env = ensure_processes(world)  # plain python, world > 1: re-launches and never returns
-            init_distributed(env, self.backend, self.timeout)
+            self.heartbeat = init_distributed(env, self.backend, self.timeout)
             self._ctx = ParallelContext(cfg.tp, cfg.pp, dp, timeout=self.timeout)
             atexit.register(self._ctx.destroy)
         super().setup_environment()
@@ -197,10 +197,14 @@ class Parallel3DStrategy(Strategy):
     def forward_context(self, i: int) -> AbstractContextManager:
         stack = ExitStack()
         if self.stage is not None:
+            stack.enter_context(
+                watch(f"the forward of micro-batch {i} (the pipeline's activation exchange)", self.heartbeat)
+            )
             stack.enter_context(self.stage.micro_batch(i))  # which micro-batch the model call belongs to
         stack.enter_context(self.autocast())
         return stack
 
+    @watched("a backward (the pipeline's gradient exchange, or the dp reduction)")
     def backward(self, loss: torch.Tensor, i: int = 0, n: int = 1) -> None:
         self.grads.require_sync(i == n - 1)  # every schedule back-propagates micro-batch n-1 last
         if self.stage is not None:
@@ -208,6 +212,7 @@ class Parallel3DStrategy(Strategy):
         else:
             loss.backward()
 
+    @watched("the gradient synchronisation over tp / pp / dp")
     def finish_backward(self) -> None:
         if self.stage is not None:
             self.stage.finish()  # every activation/gradient this stage sent has been received
@@ -216,10 +221,20 @@ class Parallel3DStrategy(Strategy):
     def zero_grad(self, optimizer: Any) -> None:
         self.grads.zero_grad(optimizer)
 
+    @watched("the optimizer step (ZeRO-1's all-gather of the updated weights over dp)")
+    def optimizer_step(self, optimizer: Any) -> None:
+        optimizer.step()
+
+    @watched("loading a checkpoint")
+    def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
+        return super().load_checkpoint(path, load_optimizer)
+
+    @watched("the global gradient norm (summed over tp / pp / dp)")
     def clip_gradients(self, max_norm: float | None) -> torch.Tensor:
         return self.grads.clip_(max_norm)
 
     # ---- collectives ---------------------------------------------------------------------
+    @watched("the loss/metric reduction (from the last pipeline stage, over dp)")
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         ctx = self._ctx
         out = tensor.detach().float().clone().to(self.root_device)
@@ -231,10 +246,12 @@ class Parallel3DStrategy(Strategy):
             out = out / ctx.dp_size if op == "mean" else out
         return out
 
+    @watched("a barrier")
     def barrier(self, name: str | None = None) -> None:
         if self._ctx is not None:
             dist.barrier()
 
+    @watched("a broadcast from rank 0")
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._ctx is None:
             return obj
@@ -242,6 +259,7 @@ class Parallel3DStrategy(Strategy):
         dist.broadcast_object_list(box, src=src)  # rank `src` sends obj to every rank
         return box[0]
 
+    @watched("the pre-emption check (all-reduce of a flag)")
     def any_rank(self, flag: bool) -> bool:
         if self._ctx is None or self._ctx.world_size == 1:
             return flag  # one process: no collective (the trainer asks this every step)
@@ -250,11 +268,12 @@ class Parallel3DStrategy(Strategy):
         return bool(box.item())
 
     # ---- checkpoints: per-rank shards + index ------------------------------------------------
+    @watched("a checkpoint save")
     def save_checkpoint(self, path: str | Path, state: dict[str, Any]) -> None:
         """Every rank writes what it owns; rank 0 the index; published atomically (collective)."""
         save_sharded(
             Path(path), self.module, self.optimizers, self.layout, state, self.topology, self._model_meta,
-            self.root_device,
+            self.root_device, model_dir_files(self.module),
         )  # fmt: skip
 
     def on_weights_loaded(self) -> None:
@@ -262,25 +281,10 @@ class Parallel3DStrategy(Strategy):
             self.grads.zero.reload_master_weights()  # ZeRO-1's fp32 master shards follow the weights
 
     def optimizer_param_names(self) -> list[list[str]]:
-        """The one-process optimizers' parameter order: each group's names across all stages, in
-        the full model's order (what a one-process run of `configure_optimizers` builds)."""
         local = super().optimizer_param_names()
         if self.stage is None:
             return local
-        order = {k: i for i, k in enumerate(self.layout.full_shapes)}
-        out = []
-        for opt, names in zip(self.optimizers, local, strict=True):
-            sizes = [len(g["params"]) for g in opt.param_groups]
-            groups = [names[sum(sizes[:g]) : sum(sizes[: g + 1])] for g in range(len(sizes))]
-            everyone: list[Any] = [None] * self._ctx.pp_size
-            # every stage shares the parameter names of its optimizer groups with its pipeline
-            dist.all_gather_object(everyone, groups, group=self._ctx.pp_group)
-            merged = [
-                sorted({n for part in everyone for n in part[g]}, key=order.__getitem__)
-                for g in range(len(sizes))
-            ]
-            out.append([n for group in merged for n in group])
-        return out
+        return one_process_order(self.optimizers, local, list(self.layout.full_shapes), self._ctx.pp_group)
 
 
 def _find_plan_model(module: nn.Module) -> tuple[nn.Module, str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nanolight.errors import UsageError
+
 
 @dataclass
 class TrainerConfig:
@@ -24,26 +26,26 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         if self.accumulate_grad_batches < 1:
-            raise ValueError(f"accumulate_grad_batches must be >= 1, got {self.accumulate_grad_batches}")
+            raise UsageError(f"accumulate_grad_batches must be >= 1, got {self.accumulate_grad_batches}")
         if self.gradient_clip_val is not None and self.gradient_clip_val <= 0:
-            raise ValueError(f"gradient_clip_val must be > 0 or None, got {self.gradient_clip_val}")
+            raise UsageError(f"gradient_clip_val must be > 0 or None, got {self.gradient_clip_val}")
         if self.val_check_interval is not None and (
             not isinstance(self.val_check_interval, int) or self.val_check_interval < 1
         ):
-            raise ValueError(
+            raise UsageError(
                 f"val_check_interval counts optimizer steps: use an int >= 1 or None (end of epoch), "
                 f"got {self.val_check_interval!r}"
             )
         if self.log_every_n_steps < 1:
-            raise ValueError(f"log_every_n_steps must be >= 1, got {self.log_every_n_steps}")
+            raise UsageError(f"log_every_n_steps must be >= 1, got {self.log_every_n_steps}")
         if isinstance(self.limit_val_batches, float) and not 0.0 <= self.limit_val_batches <= 1.0:
-            raise ValueError(
+            raise UsageError(
                 f"limit_val_batches as a float is a fraction in [0, 1], got {self.limit_val_batches}"
             )
         if self.fast_dev_run:
             n = 1 if self.fast_dev_run is True else int(self.fast_dev_run)
             if n < 1:
-                raise ValueError(f"fast_dev_run must be True or an int >= 1, got {self.fast_dev_run!r}")
+                raise UsageError(f"fast_dev_run must be True or an int >= 1, got {self.fast_dev_run!r}")
             self.max_steps, self.max_epochs, self.limit_val_batches = n, 1, n
             self.val_check_interval, self.log_every_n_steps = n, 1
         if self.max_steps == -1 and self.max_epochs is None:

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from nanolight.checkpoint.atomic import LAST_POINTER, resolve_checkpoint
-from nanolight.checkpoint.files import CheckpointError, with_hint
+from nanolight.checkpoint.files import CheckpointError, MissingCheckpointFile, with_hint
 from nanolight.checkpoint.reader import newest_intact
+from nanolight.errors import UsageError
 from nanolight.seed import capture_rng_state
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ def restore_training_state(trainer: NanoTrainer, path: Path, state: dict[str, An
         trainer.strategy.load_optimizer_checkpoint(path)
     scheds = state.get("schedulers", [])
     if len(scheds) != len(trainer.lr_scheduler_configs):
-        raise ValueError(
+        raise UsageError(
             f"checkpoint holds {len(scheds)} LR scheduler state(s), configure_optimizers returned "
             f"{len(trainer.lr_scheduler_configs)}"
         )
@@ -103,5 +104,5 @@ def resolve_ckpt_path(trainer: NanoTrainer, ckpt_path: str | Path | None) -> Pat
         return None
     found = resolve_checkpoint(ckpt_path)
     if found is None:
-        raise FileNotFoundError(f"checkpoint {ckpt_path} does not exist")
+        raise MissingCheckpointFile(f"checkpoint {ckpt_path} does not exist: pass a step directory or 'last'")
     return found

@@ -14,6 +14,8 @@ backward as soon as possible, so stage s never holds more than p-s (<= p) of the
 
 from __future__ import annotations
 
+from nanolight.errors import UsageError
+
 FORWARD, BACKWARD = "F", "B"
 Action = tuple[str, int]
 SCHEDULES = ("1f1b", "afab")
@@ -59,7 +61,7 @@ def one_forward_one_backward(num_micro_batches: int, pp_size: int, pp_rank: int)
 def check_micro_batches(pp: int, schedule: str, micro_batches: int) -> None:
     """1F1B needs at least pp micro-batches per step to reach its steady phase; say so clearly."""
     if pp > 1 and schedule == "1f1b" and micro_batches < pp:
-        raise ValueError(
+        raise UsageError(
             f"the 1F1B schedule needs at least pp={pp} micro-batches per optimizer step, got "
             f"accumulate_grad_batches={micro_batches}: with fewer, stages idle most of the step "
             f"(bubble (p-1)/(m+p-1) = {(pp - 1) / (micro_batches + pp - 1):.0%}). Set "
@@ -74,7 +76,7 @@ def build_schedule(name: str, num_micro_batches: int, pp_size: int, pp_rank: int
         return one_forward_one_backward(num_micro_batches, pp_size, pp_rank)
     if name == "afab":
         return all_forward_all_backward(num_micro_batches)
-    raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {SCHEDULES}")
+    raise UsageError(f"unknown pipeline schedule {name!r}; choose one of {SCHEDULES}")
 
 
 def max_in_flight(schedule: list[Action]) -> int:

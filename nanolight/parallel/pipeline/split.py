@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from nanolight.errors import UsageError
+
 
 class StageLayers(nn.ModuleDict):
     """The blocks one stage owns, keyed by their global index ("5" -> model.layers.5).
@@ -41,7 +43,7 @@ class StageLayers(nn.ModuleDict):
 def check_pipeline_layout(pp: int, num_layers: int) -> None:
     """Raise ValueError with a fix-it message if the model cannot be cut into `pp` stages."""
     if pp > num_layers:
-        raise ValueError(
+        raise UsageError(
             f"pipeline parallelism pp={pp} is larger than the model's num_hidden_layers={num_layers}: "
             f"every stage needs at least one decoder layer; choose pp <= {num_layers}"
         )
@@ -64,7 +66,7 @@ def balanced_layer_split(
     if layers_per_stage is not None:
         counts = list(layers_per_stage)
         if len(counts) != pp or sum(counts) != num_layers or min(counts) < 1:
-            raise ValueError(
+            raise UsageError(
                 f"layers_per_stage={counts} must list {pp} positive layer counts summing to "
                 f"num_hidden_layers={num_layers}"
             )

@@ -1,0 +1,169 @@
+"""Faults of a distributed run, as an operator meets them: threads per local rank, a rank that
+waits for peers that never come, a stopped (SIGSTOP) rank, a dead launcher (ours and torchrun's
+agent), a run directory some ranks cannot see, and an error printed once, not once per rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from _tiny import TinyLM, run_distributed, token_loader
+from test_recipe_e2e import BASE_OVERRIDES, REPO
+from test_recipe_parallel import _children
+
+from nanolight import NanoTrainer
+from nanolight.errors import UsageError
+from nanolight.parallel.environment import free_port
+from nanolight.parallel.launcher import SubprocessLauncher
+from nanolight.strategies.parallel3d import Parallel3DStrategy
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("nanolight-cache")
+
+
+def test_each_local_rank_gets_its_share_of_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert SubprocessLauncher(4).child_env(1, 1234)["OMP_NUM_THREADS"] == "4"
+    assert SubprocessLauncher(32).child_env(1, 1234)["OMP_NUM_THREADS"] == "1"  # at least one
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice wins
+    assert SubprocessLauncher(4).child_env(1, 1234)["OMP_NUM_THREADS"] == "3"
+
+
+def _recipe(run: Path, cache: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, str(REPO / "recipes" / "smollm.py"), f"trainer.default_root_dir={run}",
+           f"data.cache_dir={cache}", *BASE_OVERRIDES, "logger=csv", *overrides]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=run.parent, env=env
+    )
+
+
+def _training(proc: subprocess.Popen, run: Path, ranks: int, deadline: float = 180) -> list[int]:
+    """Wait until the run logs steps with all its ranks alive; returns the ranks' pids."""
+    end = time.monotonic() + deadline
+    while not ((run / "metrics.csv").exists() and len(_children(proc.pid)) == ranks):
+        assert proc.poll() is None and time.monotonic() < end, (
+            proc.stderr.read() if proc.poll() else "never trained"
+        )
+        time.sleep(0.5)
+    return _children(proc.pid)
+
+
+def test_a_rank_waiting_for_absent_peers_says_so_and_gives_up(tmp_path: Path, cache_dir: Path) -> None:
+    """SLURM_NTASKS=2 in a batch script's shell, without srun: this process believes it is rank 0 of 2."""
+    slurm = {
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_NODELIST": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    start = time.monotonic()
+    proc = _recipe(tmp_path / "run", cache_dir, "+parallel.dp=2", "+parallel.timeout_s=15", env=slurm)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err
+    assert "rank 0 of 2 waiting for the other ranks at 127.0.0.1:" in err
+    assert "nanolight: error: rank 0 of 2: the other ranks did not join" in err and "srun" in err
+    assert time.monotonic() - start < 60 and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_job_naming_it(tmp_path: Path, cache_dir: Path) -> None:
+    run = tmp_path / "run"
+    proc = _recipe(run, cache_dir, "trainer.max_steps=100000", "+parallel.tp=2", "+parallel.timeout_s=15")
+    try:
+        pids = _training(proc, run, 2)
+        os.kill(pids[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err = proc.communicate(timeout=90)
+        assert proc.returncode != 0
+        assert time.monotonic() - stopped < 15 + 20  # the timeout, plus the heartbeat lookup and the stop
+        assert "nanolight: error: rank 0:" in err and "rank 1 stopped answering (no heartbeat for" in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_ranks_of_a_killed_launcher_save_and_stop(tmp_path: Path, cache_dir: Path) -> None:
+    run = tmp_path / "run"
+    proc = _recipe(
+        run, cache_dir, "trainer.max_steps=100000", "checkpoint.every_n_steps=100000", "+parallel.tp=2"
+    )
+    pids = _training(proc, run, 2)
+    os.kill(proc.pid, signal.SIGKILL)  # the launcher dies; its ranks are orphaned
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while any(Path(f"/proc/{pid}").exists() for pid in pids):
+        assert time.monotonic() < deadline, "orphaned ranks kept running"
+        time.sleep(0.5)
+    saved = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+    assert saved, "the orphaned ranks stopped without saving"
+    assert (run / "checkpoints" / "last").read_text().strip() == saved[-1]
+
+
+@pytest.mark.slow
+def test_workers_of_a_killed_torchrun_agent_stop(tmp_path: Path, cache_dir: Path) -> None:
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           str(REPO / "recipes" / "smollm.py"), f"trainer.default_root_dir={run}", f"data.cache_dir={cache_dir}",
+           *BASE_OVERRIDES, "logger=csv", "trainer.max_steps=100000", "+parallel.tp=2"]  # fmt: skip
+    agent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    try:
+        pids = _training(agent, run, 2, deadline=240)
+        os.kill(agent.pid, signal.SIGKILL)  # as torchrun 2.13 dies of an unhandled SIGUSR1
+        agent.wait()
+        deadline = time.monotonic() + 60
+        while any(Path(f"/proc/{pid}").exists() for pid in pids):
+            assert time.monotonic() < deadline, "workers of the dead agent kept training"
+            time.sleep(0.5)
+        assert list((run / "checkpoints").glob("step-*")), "the workers stopped without saving"
+    finally:
+        for pid in _children(agent.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _unshared(rank: int, world: int, root: str) -> str:
+    trainer = NanoTrainer(
+        max_steps=1, strategy=Parallel3DStrategy(dp=world), default_root_dir=Path(root) / f"node{rank}",
+        logger=False, enable_progress_bar=False,
+    )  # fmt: skip
+    try:
+        trainer.fit(TinyLM(), train_dataloaders=token_loader(8))
+    except UsageError as err:
+        return str(err)
+    return "trained"
+
+
+def test_a_run_directory_not_shared_by_every_rank_is_found_at_start(tmp_path: Path) -> None:
+    errors = run_distributed(_unshared, 2, str(tmp_path), timeout=120)
+    assert "rank 1 does not see the run directory" in errors[1] and "every node shares" in errors[1]
+    assert "not every rank sees it" in errors[0]
+    assert not list(tmp_path.rglob("step-*"))  # found before any training step
+
+
+@pytest.mark.slow
+def test_torchrun_prints_a_layout_error_once(tmp_path: Path, cache_dir: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", f"--master_port={free_port()}",
+           str(REPO / "recipes" / "smollm.py"), f"trainer.default_root_dir={tmp_path / 'run'}",
+           f"data.cache_dir={cache_dir}", *BASE_OVERRIDES, "+parallel.tp=2"]  # fmt: skip
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("nanolight: error:")]
+    assert len(ours) == 1 and "world size 3 != tp*pp*dp = 2*1*1 = 2" in ours[0], proc.stderr[-3000:]
+    assert "ValueError" not in proc.stderr

@@ -6,11 +6,13 @@ from nanolight.callbacks.lr_monitor import LearningRateMonitor
 from nanolight.callbacks.model_checkpoint import ModelCheckpoint
 from nanolight.callbacks.nan_guard import NaNGuard
 from nanolight.callbacks.progress import RichProgressBar
+from nanolight.callbacks.text_samples import GreedySamples
 from nanolight.callbacks.throughput import ThroughputMonitor
 
 __all__ = [
     "Callback",
     "EarlyStopping",
+    "GreedySamples",
     "LearningRateMonitor",
     "ModelCheckpoint",
     "NaNGuard",

@@ -37,6 +37,9 @@ class Logger:
 
     def log_hyperparams(self, params: dict[str, Any]) -> None: ...
 
+    def log_text(self, key: str, text: str, step: int) -> None:
+        """A text sample (e.g. a greedy completion); loggers without a text view ignore it."""
+
     def after_save_checkpoint(self, path: str) -> None:
         """A checkpoint directory was written (WandbLogger may upload it)."""
 

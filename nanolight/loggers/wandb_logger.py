@@ -45,6 +45,7 @@ class WandbLogger(Logger):
         super().__init__(save_dir)
         self.log_model, self.init_kwargs = log_model, init_kwargs
         self._run: Any = None
+        self._texts: list[list[Any]] = []
         self._last_checkpoint: str | None = None
 
     @property
@@ -75,6 +76,13 @@ class WandbLogger(Logger):
     @rank_zero_only
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         self.experiment.config.update(params, allow_val_change=True)
+
+    @rank_zero_only
+    def log_text(self, key: str, text: str, step: int) -> None:
+        import wandb
+
+        self._texts.append([step, text])  # one table, growing with the run
+        self.experiment.log({key: wandb.Table(columns=["step", "text"], data=self._texts)}, step=step)
 
     @rank_zero_only
     def after_save_checkpoint(self, path: str) -> None:

@@ -62,11 +62,15 @@ class CausalLMPretrain(NanoModule):
         init_from: str | None = None,
         tokenizer_dir: str | None = None,
         hf_extra: dict | None = None,
+        bytes_per_token: float | None = None,
     ) -> None:
         """`tokenizer_dir` / `hf_extra` (the tokenizer's HF token ids) go into every checkpoint, so
-        that a checkpoint converts to a complete Hugging Face directory."""
+        that a checkpoint converts to a complete Hugging Face directory. `bytes_per_token` (of the
+        held-out text) turns the validation loss into ``val/bits_per_byte``, comparable across
+        tokenizers and with a compressor's."""
         super().__init__()
         self.init_from, self.tokenizer_dir, self.hf_extra = init_from, tokenizer_dir, hf_extra or {}
+        self.bytes_per_token = bytes_per_token
         self.model_config = model_config
         self.optim = optim
         self.seq_len = seq_len
@@ -94,6 +98,10 @@ class CausalLMPretrain(NanoModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.model(batch["input_ids"], labels=batch["labels"])
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        if self.bytes_per_token:  # nats/token -> bits/byte (a mean of per-batch values: linear)
+            self.log(
+                "val/bits_per_byte", loss / math.log(2) / self.bytes_per_token, prog_bar=True, sync_dist=True
+            )
         return loss
 
     def configure_optimizers(self):

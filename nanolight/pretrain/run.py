@@ -16,13 +16,20 @@ from pathlib import Path
 
 import yaml
 
-from nanolight.callbacks import LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
+from nanolight.callbacks import (
+    Callback,
+    GreedySamples,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    ThroughputMonitor,
+)
 from nanolight.checkpoint.atomic import atomic_directory, atomic_write_text
 from nanolight.data import DataConfig, build_datamodule, vocab_size
 from nanolight.loggers import CSVLogger, Logger, WandbLogger
 from nanolight.loggers.wandb_logger import has_wandb_credentials
 from nanolight.parallel.launcher import detect_environment
 from nanolight.parallel.pipeline import check_micro_batches, check_pipeline_layout
+from nanolight.pretrain.baselines import held_out
 from nanolight.pretrain.config import ConfigError, PretrainConfig, to_dict
 from nanolight.pretrain.module import CausalLMPretrain
 from nanolight.strategies import Parallel3DStrategy, SingleDeviceStrategy, Strategy
@@ -105,9 +112,9 @@ def build_loggers(config: PretrainConfig, root: Path) -> list[Logger]:
     return loggers
 
 
-def build_trainer(config: PretrainConfig, strategy: Strategy, root: Path) -> NanoTrainer:
+def build_trainer(config: PretrainConfig, strategy: Strategy, root: Path, *extra: Callback) -> NanoTrainer:
     t, c = config.trainer, config.checkpoint
-    callbacks = [LearningRateMonitor(), ThroughputMonitor()]
+    callbacks = [LearningRateMonitor(), ThroughputMonitor(), *extra]
     if c.every_n_steps is not None or c.save_last:
         callbacks.append(
             ModelCheckpoint(
@@ -146,6 +153,7 @@ def run(config: PretrainConfig) -> NanoTrainer:
     check_layout(config)
     root = check_run_dir(config)
     dm = build_data(config)  # tokenizes into the cache once, before any rank is spawned
+    heldout = held_out(dm.val_loader, dm.tokenizer) if dm.val_loader is not None else None  # the whole split
     strategy = build_strategy(config)
     strategy.setup_environment()  # plain python + parallel: re-launches this script as N ranks here
     if strategy.data_parallel_size > 1:
@@ -156,13 +164,16 @@ def run(config: PretrainConfig) -> NanoTrainer:
         save_config(config, root)
         with atomic_directory(tokenizer_dir, overwrite=True) as tmp:
             dm.tokenizer.save_pretrained(str(tmp))
+        if heldout is not None:
+            print(f"nanolight: {heldout.summary()}", flush=True)
     t = config.trainer
     token_ids = {k: getattr(dm.tokenizer, k) for k in TOKEN_IDS if getattr(dm.tokenizer, k) is not None}
     c = config.checkpoint
     module = CausalLMPretrain(
-        config.model, config.optim, t.seq_len, t.max_steps, c.init_from, str(tokenizer_dir), token_ids
-    )
-    trainer = build_trainer(config, strategy, root)
+        config.model, config.optim, t.seq_len, t.max_steps, c.init_from, str(tokenizer_dir), token_ids,
+        heldout.bytes_per_token if heldout else None,
+    )  # fmt: skip
+    trainer = build_trainer(config, strategy, root, GreedySamples(dm.tokenizer))
     # resume="last" with no checkpoint yet starts fresh with a warning, as Lightning does
     trainer.fit(module, dm.train_loader, dm.val_loader, ckpt_path=config.checkpoint.resume)
     return trainer

@@ -104,6 +104,10 @@ class MixtureLoader:
     ) -> None:
         _check_sizes(micro_batch_size, accumulate_grad_batches, dp_rank, dp_size)
         for name, ds in zip(names, sources, strict=True):
+            if ds.seq_len != sources[0].seq_len:
+                raise ValueError(
+                    f"{name} has seq_len={ds.seq_len}, not {sources[0].seq_len}: mix equal lengths"
+                )
             if len(ds) == 0:
                 raise ValueError(f"{name} has no training sample of seq_len={ds.seq_len}: prepare more data")
         self.sources, self.names, self.exhausted = sources, names, exhausted

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - start
     print(
         f"{cfg.out}: {index['num_documents']:,} documents, {index['num_tokens']:,} tokens ({index['dtype']}) "
-        f"in {len(index['shards'])} shards; {seconds:.1f} s this run. Train on it with data.path={cfg.out}"
+        f"in {len(index['shards'])} shard(s); {seconds:.1f} s this run. Train on it with data.path={cfg.out}"
     )
     return 0
 

@@ -85,14 +85,21 @@ def prepare(
     dcfg = cfg.data_config()
     if cfg.source != EMBEDDED and is_prepared_dir(cfg.source):
         raise DataError(f"--source {cfg.source} is already a prepared directory; train on it with data.path")
-    files = [embedded_corpus(dcfg.cache_root, dcfg.embedded_max_mb)] if cfg.source == EMBEDDED else None
-    files = files or local_files(cfg.source)
-    corpus = files[0] if cfg.source == EMBEDDED or cfg.tokenizer == EMBEDDED else None
-    if cfg.tokenizer == EMBEDDED and cfg.source != EMBEDDED:
-        corpus = embedded_corpus(dcfg.cache_root, dcfg.embedded_max_mb)
+    # the embedded corpus is the source, or what the embedded tokenizer is trained on (built once, cached)
+    corpus = (
+        embedded_corpus(dcfg.cache_root, dcfg.embedded_max_mb)
+        if EMBEDDED in (cfg.source, cfg.tokenizer)
+        else None
+    )
+    files = (
+        [corpus] if cfg.source == EMBEDDED else local_files(cfg.source, key="--source")
+    )  # None: a hub dataset
     tok = resolve_tokenizer(dcfg, corpus)
     hf_cache = os.path.join(dcfg.cache_root, "hf-datasets")
-    ds = open_local(files, streaming=False, cache_dir=hf_cache) if files else open_hub(dcfg, streaming=False)
+    if files:  # downloaded / converted to arrow with the same worker count
+        ds = open_local(files, streaming=False, cache_dir=hf_cache, num_proc=cfg.num_proc)
+    else:
+        ds = open_hub(dcfg, streaming=False, num_proc=cfg.num_proc)
     check_text_field(ds.column_names, cfg.text_field)
     dtype = token_dtype(len(tok))
     inputs = {
@@ -110,11 +117,13 @@ def prepare(
     os.makedirs(out, exist_ok=True)
     state = _resume_state(out, inputs)
     if state == "complete":
+        if progress:
+            print(f"{out}: already complete (every shard checked against {INDEX})", file=sys.stderr)
         return read_index(out)
     if not os.path.isdir(os.path.join(out, "tokenizer")):  # the run loads it from here: no hub access
         write_atomically(os.path.join(out, "tokenizer"), tok.save_pretrained)
     writer = ShardWriter(out, dtype, inputs["shard_tokens"], state)
-    encoder = Encoder(tok.backend_tokenizer, cfg.text_field, dtype)
+    encoder = Encoder.of(tok, cfg.text_field, dtype)
     n_rows, row = len(ds), (state or {}).get("next_row", 0)
     bar = _progress_bar(progress, n_rows, row, out)
     was_enabled = datasets.is_progress_bar_enabled()
@@ -124,7 +133,15 @@ def prepare(
         while row < n_rows:
             stop = min(row + cfg.docs_per_chunk, n_rows)
             tokens, ends, rows = tokenize_rows(
-                ds, row, stop, encoder, tok.eos_token_id, cfg.num_proc, cfg.batch_size, out
+                ds,
+                row,
+                stop,
+                encoder,
+                tok.eos_token_id,
+                cfg.num_proc,
+                cfg.batch_size,
+                out,
+                files or [cfg.source],
             )
             writer.add(tokens, ends, rows)
             writer.commit(inputs, stop)

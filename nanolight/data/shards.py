@@ -61,7 +61,10 @@ def read_index(path: str) -> dict[str, Any]:
         with open(index_file) as f:
             index = json.load(f)
     except (OSError, ValueError) as err:
-        raise DataError(f"{index_file} is unreadable ({err}); {_REPAIR}") from None
+        raise DataError(
+            f"{index_file} is unreadable ({err}): the index of the shards is lost; delete {p} and run "
+            "scripts/prepare_data.py again"
+        ) from None
     if index.get("format") != FORMAT or index.get("version", 0) > VERSION:
         raise DataError(
             f"{index_file} is not a nanolight token index of version <= {VERSION} "

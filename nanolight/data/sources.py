@@ -29,7 +29,7 @@ _BUILDERS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def local_files(path: str) -> list[str] | None:
+def local_files(path: str, key: str = "data.path") -> list[str] | None:
     """Sorted data files `path` names, or None when `path` is not local (a hub dataset name).
 
     Raises FileNotFoundError naming the path and the fix when it looks local but matches nothing.
@@ -53,8 +53,8 @@ def local_files(path: str) -> list[str] | None:
     files = sorted(os.path.abspath(f) for f in candidates if os.path.splitext(f)[1] in _BUILDERS)
     if not files:
         raise FileNotFoundError(
-            f"data.path={path!r} matches no data file (supported: {', '.join(_BUILDERS)}). "
-            "Fix the path or glob, or use data.path=embedded or a hub dataset name"
+            f"{key}={path!r} matches no data file (supported: {', '.join(_BUILDERS)}). "
+            f"Fix the path or glob, or use {key}=embedded or a hub dataset name"
         )
     return files
 
@@ -122,7 +122,7 @@ def _check_parquet(path: str) -> None:
         ) from None
 
 
-def open_local(files: list[str], *, streaming: bool, cache_dir: str) -> Any:
+def open_local(files: list[str], *, streaming: bool, cache_dir: str, num_proc: int | None = None) -> Any:
     """One `datasets` split over local files, all of one format; each file is checked first."""
     exts = {os.path.splitext(f)[1] for f in files}
     builders = {_BUILDERS[e][0] for e in exts}
@@ -132,10 +132,13 @@ def open_local(files: list[str], *, streaming: bool, cache_dir: str) -> Any:
         )
     for f in files:
         check_local_file(f)
-    builder, kwargs = _BUILDERS[exts.pop()]
+    builder, defaults = _BUILDERS[exts.pop()]
+    kwargs = dict(defaults)  # a copy: the table is shared
     import datasets
 
     try:
+        if num_proc and num_proc > 1 and not streaming:
+            kwargs["num_proc"] = num_proc  # converts the files to arrow in parallel
         return datasets.load_dataset(
             builder, data_files=files, split="train", streaming=streaming, cache_dir=cache_dir, **kwargs
         )
@@ -166,13 +169,14 @@ def read_error(files: list[str], err: BaseException) -> DataError:
     )
 
 
-def open_hub(cfg: DataConfig, *, streaming: bool) -> Any:
+def open_hub(cfg: DataConfig, *, streaming: bool, num_proc: int | None = None) -> Any:
     """`datasets.load_dataset(cfg.path, cfg.name, split=cfg.split, streaming=...)` with a fix-it error."""
     import datasets
 
+    extra = {"num_proc": num_proc} if num_proc and num_proc > 1 and not streaming else {}
     try:
         return datasets.load_dataset(
-            cfg.path, cfg.name, split=cfg.split, revision=cfg.revision, streaming=streaming
+            cfg.path, cfg.name, split=cfg.split, revision=cfg.revision, streaming=streaming, **extra
         )
     except Exception as err:  # hub/network/config errors come in many types
         raise RuntimeError(

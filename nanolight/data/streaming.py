@@ -54,7 +54,7 @@ class DocumentStream:
         ds = self.make_stream()  # a fresh object: a loaded state would otherwise stick to later passes
         if state is not None:
             ds.load_state_dict(copy.deepcopy(state))
-        encoder = Encoder(self.tokenizer.backend_tokenizer, self.text_field, np.dtype(np.int64))
+        encoder = Encoder.of(self.tokenizer, self.text_field, np.dtype(np.int64))
         eos, it, before = self.tokenizer.eos_token_id, guard_reads(ds, self.files), state
         while True:
             rows = list(itertools.islice(it, self.batch_size))  # a damaged file surfaces here

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from nanolight.data.config import DataError
 from nanolight.data.sources import read_error
 
 
@@ -26,6 +27,17 @@ class Encoder:
 
     def __init__(self, backend: Any, text_field: str, dtype: np.dtype) -> None:
         self.backend, self.text_field, self.dtype = backend, text_field, np.dtype(dtype)
+
+    @classmethod
+    def of(cls, tokenizer: Any, text_field: str, dtype: np.dtype) -> Encoder:
+        """The encoder of a Hugging Face tokenizer; it needs the fast (Rust) backend."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise DataError(
+                f"tokenizer {tokenizer.name_or_path!r} has no fast (Rust) backend: load it with "
+                "AutoTokenizer (use_fast=True) and save it with save_pretrained, which writes tokenizer.json"
+            )
+        return cls(backend, text_field, dtype)
 
     def encode(self, texts: list[str | None]) -> tuple[list[np.ndarray], list[bool]]:
         keep = [bool(t) for t in texts]
@@ -42,9 +54,18 @@ class Encoder:
 
 
 def tokenize_rows(
-    ds: Any, start: int, stop: int, encoder: Encoder, eos: int, num_proc: int, batch_size: int, work_dir: str
+    ds: Any,
+    start: int,
+    stop: int,
+    encoder: Encoder,
+    eos: int,
+    num_proc: int,
+    batch_size: int,
+    work_dir: str,
+    source: list[str],
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens, document end offsets, source row per document) of rows [start, stop) of `ds`."""
+    """(tokens, document end offsets, source row per document) of rows [start, stop) of `ds`;
+    `source` (the files, or the hub name) is what an error names."""
     try:
         if num_proc <= 1:
             texts = ds[start:stop][encoder.text_field]
@@ -58,9 +79,8 @@ def tokenize_rows(
             kept = np.asarray(keep, dtype=bool)
         else:
             lengths, values, kept = _map_chunk(ds, start, stop, encoder, num_proc, batch_size, work_dir)
-    except Exception as err:  # a row that does not decode: name the source, not a worker traceback
-        files = [f["filename"] for f in getattr(ds, "cache_files", [])] or ["the dataset"]
-        raise read_error(files, err) from err
+    except Exception as err:  # e.g. a text that is not a string: name the source, not a worker traceback
+        raise read_error(source, err) from err
     rows = start + np.flatnonzero(kept)
     lengths = lengths[kept]
     # each document's tokens, then EOS: insert one EOS after every document's last token

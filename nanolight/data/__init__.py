@@ -13,7 +13,7 @@ from nanolight.data.docmask import document_fields
 from nanolight.data.loader import EvalLoader, PackedLoader
 from nanolight.data.mixture import MixtureLoader, MixtureSchedule
 from nanolight.data.packed import PackedDataset, split_blocks
-from nanolight.data.prepare import PrepareConfig, prepare
+from nanolight.data.preparation import PrepareConfig, prepare
 from nanolight.data.shards import PreparedData
 from nanolight.data.stream_loader import StreamingPackedLoader
 from nanolight.data.tokenizer import load_tokenizer, vocab_size

@@ -20,6 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
 from nanolight.data.cache import write_atomically
 from nanolight.data.config import EMBEDDED, DataConfig, DataError
 from nanolight.data.corpus import embedded_corpus
@@ -79,28 +82,8 @@ def prepare(
 
     `after_commit(next_row)` runs after every committed chunk (tests use it to stop a run midway).
     """
-    import datasets
-
     out = os.path.abspath(os.path.expanduser(cfg.out))
-    dcfg = cfg.data_config()
-    if cfg.source != EMBEDDED and is_prepared_dir(cfg.source):
-        raise DataError(f"--source {cfg.source} is already a prepared directory; train on it with data.path")
-    # the embedded corpus is the source, or what the embedded tokenizer is trained on (built once, cached)
-    corpus = (
-        embedded_corpus(dcfg.cache_root, dcfg.embedded_max_mb)
-        if EMBEDDED in (cfg.source, cfg.tokenizer)
-        else None
-    )
-    files = (
-        [corpus] if cfg.source == EMBEDDED else local_files(cfg.source, key="--source")
-    )  # None: a hub dataset
-    tok = resolve_tokenizer(dcfg, corpus)
-    hf_cache = os.path.join(dcfg.cache_root, "hf-datasets")
-    if files:  # downloaded / converted to arrow with the same worker count
-        ds = open_local(files, streaming=False, cache_dir=hf_cache, num_proc=cfg.num_proc)
-    else:
-        ds = open_hub(dcfg, streaming=False, num_proc=cfg.num_proc)
-    check_text_field(ds.column_names, cfg.text_field)
+    tok, ds, files = _open_source(cfg)
     dtype = token_dtype(len(tok))
     inputs = {
         "source": _source_identity(cfg, files, ds),
@@ -116,15 +99,68 @@ def prepare(
     }
     os.makedirs(out, exist_ok=True)
     state = _resume_state(out, inputs)
+    if not os.path.isdir(os.path.join(out, "tokenizer")):  # the run loads it from here: no hub access
+        write_atomically(os.path.join(out, "tokenizer"), tok.save_pretrained)
     if state == "complete":
         if progress:
             print(f"{out}: already complete (every shard checked against {INDEX})", file=sys.stderr)
         return read_index(out)
-    if not os.path.isdir(os.path.join(out, "tokenizer")):  # the run loads it from here: no hub access
-        write_atomically(os.path.join(out, "tokenizer"), tok.save_pretrained)
     writer = ShardWriter(out, dtype, inputs["shard_tokens"], state)
-    encoder = Encoder.of(tok, cfg.text_field, dtype)
-    n_rows, row = len(ds), (state or {}).get("next_row", 0)
+    _tokenize(
+        cfg,
+        ds,
+        tok,
+        writer,
+        inputs,
+        (state or {}).get("next_row", 0),
+        files or [cfg.source],
+        progress,
+        after_commit,
+    )
+    if not writer.shards and (writer.open is None or writer.open["documents"] == 0):
+        raise DataError(
+            f"--source {cfg.source} holds no text: every `{cfg.text_field}` is empty. Check the files and "
+            "--text-field"
+        )
+    return writer.finish({"format": FORMAT, "version": VERSION, **inputs}, len(ds))
+
+
+def _open_source(cfg: PrepareConfig) -> tuple[PreTrainedTokenizerBase, Any, list[str] | None]:
+    """(tokenizer, map-style dataset, local files or None for a hub dataset) of `cfg`."""
+    dcfg = cfg.data_config()
+    if cfg.source != EMBEDDED and is_prepared_dir(cfg.source):
+        raise DataError(f"--source {cfg.source} is already a prepared directory; train on it with data.path")
+    # the embedded corpus is the source, or what the embedded tokenizer trains on (built once, cached)
+    corpus = None
+    if EMBEDDED in (cfg.source, cfg.tokenizer):
+        corpus = embedded_corpus(dcfg.cache_root, dcfg.embedded_max_mb)
+    files = [corpus] if cfg.source == EMBEDDED and corpus else local_files(cfg.source, key="--source")
+    tok = resolve_tokenizer(dcfg, corpus)
+    hf_cache = os.path.join(dcfg.cache_root, "hf-datasets")
+    if files:  # downloaded / converted to arrow with the same worker count
+        ds = open_local(files, streaming=False, cache_dir=hf_cache, num_proc=cfg.num_proc)
+    else:
+        ds = open_hub(dcfg, streaming=False, num_proc=cfg.num_proc)
+    check_text_field(ds.column_names, cfg.text_field)
+    return tok, ds, files
+
+
+def _tokenize(
+    cfg: PrepareConfig,
+    ds: Any,
+    tok: PreTrainedTokenizerBase,
+    writer: ShardWriter,
+    inputs: dict[str, Any],
+    row: int,
+    source: list[str],
+    progress: bool,
+    after_commit: Callable[[int], None] | None,
+) -> None:
+    """Rows `row`.. of `ds` into `writer`, one committed chunk at a time, behind one progress bar."""
+    import datasets
+
+    encoder = Encoder.of(tok, cfg.text_field, np.dtype(inputs["dtype"]))
+    n_rows, out = len(ds), writer.out
     bar = _progress_bar(progress, n_rows, row, out)
     was_enabled = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # one bar: ours (documents and tokens per second)
@@ -132,17 +168,8 @@ def prepare(
     try:
         while row < n_rows:
             stop = min(row + cfg.docs_per_chunk, n_rows)
-            tokens, ends, rows = tokenize_rows(
-                ds,
-                row,
-                stop,
-                encoder,
-                tok.eos_token_id,
-                cfg.num_proc,
-                cfg.batch_size,
-                out,
-                files or [cfg.source],
-            )
+            eos, n, bs = tok.eos_token_id, cfg.num_proc, cfg.batch_size
+            tokens, ends, rows = tokenize_rows(ds, row, stop, encoder, eos, n, bs, out, source)
             writer.add(tokens, ends, rows)
             writer.commit(inputs, stop)
             n_tokens += len(tokens)
@@ -159,12 +186,6 @@ def prepare(
             datasets.enable_progress_bars()
         for leftover in glob.glob(os.path.join(out, ".chunk*")):
             os.remove(leftover)
-    if not writer.shards and (writer.open is None or writer.open["documents"] == 0):
-        raise DataError(
-            f"--source {cfg.source} holds no text: every `{cfg.text_field}` is empty. Check the files and "
-            "--text-field"
-        )
-    return writer.finish({"format": FORMAT, "version": VERSION, **inputs}, n_rows)
 
 
 def _source_identity(cfg: PrepareConfig, files: list[str] | None, ds: Any) -> dict[str, Any]:

@@ -25,8 +25,9 @@ class Encoder:
     travels as its JSON definition).
     """
 
-    def __init__(self, backend: Any, text_field: str, dtype: np.dtype) -> None:
+    def __init__(self, backend: Any, text_field: str, dtype: np.dtype, worker: bool = False) -> None:
         self.backend, self.text_field, self.dtype = backend, text_field, np.dtype(dtype)
+        self.worker = worker  # runs in a map worker process: one thread, one worker per core
 
     @classmethod
     def of(cls, tokenizer: Any, text_field: str, dtype: np.dtype) -> Encoder:
@@ -49,6 +50,8 @@ class Encoder:
         return ids, keep
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        if self.worker:  # this forked worker's own setting: N workers x N tokenizer threads oversubscribe
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
         ids, keep = self.encode(batch[self.text_field])
         return {"ids": ids, "keep": keep}
 
@@ -101,11 +104,12 @@ def _map_chunk(
         {"ids": datasets.List(datasets.Value(encoder.dtype.name)), "keep": datasets.Value("bool")}
     )
     cache = os.path.join(work_dir, f".chunk-{os.getpid()}.arrow")
+    workers = min(num_proc, len(order))
     mapped = ds.select(order).map(
-        encoder,
+        Encoder(encoder.backend, encoder.text_field, encoder.dtype, worker=workers > 1),
         batched=True,
         batch_size=batch_size,
-        num_proc=min(num_proc, len(order)),
+        num_proc=workers,
         remove_columns=ds.column_names,
         features=features,
         cache_file_name=cache,

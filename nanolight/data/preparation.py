@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -98,6 +99,7 @@ def prepare(
         "shard_tokens": max(1, int(cfg.shard_size_mb * 1e6) // dtype.itemsize),
     }
     os.makedirs(out, exist_ok=True)
+    _remove_leftovers(out)
     state = _resume_state(out, inputs)
     if not os.path.isdir(os.path.join(out, "tokenizer")):  # the run loads it from here: no hub access
         write_atomically(os.path.join(out, "tokenizer"), tok.save_pretrained)
@@ -106,6 +108,8 @@ def prepare(
             print(f"{out}: already complete (every shard checked against {INDEX})", file=sys.stderr)
         return read_index(out)
     writer = ShardWriter(out, dtype, inputs["shard_tokens"], state)
+    if state is None:
+        writer.commit(inputs, 0)  # from now on the directory is a preparation a rerun continues
     _tokenize(
         cfg,
         ds,
@@ -184,8 +188,17 @@ def _tokenize(
             bar.close()
         if was_enabled:
             datasets.enable_progress_bars()
-        for leftover in glob.glob(os.path.join(out, ".chunk*")):
-            os.remove(leftover)
+        _remove_leftovers(out)
+
+
+def _remove_leftovers(out: str) -> None:
+    """Temporaries a killed run left: half-written index/progress/tokenizer, map outputs (our names only)."""
+    names = [f"{n}.tmp-*" for n in (INDEX, PROGRESS, "tokenizer")] + [".chunk-*"]
+    for path in [p for n in names for p in glob.glob(os.path.join(out, n))]:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.remove(path)
 
 
 def _source_identity(cfg: PrepareConfig, files: list[str] | None, ds: Any) -> dict[str, Any]:

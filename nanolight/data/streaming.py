@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import itertools
 import warnings
 from collections.abc import Callable, Iterator
@@ -119,6 +120,8 @@ def rank_stream(dataset: Any, dp_rank: int, dp_size: int) -> Callable[[], Any]:
             "every rank reads all of it and keeps 1/dp of the documents. Split the corpus into >= dp files",
             stacklevel=3,
         )
+    if "strategy" not in inspect.signature(split_dataset_by_node).parameters:  # datasets < 4: "auto" only
+        return lambda: split_dataset_by_node(dataset, dp_rank, dp_size)
     return lambda: split_dataset_by_node(dataset, dp_rank, dp_size, strategy=strategy)
 
 

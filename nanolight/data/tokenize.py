@@ -98,10 +98,12 @@ def _map_chunk(
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    list_feature = getattr(datasets, "List", None) or datasets.Sequence  # datasets < 4 calls it Sequence
+
     # worker w gets rows start+w, start+w+N, ...: datasets hands each worker a contiguous slice
     order = np.concatenate([np.arange(start + w, stop, num_proc) for w in range(num_proc)])
     features = datasets.Features(
-        {"ids": datasets.List(datasets.Value(encoder.dtype.name)), "keep": datasets.Value("bool")}
+        {"ids": list_feature(datasets.Value(encoder.dtype.name)), "keep": datasets.Value("bool")}
     )
     cache = os.path.join(work_dir, f".chunk-{os.getpid()}.arrow")
     workers = min(num_proc, len(order))

@@ -14,62 +14,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _data_helpers import DOCS, expected_tokens, write_docs
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 import nanolight.data.tokenizer as tokenizer_mod
 import nanolight.data.tokens as tokens_mod
-from nanolight.data import (
-    DataConfig,
-    StreamingPackedLoader,
-    build_datamodule,
-    load_tokenizer,
-    token_file,
-    vocab_size,
-)
+from nanolight.data import DataConfig, build_datamodule, load_tokenizer, token_file, vocab_size
 from nanolight.data.cache import build_once
-from nanolight.data.tokenizer import train_bpe_tokenizer
-
-DOCS = [f"def f{i}(x):\n    return x * {i}  # doc {i} " + "word " * (i % 7) for i in range(200)]
-
-
-@pytest.fixture(scope="session")
-def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = str(tmp_path_factory.mktemp("tok") / "bpe")
-    train_bpe_tokenizer(iter(DOCS * 3), path, vocab_size=512)
-    return path
-
-
-@pytest.fixture(scope="session")
-def tok(tok_dir: str):
-    return load_tokenizer(tok_dir)
-
-
-def write_docs(path: str, docs: list[str], field: str = "text") -> str:
-    ext = os.path.splitext(path)[1]
-    if ext == ".jsonl":
-        with open(path, "w") as f:
-            f.writelines(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs))
-    elif ext == ".json":
-        with open(path, "w") as f:
-            json.dump([{field: d} for d in docs], f)
-    elif ext == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        pq.write_table(pa.table({field: docs}), path)
-    return path
-
-
-def expected_tokens(tok, docs: list[str]) -> list[int]:
-    out: list[int] = []
-    for d in docs:
-        out += tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    return out
 
 
 def cfg_for(path: str, cache: str, tok_dir: str, **kw) -> DataConfig:
     return DataConfig(path=path, tokenizer=tok_dir, cache_dir=cache, **kw)
+
+
+pytest_plugins = ["_data_helpers"]  # the tok / tok_dir fixtures
 
 
 @pytest.mark.parametrize("ext", [".jsonl", ".json", ".parquet"])
@@ -142,47 +101,14 @@ def test_embedded_corpus_and_tokenizer_build_once(tmp_path, monkeypatch) -> None
     assert val is not None and tok.decode(next(iter(train))["input_ids"][0]).strip()
 
 
-def test_streaming_matches_across_dp_and_resumes(tmp_path, tok) -> None:
-    import datasets
-
-    src = write_docs(str(tmp_path / "docs.jsonl"), DOCS * 3)
-    ds = datasets.load_dataset("json", data_files=[src], split="train", streaming=True)
-
-    def loaders(dp: int, mbs: int, acc: int) -> list[StreamingPackedLoader]:
-        return [
-            StreamingPackedLoader(
-                ds, tok, "text", 8, mbs, acc, r, dp, seed=5, shuffle_buffer=16, skip_blocks=4
-            )
-            for r in range(dp)
-        ]
-
-    def steps(ls: list[StreamingPackedLoader], acc: int, n: int) -> list[list[list[int]]]:
-        its = [iter(loader) for loader in ls]
-        return [
-            [row for it in its for _ in range(acc) for row in next(it)["input_ids"].tolist()]
-            for _ in range(n)
-        ]
-
-    ref = steps(loaders(1, 4, 1), 1, 6)
-    assert steps(loaders(2, 1, 2), 2, 6) == ref
-    flat = np.concatenate([np.asarray(s).ravel() for s in ref])
-    assert set(flat.tolist()) <= set(range(len(tok)))
-    first = loaders(2, 1, 2)
-    partial = steps(first, 2, 2)
-    resumed = loaders(2, 1, 2)
-    for loader in resumed:
-        loader.load_state_dict(first[0].state_dict())
-    assert partial + steps(resumed, 2, 4) == ref
-
-
-def test_streaming_datamodule_holds_out_val_blocks(tmp_path, tok_dir) -> None:
+def test_streaming_datamodule_holds_out_val_blocks(tmp_path, tok, tok_dir) -> None:
     src = write_docs(str(tmp_path / "docs.jsonl"), DOCS * 3)
     cfg = cfg_for(src, str(tmp_path / "c"), tok_dir, streaming=True, val_blocks=4, shuffle_buffer=0)
     train, val, tok = build_datamodule(cfg, seq_len=8, micro_batch_size=2)
     assert len(val) == 2
     held = [r for b in val for r in b["input_ids"].tolist()]
-    first_train = next(iter(train))["input_ids"].tolist()
-    assert held[-1] != first_train[0] and len(held) == 4
+    assert np.asarray(held).ravel().tolist() == expected_tokens(tok, DOCS)[:32]  # the stream's first blocks
+    assert next(iter(train))["input_ids"].tolist()[0] not in held
     assert not os.path.exists(tmp_path / "c" / "tokens")  # streaming writes no token cache
 
 

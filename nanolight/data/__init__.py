@@ -1,27 +1,41 @@
 """Data pipeline: text (embedded stdlib corpus, local files or a hub dataset) -> tokenizer ->
-cached flat token file -> packed `seq_len` blocks -> dp-sharded, resumable micro-batches.
+token shards (scripts/prepare_data.py) or a cached flat token file -> packed `seq_len` blocks,
+alone or in a weighted mixture -> dp-sharded, resumable micro-batches; or a stream of which
+each dp rank reads its own share.
 
 The recipe calls `build_datamodule(cfg.data, seq_len, micro_batch_size, ...)`; everything else
 here is exported for tests, benchmarks and users assembling their own pipeline.
 """
 
-from nanolight.data.config import EMBEDDED, DataConfig
+from nanolight.data.config import EMBEDDED, DataConfig, DataError, MixtureSource
 from nanolight.data.datamodule import DataModule, build_datamodule, token_file
+from nanolight.data.docmask import document_fields
 from nanolight.data.loader import EvalLoader, PackedLoader
+from nanolight.data.mixture import MixtureLoader, MixtureSchedule
 from nanolight.data.packed import PackedDataset, split_blocks
-from nanolight.data.streaming import StreamingPackedLoader
+from nanolight.data.preparation import PrepareConfig, prepare
+from nanolight.data.shards import PreparedData
+from nanolight.data.stream_loader import StreamingPackedLoader
 from nanolight.data.tokenizer import load_tokenizer, vocab_size
 
 __all__ = [
     "EMBEDDED",
     "DataConfig",
+    "DataError",
     "DataModule",
     "EvalLoader",
+    "MixtureLoader",
+    "MixtureSchedule",
+    "MixtureSource",
     "PackedDataset",
     "PackedLoader",
+    "PrepareConfig",
+    "PreparedData",
     "StreamingPackedLoader",
     "build_datamodule",
+    "document_fields",
     "load_tokenizer",
+    "prepare",
     "split_blocks",
     "token_file",
     "vocab_size",

@@ -48,7 +48,7 @@ def build_once(
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with FileLock(path + ".lock"):
                 if not os.path.exists(path):
-                    _build_atomically(path, build)
+                    write_atomically(path, build)
     if barrier is not None:
         barrier()
     if not os.path.exists(path):
@@ -59,11 +59,13 @@ def build_once(
     return path
 
 
-def _build_atomically(path: str, build: Callable[[str], None]) -> None:
+def write_atomically(path: str, build: Callable[[str], None]) -> None:
+    """`build(tmp)` writes a file or directory at a temporary name, then it replaces `path` in one
+    rename: readers see the old content or the new, never a partial one (a crash leaves `path` alone)."""
     tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         build(tmp)
-        os.rename(tmp, path)  # atomic on POSIX; the lock guarantees `path` does not exist yet
+        os.rename(tmp, path)  # atomic on POSIX (a file replaces a file; build_once's lock keeps dirs new)
     except BaseException:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)

@@ -7,11 +7,49 @@ which key is wrong and how to fix it, before any rank tokenizes anything.
 
 from __future__ import annotations
 
+import difflib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
 EMBEDDED = "embedded"
 """The `path`/`tokenizer` value that selects the built-in, offline corpus and BPE tokenizer."""
+
+
+class DataError(ValueError):
+    """Data that cannot be trained on (a damaged file, a wrong index, a bad mixture). The message
+    names the file or key and says how to fix it."""
+
+
+@dataclass
+class MixtureSource:
+    """One entry of `data.mixture`: a directory made by scripts/prepare_data.py and its weight."""
+
+    path: str
+    weight: float
+    name: str | None = None
+
+    @classmethod
+    def from_value(cls, value: Any, key: str) -> MixtureSource:
+        if isinstance(value, MixtureSource):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"{key}={value!r} must be a mapping like {{path: /data/fineweb, weight: 0.7}}")
+        valid = [f.name for f in fields(cls)]
+        for k in value:
+            if k not in valid:
+                close = difflib.get_close_matches(k, valid, n=1)
+                hint = f" Did you mean `{close[0]}`?" if close else ""
+                raise ValueError(f"unknown key `{key}.{k}`.{hint} Valid keys: {', '.join(valid)}")
+        if not value.get("path"):
+            raise ValueError(f"{key} has no `path`: name a directory made by scripts/prepare_data.py")
+        weight = value.get("weight")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise ValueError(
+                f"{key}.weight={weight!r} must be a number > 0 (weights are relative: 0.7/0.2/0.1 and 7/2/1 "
+                "are the same mixture); drop the entry to leave a source out"
+            )
+        return cls(path=str(value["path"]), weight=float(weight), name=value.get("name"))
 
 
 @dataclass
@@ -39,7 +77,18 @@ class DataConfig:
     num_proc: worker processes for `datasets.map` tokenization; None tokenizes in this process
         (the fast tokenizer already uses all cores for a batch).
     tokenize_batch_size: documents per tokenizer call.
-    shuffle_buffer: streaming only: blocks held in the shuffle buffer (0 = stream order).
+    shuffle_buffer: streaming only: blocks per shuffle window (0 = stream order). A window is
+        read, permuted by the seed and served; resuming re-reads at most one window.
+    mixture: prepared directories with weights, e.g. `[{path: /d/fineweb, weight: 0.7},
+        {path: /d/code, weight: 0.3}]`; every window of global batches holds each source in
+        proportion to its weight (a fixed interleaving, not random draws). Replaces `path`.
+    mixture_exhausted: a mixture source that runs out of samples is `repeat`ed (a new permutation,
+        with a warning) or `stop`s the epoch (every source restarts in the next one).
+    document_mask: also yield `position_ids` (restarting at 0 after every EOS) and `document_ids`
+        (distinct per document within a row), so the model can keep packed documents apart.
+    A `path` that is a directory made by scripts/prepare_data.py is read by memory map, and the
+    run uses the tokenizer saved with it (`tokenizer` left at `embedded`) or checks that the one
+    named in `tokenizer` is the same.
     """
 
     path: str = EMBEDDED
@@ -58,6 +107,9 @@ class DataConfig:
     num_proc: int | None = None
     tokenize_batch_size: int = 1000
     shuffle_buffer: int = 1024
+    mixture: list[Any] | None = None
+    mixture_exhausted: Literal["repeat", "stop"] = "repeat"
+    document_mask: bool = False
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -87,6 +139,27 @@ class DataConfig:
             raise ValueError(
                 "data.streaming=true with data.path=embedded: the embedded corpus is small and cached; "
                 "set data.streaming=false, or point data.path at a large corpus"
+            )
+        if self.mixture_exhausted not in ("repeat", "stop"):
+            raise ValueError(f"data.mixture_exhausted={self.mixture_exhausted!r} must be `repeat` or `stop`")
+        if self.mixture is not None:
+            self._check_mixture()
+
+    def _check_mixture(self) -> None:
+        if not isinstance(self.mixture, (list, tuple)) or not self.mixture:
+            raise ValueError(
+                "data.mixture must be a non-empty list like [{path: /d/fineweb, weight: 0.7}, "
+                "{path: /d/code, weight: 0.3}], or null for a single data.path"
+            )
+        self.mixture = [MixtureSource.from_value(v, f"data.mixture[{i}]") for i, v in enumerate(self.mixture)]
+        if self.path != EMBEDDED:
+            raise ValueError(
+                f"data.mixture and data.path={self.path!r} are both set: a mixture lists its own "
+                "directories; drop data.path (or put it in the mixture with a weight)"
+            )
+        if self.streaming:
+            raise ValueError(
+                "data.mixture reads prepared directories by memory map: set data.streaming=false"
             )
 
     @property

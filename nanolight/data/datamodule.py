@@ -1,8 +1,12 @@
 """`build_datamodule`: the one call the recipe makes to turn a `DataConfig` into loaders.
 
-Order of work, each step cached and built by one process at a time (see cache.py):
-embedded corpus (only if asked for) -> tokenizer -> token file (skipped when streaming) ->
-train/validation blocks -> dp-sharded loaders.
+Four sources, one contract (batches, state_dict, the global batch rule):
+- a directory made by scripts/prepare_data.py (`data.path=<dir>`), or several with weights
+  (`data.mixture`): memory-mapped shards, nothing built at run time (prepared.py, mixture.py);
+- a stream (`data.streaming=true`): each dp rank reads and tokenizes its share (streaming.py);
+- otherwise the embedded corpus, local files or a hub dataset, tokenized once into a cached
+  token file: embedded corpus (only if asked for) -> tokenizer -> token file -> blocks, each
+  step cached and built by one process at a time (see cache.py).
 """
 
 from __future__ import annotations
@@ -15,12 +19,16 @@ from typing import Any, NamedTuple
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from nanolight.data.config import EMBEDDED, DataConfig
+from nanolight.data.config import EMBEDDED, DataConfig, DataError
 from nanolight.data.corpus import embedded_corpus
 from nanolight.data.loader import EvalLoader, PackedLoader
+from nanolight.data.mixture import MixtureLoader
 from nanolight.data.packed import PackedDataset, split_blocks
-from nanolight.data.sources import local_files, local_identity, open_hub, open_local
-from nanolight.data.streaming import StreamingPackedLoader, take_blocks
+from nanolight.data.prepared import build_mixture, build_prepared, eval_loader
+from nanolight.data.shards import is_prepared_dir
+from nanolight.data.sources import guard_reads, local_files, local_identity, open_hub, open_local
+from nanolight.data.stream_loader import StreamingPackedLoader
+from nanolight.data.streaming import hold_out
 from nanolight.data.tokenizer import resolve_tokenizer, tokenizer_identity
 from nanolight.data.tokens import TokenFile, cached_token_file, iter_token_chunks
 
@@ -28,7 +36,7 @@ from nanolight.data.tokens import TokenFile, cached_token_file, iter_token_chunk
 class DataModule(NamedTuple):
     """What the recipe gets back; unpacks as `train_loader, val_loader, tokenizer = ...`."""
 
-    train_loader: PackedLoader | StreamingPackedLoader
+    train_loader: PackedLoader | MixtureLoader | StreamingPackedLoader
     val_loader: EvalLoader | None
     tokenizer: PreTrainedTokenizerBase
 
@@ -51,9 +59,20 @@ def build_datamodule(
     `barrier` (e.g. `torch.distributed.barrier`) and `is_builder=(local_rank == 0)`, and every
     rank must then call this (the barrier is entered once per cached artifact on every rank).
     Train batches are {"input_ids", "labels"} (micro_batch_size, seq_len) int64 with labels ==
-    input_ids; checkpoint `train_loader.state_dict()` after each step. The recipe checks
-    `len(tokenizer)` (`nanolight.data.vocab_size`) against the model's vocab size.
+    input_ids, plus "position_ids" and "document_ids" with `data.document_mask`; checkpoint
+    `train_loader.state_dict()` after each step. The recipe checks `len(tokenizer)`
+    (`nanolight.data.vocab_size`) against the model's vocab size.
     """
+    sizes = (seq_len, micro_batch_size, accumulate_grad_batches, dp_rank, dp_size, seed)
+    if cfg.mixture is not None:
+        return DataModule(*build_mixture(cfg, *sizes))
+    if cfg.path != EMBEDDED and is_prepared_dir(cfg.path):
+        if cfg.streaming:
+            raise DataError(
+                f"data.path={cfg.path} is a prepared directory (read by memory map, no tokenizing): "
+                "set data.streaming=false"
+            )
+        return DataModule(*build_prepared(cfg, *sizes))
     if cfg.path != EMBEDDED:
         local_files(cfg.path)  # a missing local path fails now, not after a tokenizer is trained
     shared = {"barrier": barrier, "is_builder": is_builder}
@@ -68,12 +87,13 @@ def build_datamodule(
 
     tokens = token_file(cfg, tok, corpus, **shared)
     n_blocks = len(tokens.tokens) // seq_len
-    train_ids, val_ids = split_blocks(n_blocks, cfg.val_fraction, cfg.val_blocks, micro_batch_size * dp_size)
+    train_ids, val_ids = split_blocks(n_blocks, cfg.val_fraction, cfg.val_blocks)  # the same at every layout
+    eos = tok.eos_token_id if cfg.document_mask else None
     train = PackedLoader(
-        PackedDataset(tokens.tokens, seq_len, train_ids),
+        PackedDataset(tokens.tokens, seq_len, train_ids, eos),
         micro_batch_size, accumulate_grad_batches, dp_rank, dp_size, seed,
     )  # fmt: skip
-    val = _val_loader(tokens.tokens, seq_len, val_ids, micro_batch_size, dp_rank, dp_size)
+    val = eval_loader(PackedDataset(tokens.tokens, seq_len, val_ids, eos), micro_batch_size, dp_rank, dp_size)
     return DataModule(train, val, tok)
 
 
@@ -100,7 +120,8 @@ def token_file(
         def make() -> Iterable[np.ndarray]:
             datasets_cache = os.path.join(cfg.cache_root, "hf-datasets")
             ds = open_local(files, streaming=not use_map, cache_dir=datasets_cache)
-            return iter_token_chunks(ds, tok, cfg.text_field, cfg.tokenize_batch_size, cfg.num_proc)
+            chunks = iter_token_chunks(ds, tok, cfg.text_field, cfg.tokenize_batch_size, cfg.num_proc)
+            return guard_reads(chunks, files)
 
     else:
         hub = open_hub(cfg, streaming=False)
@@ -113,20 +134,6 @@ def token_file(
     return cached_token_file(cfg.cache_root, identity, make, len(tok), barrier=barrier, is_builder=is_builder)
 
 
-def _val_loader(
-    tokens: np.ndarray, seq_len: int, val_ids: np.ndarray, micro_batch_size: int, dp_rank: int, dp_size: int
-) -> EvalLoader | None:
-    if len(val_ids) == 0:
-        return None
-    if len(val_ids) < micro_batch_size * dp_size:
-        raise ValueError(
-            f"the validation split has {len(val_ids)} blocks, fewer than one validation batch "
-            f"(micro_batch_size={micro_batch_size} x dp={dp_size}); raise data.val_fraction / data.val_blocks, "
-            "or set data.val_fraction=0 for no validation"
-        )
-    return EvalLoader(PackedDataset(tokens, seq_len, val_ids), micro_batch_size, dp_rank, dp_size)
-
-
 def _streaming(
     cfg: DataConfig, tok: PreTrainedTokenizerBase, seq_len: int, micro_batch_size: int,
     accumulate_grad_batches: int, dp_rank: int, dp_size: int, seed: int,
@@ -137,19 +144,18 @@ def _streaming(
         ds = open_local(files, streaming=True, cache_dir=os.path.join(cfg.cache_root, "hf-datasets"))
     else:
         ds = open_hub(cfg, streaming=True)
-    n_val = cfg.val_blocks or 0
     if cfg.val_blocks is None:
         warnings.warn(
             "data.streaming=true has no validation split unless data.val_blocks is set "
             "(a stream has no length to take data.val_fraction of)",
             stacklevel=3,
         )
+    held = hold_out(ds, tok, cfg.text_field, seq_len, cfg.val_blocks or 0, cfg.tokenize_batch_size)
+    eos = tok.eos_token_id if cfg.document_mask else None
     train = StreamingPackedLoader(
         ds, tok, cfg.text_field, seq_len, micro_batch_size, accumulate_grad_batches, dp_rank, dp_size, seed,
-        shuffle_buffer=cfg.shuffle_buffer, skip_blocks=n_val, tokenize_batch_size=cfg.tokenize_batch_size,
+        shuffle_buffer=cfg.shuffle_buffer, skip_documents=held.documents,
+        tokenize_batch_size=cfg.tokenize_batch_size, document_eos=eos, source_files=files or [cfg.path],
     )  # fmt: skip
-    val = None
-    if n_val:
-        flat = take_blocks(ds, tok, cfg.text_field, seq_len, n_val, cfg.tokenize_batch_size)
-        val = _val_loader(flat, seq_len, np.arange(len(flat) // seq_len), micro_batch_size, dp_rank, dp_size)
+    val = eval_loader(PackedDataset(held.tokens, seq_len, None, eos), micro_batch_size, dp_rank, dp_size)
     return DataModule(train, val, tok)

@@ -19,11 +19,16 @@ import torch
 from nanolight.data.packed import PackedDataset
 
 
-def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """Sample order of one epoch: a permutation seeded by (seed, epoch), identical on every rank."""
-    if not shuffle:
-        return np.arange(n)
-    return np.random.default_rng([seed, epoch]).permutation(n)
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool, key: tuple[int, ...] = ()) -> np.ndarray:
+    """Sample order of one epoch: a permutation seeded by (seed, *key, epoch), identical on every rank.
+
+    Shuffled in uint32 when it fits (the same permutation as `rng.permutation(n)`, half the
+    memory: 4 bytes per sample, 2 GB for a trillion tokens at seq_len 2048).
+    """
+    order = np.arange(n, dtype=np.uint32 if n < 2**32 else np.int64)
+    if shuffle:
+        np.random.default_rng([seed, *key, epoch]).shuffle(order)
+    return order
 
 
 def _check_sizes(micro_batch_size: int, accumulate_grad_batches: int, dp_rank: int, dp_size: int) -> None:

@@ -9,10 +9,15 @@ not a confusing hub lookup.
 from __future__ import annotations
 
 import glob
+import json
 import os
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
 
-from nanolight.data.config import DataConfig
+from nanolight.data.config import DataConfig, DataError
+
+T = TypeVar("T")
+_PEEK = 1 << 16  # bytes of each text file read up front to tell a data file from garbage
 
 # extension -> (datasets builder, extra builder kwargs)
 _BUILDERS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -24,7 +29,7 @@ _BUILDERS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def local_files(path: str) -> list[str] | None:
+def local_files(path: str, key: str = "data.path") -> list[str] | None:
     """Sorted data files `path` names, or None when `path` is not local (a hub dataset name).
 
     Raises FileNotFoundError naming the path and the fix when it looks local but matches nothing.
@@ -48,8 +53,8 @@ def local_files(path: str) -> list[str] | None:
     files = sorted(os.path.abspath(f) for f in candidates if os.path.splitext(f)[1] in _BUILDERS)
     if not files:
         raise FileNotFoundError(
-            f"data.path={path!r} matches no data file (supported: {', '.join(_BUILDERS)}). "
-            "Fix the path or glob, or use data.path=embedded or a hub dataset name"
+            f"{key}={path!r} matches no data file (supported: {', '.join(_BUILDERS)}). "
+            f"Fix the path or glob, or use {key}=embedded or a hub dataset name"
         )
     return files
 
@@ -59,29 +64,119 @@ def local_identity(files: list[str]) -> list[tuple[str, int, int]]:
     return [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
 
 
-def open_local(files: list[str], *, streaming: bool, cache_dir: str) -> Any:
-    """One `datasets` split over local files, all of one format."""
+def check_local_file(path: str) -> None:
+    """Fail with the file's name and what is wrong before `datasets` reads it.
+
+    `datasets` reports an empty JSONL file as a bare StopIteration, a binary one as a
+    UnicodeDecodeError or ArrowInvalid, a damaged parquet file as ArrowInvalid, none of them
+    naming the file. A few stat calls and the first 64 KB of each file tell those apart.
+    """
+    ext = os.path.splitext(path)[1]
+    if os.path.getsize(path) == 0:
+        raise DataError(
+            f"data file {path} is empty (0 bytes): it holds no documents; remove it or fix the glob"
+        )
+    if ext == ".parquet":
+        _check_parquet(path)
+        return
+    with open(path, "rb") as f:
+        head = f.read(_PEEK)
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if err.start < len(head) - 3:  # a multi-byte character cut at the 64 KB mark is fine
+            raise DataError(
+                f"data file {path} is not UTF-8 text (byte {err.start} is {head[err.start : err.start + 1]!r}): "
+                f"it is binary or in another encoding, not a {ext} file; convert it or remove it"
+            ) from None
+        text = head[: err.start].decode("utf-8")
+    if ext in (".jsonl", ".json") and not text.strip():
+        raise DataError(f"data file {path} holds only whitespace: no documents; remove it or fix the glob")
+    if ext == ".jsonl":
+        first = text.lstrip().split("\n", 1)[0]
+        if len(first) < len(text.lstrip()) or len(head) < _PEEK:  # a whole first line was read
+            try:
+                row = json.loads(first)
+            except json.JSONDecodeError as err:
+                raise DataError(
+                    f"data file {path}: its first line is not JSON ({err.msg} at column {err.colno}); a .jsonl "
+                    'file holds one JSON object per line, e.g. {"text": "..."}'
+                ) from None
+            if not isinstance(row, dict):
+                raise DataError(
+                    f"data file {path}: its first line is a JSON {type(row).__name__}, not an object; a .jsonl "
+                    'file holds one object per line, e.g. {"text": "..."}'
+                )
+
+
+def _check_parquet(path: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pq.read_metadata(path)
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(
+            f"data file {path} is not a readable parquet file ({err}); it is damaged (e.g. a partial "
+            "download) or not parquet: download it again or remove it"
+        ) from None
+
+
+def open_local(files: list[str], *, streaming: bool, cache_dir: str, num_proc: int | None = None) -> Any:
+    """One `datasets` split over local files, all of one format; each file is checked first."""
     exts = {os.path.splitext(f)[1] for f in files}
     builders = {_BUILDERS[e][0] for e in exts}
     if len(builders) > 1:
         raise ValueError(
             f"data.path mixes file formats {sorted(exts)}; point it at files of one format (e.g. a *.jsonl glob)"
         )
-    builder, kwargs = _BUILDERS[exts.pop()]
-    import datasets
-
-    return datasets.load_dataset(
-        builder, data_files=files, split="train", streaming=streaming, cache_dir=cache_dir, **kwargs
-    )
-
-
-def open_hub(cfg: DataConfig, *, streaming: bool) -> Any:
-    """`datasets.load_dataset(cfg.path, cfg.name, split=cfg.split, streaming=...)` with a fix-it error."""
+    for f in files:
+        check_local_file(f)
+    builder, defaults = _BUILDERS[exts.pop()]
+    kwargs = dict(defaults)  # a copy: the table is shared
     import datasets
 
     try:
+        if num_proc and num_proc > 1 and not streaming:
+            kwargs["num_proc"] = num_proc  # converts the files to arrow in parallel
         return datasets.load_dataset(
-            cfg.path, cfg.name, split=cfg.split, revision=cfg.revision, streaming=streaming
+            builder, data_files=files, split="train", streaming=streaming, cache_dir=cache_dir, **kwargs
+        )
+    except DataError:
+        raise
+    except Exception as err:  # damage past the first 64 KB surfaces here, in many exception types
+        raise read_error(files, err) from err
+
+
+def guard_reads(items: Iterable[T], files: list[str]) -> Iterator[T]:
+    """`items` (an iteration that reads `files`), with a library error while reading turned into a
+    DataError naming the files (our own DataErrors pass through)."""
+    try:
+        yield from items
+    except DataError:
+        raise
+    except Exception as err:
+        raise read_error(files, err) from err
+
+
+def read_error(files: list[str], err: BaseException) -> DataError:
+    """A DataError for a failure while `datasets` reads `files` (the library's message names the
+    file for most formats; ours says what to do)."""
+    where = files[0] if len(files) == 1 else f"one of {len(files)} files ({files[0]} ...)"
+    return DataError(
+        f"could not read {where}: {type(err).__name__}: {err}. The file is damaged or not in the format "
+        "its extension says; fix or remove it"
+    )
+
+
+def open_hub(cfg: DataConfig, *, streaming: bool, num_proc: int | None = None) -> Any:
+    """`datasets.load_dataset(cfg.path, cfg.name, split=cfg.split, streaming=...)` with a fix-it error."""
+    import datasets
+
+    extra = {"num_proc": num_proc} if num_proc and num_proc > 1 and not streaming else {}
+    try:
+        return datasets.load_dataset(
+            cfg.path, cfg.name, split=cfg.split, revision=cfg.revision, streaming=streaming, **extra
         )
     except Exception as err:  # hub/network/config errors come in many types
         raise RuntimeError(
@@ -95,7 +190,7 @@ def open_hub(cfg: DataConfig, *, streaming: bool) -> Any:
 def check_text_field(columns: list[str] | None, text_field: str) -> None:
     """Fail with the available columns when `text_field` is not one of them."""
     if columns is not None and text_field not in columns:
-        raise ValueError(
+        raise DataError(
             f"data.text_field={text_field!r} is not a column of the dataset; available columns: "
             f"{sorted(columns)}. Set data.text_field to the one holding the document text"
         )

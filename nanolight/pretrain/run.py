@@ -83,7 +83,7 @@ def build_data(config: PretrainConfig, dp_rank: int = 0, dp_size: int = 1):
     )
     if vocab_size(dm.tokenizer) > config.model.vocab_size:
         raise ConfigError(
-            f"the tokenizer ({data.tokenizer}) has {vocab_size(dm.tokenizer)} tokens but the model's "
+            f"the tokenizer ({dm.tokenizer.name_or_path}) has {vocab_size(dm.tokenizer)} tokens but the model's "
             f"vocab_size is {config.model.vocab_size}; pick a model preset with a larger vocabulary or "
             f"override model.vocab_size"
         )

@@ -1,0 +1,230 @@
+"""Weighted mixtures of prepared datasets: a fixed interleaving, resumable in O(1).
+
+Which source global sample k comes from is not drawn at random: the weights are turned into
+integer counts n_i over a period of P samples (0.7/0.2/0.1 -> 7/2/1 of every 10), and the
+period is laid out greedily (each position goes to the source furthest behind its share), so
+every prefix of the stream is within one sample of its share and every window of global
+batches within two. Sample k is then (source table[k % P], that source's sample number
+(k // P) * n_i + prefix count), a closed form: resuming at sample 10^9 costs what resuming at 0
+does. Within a source, samples follow its own seeded permutation, one per pass over it.
+
+Global batch s is mixture samples [s*G, (s+1)*G) and dp rank r takes its contiguous slice, as
+for a single dataset, so the global batch is the same at every layout.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator
+from fractions import Fraction
+
+import numpy as np
+import torch
+
+from nanolight.data.docmask import make_batch
+from nanolight.data.loader import _check_sizes, epoch_order
+from nanolight.data.packed import PackedDataset
+
+
+class MixtureSchedule:
+    """Source of every global sample index for `weights` (any positive numbers, relative)."""
+
+    def __init__(self, weights: list[float], max_period: int = 10_000) -> None:
+        total = sum(weights)
+        shares = [Fraction(w / total).limit_denominator(1000) for w in weights]
+        period = math.lcm(*(s.denominator for s in shares))
+        self.period = period if period <= max_period else max_period
+        self.counts = _apportion([w / total for w in weights], self.period)
+        self.table = _interleave(self.counts)
+        onehot = np.eye(len(weights), dtype=np.int64)[self.table]
+        self.prefix = np.vstack([np.zeros(len(weights), dtype=np.int64), np.cumsum(onehot, axis=0)])
+        self.positions = [np.flatnonzero(self.table == i) for i in range(len(weights))]
+
+    def locate(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, sample number within that source) of global sample indices `k`."""
+        q, r = np.divmod(np.asarray(k, dtype=np.int64), self.period)
+        src = self.table[r]
+        return src, q * self.counts[src] + self.prefix[r, src]
+
+    def count(self, source: int, k: int) -> int:
+        """How many of the first `k` global samples come from `source`."""
+        q, r = divmod(k, self.period)
+        return q * int(self.counts[source]) + int(self.prefix[r, source])
+
+    def position_of(self, source: int, j: int) -> int:
+        """Global index of `source`'s sample number `j` (0-based)."""
+        q, rem = divmod(j, int(self.counts[source]))
+        return q * self.period + int(self.positions[source][rem])
+
+
+def _apportion(shares: list[float], total: int) -> np.ndarray:
+    """Integer counts summing to `total`, each >= 1, proportional to `shares` (largest remainder)."""
+    quotas = np.array(shares) * total
+    counts = np.maximum(np.floor(quotas).astype(np.int64), 1)
+    while counts.sum() < total:
+        counts[int(np.argmax(quotas - counts))] += 1
+    while counts.sum() > total:
+        counts[int(np.argmax(np.where(counts > 1, counts - quotas, -np.inf)))] -= 1
+    return counts
+
+
+def _interleave(counts: np.ndarray) -> np.ndarray:
+    """One period: position p goes to the source furthest behind its share (integer arithmetic)."""
+    period, taken = int(counts.sum()), np.zeros(len(counts), dtype=np.int64)
+    table = np.empty(period, dtype=np.int64)
+    for p in range(period):
+        deficit = counts * (p + 1) - taken * period  # share due by p+1 minus taken, times the period
+        deficit[taken >= counts] = np.iinfo(np.int64).min
+        table[p] = i = int(np.argmax(deficit))  # ties: the lower source index
+        taken[i] += 1
+    return table
+
+
+class MixtureLoader:
+    """This dp rank's micro-batches from several `PackedDataset`s mixed by weight.
+
+    `exhausted="repeat"`: a source that runs out starts a new pass in a new order (with a
+    warning) and the loader never ends an epoch (bound the run with max_steps). `"stop"`: the
+    epoch ends at the last full global batch before any source would repeat; the next epoch
+    restarts every source in a new order. `state_dict()` is a consumed-samples counter.
+    """
+
+    def __init__(
+        self,
+        sources: list[PackedDataset],
+        weights: list[float],
+        names: list[str],
+        micro_batch_size: int,
+        accumulate_grad_batches: int = 1,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+        exhausted: str = "repeat",
+    ) -> None:
+        _check_sizes(micro_batch_size, accumulate_grad_batches, dp_rank, dp_size)
+        for name, ds in zip(names, sources, strict=True):
+            if ds.seq_len != sources[0].seq_len:
+                raise ValueError(
+                    f"{name} has seq_len={ds.seq_len}, not {sources[0].seq_len}: mix equal lengths"
+                )
+            if len(ds) == 0:
+                raise ValueError(f"{name} has no training sample of seq_len={ds.seq_len}: prepare more data")
+        self.sources, self.names, self.exhausted = sources, names, exhausted
+        self.schedule = MixtureSchedule(weights)
+        self.micro_batch_size, self.accumulate_grad_batches = micro_batch_size, accumulate_grad_batches
+        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.global_batch_size = micro_batch_size * accumulate_grad_batches * dp_size
+        self.epoch_samples: int | None = None
+        if exhausted == "stop":
+            first_repeat = min(self.schedule.position_of(i, len(ds)) for i, ds in enumerate(sources))
+            self.epoch_samples = first_repeat // self.global_batch_size * self.global_batch_size
+            if self.epoch_samples == 0:
+                raise ValueError(
+                    f"with data.mixture_exhausted=stop a source runs out before one global batch of "
+                    f"{self.global_batch_size} samples: prepare more data for the small sources or use repeat"
+                )
+        self._epoch, self._pos, self._micro = 0, 0, 0
+        self._orders: dict[int, tuple[int, np.ndarray]] = {}  # source -> (pass, its sample order)
+
+    def __len__(self) -> int:
+        if self.epoch_samples is None:
+            raise TypeError("a mixture with data.mixture_exhausted=repeat has no epoch length")
+        return self.epoch_samples // self.global_batch_size * self.accumulate_grad_batches
+
+    def _order(self, source: int, pass_: int) -> np.ndarray:
+        cached = self._orders.get(source)
+        if cached is None or cached[0] != pass_:
+            order = epoch_order(len(self.sources[source]), self.seed, pass_, True, key=(source,))
+            self._orders[source] = cached = (pass_, order)
+        return cached[1]
+
+    def _batch(self, ks: np.ndarray) -> dict[str, torch.Tensor]:
+        src, local = self.schedule.locate(ks)
+        rows = np.empty((len(ks), self.sources[0].seq_len), dtype=np.int64)
+        for s in np.unique(src):
+            ds, mine = self.sources[s], np.flatnonzero(src == s)
+            passes = np.full(len(mine), self._epoch) if self.epoch_samples else local[mine] // len(ds)
+            for p in np.unique(passes):
+                sel = mine[passes == p]
+                rows[sel] = ds.rows(self._order(int(s), int(p))[local[sel] % len(ds)])
+        return make_batch(torch.from_numpy(rows), self.sources[0].document_eos)
+
+    def _warn_repeats(self, start: int) -> None:
+        if self.dp_rank != 0:  # every rank runs the same schedule: one of them says so
+            return
+        for i, ds in enumerate(self.sources):
+            before = self.schedule.count(i, start) // len(ds)
+            after = self.schedule.count(i, start + self.global_batch_size) // len(ds)
+            if after > before:
+                warnings.warn(
+                    f"{self.names[i]} ran out of samples at step {start // self.global_batch_size} (all "
+                    f"{len(ds)} served {after} time(s)): repeating it in a new order; set "
+                    "data.mixture_exhausted=stop to end the epoch there instead",
+                    stacklevel=3,
+                )
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        mbs, acc, g = self.micro_batch_size, self.accumulate_grad_batches, self.global_batch_size
+        while self.epoch_samples is None or self._pos + g <= self.epoch_samples:
+            if self._micro == 0 and self.epoch_samples is None:
+                self._warn_repeats(self._pos)
+            first = self._pos + self.dp_rank * mbs * acc + self._micro * mbs
+            batch = self._batch(np.arange(first, first + mbs))
+            if self._micro + 1 == acc:  # state before yielding: state_dict() after it counts it
+                self._pos, self._micro = self._pos + g, 0
+            else:
+                self._micro += 1
+            yield batch
+        self._epoch, self._pos, self._micro = self._epoch + 1, 0, 0
+
+    def state_dict(self) -> dict[str, int | list[int]]:
+        return {
+            "epoch": self._epoch,
+            "samples_consumed": self._pos,
+            "micro_batches_in_step": self._micro,
+            "seed": self.seed,
+            "mixture_counts": [int(c) for c in self.schedule.counts],
+            "source_samples": [len(ds) for ds in self.sources],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if int(state["seed"]) != self.seed:
+            raise ValueError(
+                f"the checkpoint's mixture order comes from seed={state['seed']}, not {self.seed}"
+            )
+        saved = (list(state["mixture_counts"]), list(state["source_samples"]))
+        now = ([int(c) for c in self.schedule.counts], [len(ds) for ds in self.sources])
+        if saved != now:
+            raise ValueError(
+                f"data.mixture differs from the checkpoint's (per-period counts {saved[0]} vs {now[0]}, "
+                f"samples per source {saved[1]} vs {now[1]}): its sample position means other samples "
+                "now. Resume with the checkpoint's mixture and seq_len"
+            )
+        if int(state["micro_batches_in_step"]) >= self.accumulate_grad_batches:
+            raise ValueError(
+                "the checkpoint stopped mid-step at another accumulate_grad_batches; use the same"
+            )
+        self._epoch, self._pos = int(state["epoch"]), int(state["samples_consumed"])
+        self._micro = int(state["micro_batches_in_step"])
+
+
+class ConcatBlocks:
+    """Several datasets end to end, for the mixture's validation split (every source's held-out blocks)."""
+
+    def __init__(self, parts: list[PackedDataset]) -> None:
+        self.parts = [p for p in parts if len(p)]
+        self.starts = np.cumsum([0] + [len(p) for p in self.parts])
+        self.seq_len = parts[0].seq_len
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
+        indices = np.asarray(indices)
+        part = np.searchsorted(self.starts, indices, side="right") - 1
+        rows = np.empty((len(indices), self.seq_len), dtype=np.int64)
+        for p in np.unique(part):
+            sel = part == p
+            rows[sel] = self.parts[p].rows(indices[sel] - self.starts[p])
+        return make_batch(torch.from_numpy(rows), self.parts[0].document_eos)

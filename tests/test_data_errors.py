@@ -1,0 +1,87 @@
+"""Bad data files give one clear error naming the file and what is wrong, on every path that reads them
+(token file, streaming, prepare_data) -- not StopIteration, UnicodeDecodeError or ArrowInvalid."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from _data_helpers import DOCS, prepared, write_docs
+
+from nanolight.data import DataConfig, DataError, build_datamodule
+
+pytest_plugins = ["_data_helpers"]  # the tok / tok_dir fixtures
+
+
+def _bad_files(tmp_path) -> dict[str, tuple[str, str]]:
+    """name -> (path, what the message must say)."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n  \n")
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(os.urandom(4096).replace(b"\n", b"\xff") + b"\xff")
+    not_json = tmp_path / "notjson.jsonl"
+    not_json.write_text('hello world\n{"text": "x"}\n')
+    array = tmp_path / "array.jsonl"
+    array.write_text("[1, 2]\n")
+    parquet = tmp_path / "garbage.parquet"
+    parquet.write_bytes(os.urandom(3000))
+    cut = write_docs(str(tmp_path / "cut.parquet"), DOCS)
+    with open(cut, "r+b") as f:  # a partial download: the footer is gone
+        f.truncate(os.path.getsize(cut) // 2)
+    return {
+        "empty": (str(empty), "is empty"),
+        "blank": (str(blank), "only whitespace"),
+        "binary": (str(binary), "is not UTF-8 text"),
+        "notjson": (str(not_json), "first line is not JSON"),
+        "array": (str(array), "JSON list, not an object"),
+        "parquet": (str(parquet), "not a readable parquet file"),
+        "cut": (cut, "not a readable parquet file"),
+    }
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_bad_files_are_named_by_the_training_loaders(tmp_path, tok_dir, streaming) -> None:
+    for name, (path, what) in _bad_files(tmp_path).items():
+        cfg = DataConfig(path=path, tokenizer=tok_dir, cache_dir=str(tmp_path / "c"), streaming=streaming)
+        with pytest.raises(DataError) as err:
+            build_datamodule(cfg, seq_len=8, micro_batch_size=1)
+        assert path in str(err.value) and what in str(err.value), (name, str(err.value))
+
+
+def test_a_bad_file_among_good_ones_is_named(tmp_path, tok_dir) -> None:
+    good = write_docs(str(tmp_path / "a.jsonl"), DOCS)
+    (tmp_path / "b.jsonl").write_bytes(b"")
+    with pytest.raises(DataError, match=r"b\.jsonl is empty"):
+        build_datamodule(
+            DataConfig(path=str(tmp_path / "*.jsonl"), tokenizer=tok_dir), seq_len=8, micro_batch_size=1
+        )
+    assert os.path.exists(good)
+
+
+def test_bad_files_are_named_by_prepare_data(tmp_path, tok_dir) -> None:
+    for name, (path, what) in _bad_files(tmp_path).items():
+        with pytest.raises(DataError) as err:
+            prepared(path, str(tmp_path / f"out-{name}"), tok_dir, cache_dir=str(tmp_path / "c"))
+        assert path in str(err.value) and what in str(err.value), (name, str(err.value))
+
+
+def test_damage_past_the_first_bytes_is_still_named(tmp_path, tok_dir) -> None:
+    """A file that starts well and breaks later fails inside `datasets`; the error still names it."""
+    path = tmp_path / "late.jsonl"
+    path.write_text("".join(json.dumps({"text": f"a b c {i}"}) + "\n" for i in range(5000)) + "{not json\n")
+    cfg = DataConfig(path=str(path), tokenizer=tok_dir, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(DataError, match=r"could not read .*late\.jsonl"):
+        build_datamodule(cfg, seq_len=8, micro_batch_size=1)
+
+
+def test_stream_damaged_midway_names_the_file_when_read(tmp_path, tok_dir) -> None:
+    path = tmp_path / "late.jsonl"
+    path.write_text("".join(json.dumps({"text": f"a b c {i}"}) + "\n" for i in range(5000)) + "{not json\n")
+    cfg = DataConfig(path=str(path), tokenizer=tok_dir, cache_dir=str(tmp_path / "c"), streaming=True)
+    train, _, _ = build_datamodule(cfg, seq_len=8, micro_batch_size=1)
+    with pytest.raises(DataError, match=r"could not read .*late\.jsonl"):
+        for _ in train:
+            pass

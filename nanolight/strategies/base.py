@@ -94,6 +94,11 @@ class Strategy:
         return None
 
     @property
+    def sequence_multiple(self) -> int:
+        """Sequence lengths the model runs must be a multiple of this (tp under sequence parallelism)."""
+        return 1
+
+    @property
     def topology(self) -> dict[str, Any]:
         """The layout recorded in checkpoints (a resume at the same one restores per-rank state)."""
         return {"tp": 1, "pp": 1, "dp": 1, "world_size": 1}

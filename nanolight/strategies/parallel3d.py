@@ -15,8 +15,8 @@ processes. It says *what* happens, in the documented order; the parallel core sa
    `forward_context` tells the pipeline stage which micro-batch runs, `backward` back-propagates
    through it (receive, backward, send) and lets the dp reduction run in the last backward only;
    `reduce` takes a metric from the last stage, which owns the loss, and averages it over dp.
-   Every collective runs under `parallel/health.py`'s watch: a silent peer is named.
 5. Checkpoints are per-rank shards plus one index, written and resharded by `checkpoint/`.
+Collectives run under `parallel/health.py`'s watch: a silent peer is named.
 """
 
 from __future__ import annotations
@@ -90,8 +90,7 @@ class Parallel3DStrategy(Strategy):
 
     @classmethod
     def from_config(cls, config: ParallelConfig, **kwargs: Any) -> Parallel3DStrategy:
-        """Build from the Hydra `parallel` group (`+parallel.tp=2 ...`)."""
-        return cls(**dataclasses.asdict(config), **kwargs)
+        return cls(**dataclasses.asdict(config), **kwargs)  # the Hydra `parallel` group (+parallel.tp=2 ...)
 
     # ---- topology ------------------------------------------------------------------------
     @property
@@ -116,6 +115,10 @@ class Parallel3DStrategy(Strategy):
     @property
     def data_parallel_size(self) -> int:
         return self._ctx.dp_size if self._ctx is not None else 1
+
+    @property
+    def sequence_multiple(self) -> int:
+        return self.config.tp if self.config.sequence_parallel else 1
 
     @property
     def topology(self) -> dict[str, Any]:

@@ -72,14 +72,13 @@ class Parallel3DStrategy(Strategy):
         init_seed: int | None = None,
         pretrained: str | Path | None = None,
         backend: str | None = None,
-        timeout: timedelta | None = None,  # default: timeout_s
         pp_layers_per_stage: list[int] | None = None,
         dp_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         super().__init__(precision)
         self.config = ParallelConfig(tp, pp, dp, zero_stage, pp_schedule, sequence_parallel, timeout_s)
         self.init_seed, self.pretrained = init_seed, pretrained
-        self.backend, self.timeout = backend, timeout or timedelta(seconds=timeout_s)
+        self.backend, self.timeout = backend, timedelta(seconds=timeout_s)
         self.heartbeat: Heartbeat | None = None  # this rank's, and the way to tell who stopped
         self.pp_layers_per_stage = pp_layers_per_stage  # None: balanced by the model's stage costs
         self.dp_bucket_bytes = dp_bucket_bytes

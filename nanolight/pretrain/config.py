@@ -26,16 +26,16 @@ Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
 class TrainConfig:
     """Loop sizes. The global batch is micro_batch_size * accumulate_grad_batches * dp."""
 
-    max_steps: int = 200
+    max_steps: int = 320
     max_epochs: int | None = None
-    micro_batch_size: int = 8
+    micro_batch_size: int = 16
     seq_len: int = 256
     accumulate_grad_batches: int = 1
     precision: Precision = "32-true"
     gradient_clip_val: float | None = 1.0
     default_root_dir: str = "runs/smollm"
     log_every_n_steps: int = 10
-    val_check_interval: int | None = 50
+    val_check_interval: int | None = 80
     limit_val_batches: int = 8
     enable_progress_bar: bool = True
     deterministic: bool = False
@@ -58,11 +58,11 @@ class TrainConfig:
 class OptimConfig:
     """AdamW with linear warm-up then cosine decay to `min_lr_ratio * lr` (the SmolLM recipe)."""
 
-    lr: float = 3e-3
+    lr: float = 4e-3
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
-    warmup_steps: int = 20
+    warmup_steps: int = 10
     min_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:

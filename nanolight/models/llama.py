@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanolight.models.attention import attend, check_attn_implementation, flash_attn_available
+from nanolight.models.attention import Documents, attend, check_attn_implementation, flash_attn_available
 from nanolight.models.flops import stage_costs
 from nanolight.models.llama_config import LlamaConfig
 from nanolight.models.llama_rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -72,7 +72,9 @@ class CausalSelfAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, n_kv * (self.q_per_kv + 2) * hd, bias=False)
         self.o_proj = nn.Linear(n_q * hd, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         r, hd = self.q_per_kv, self.head_dim
         qkv = self.qkv_proj(x).view(B, T, -1, r + 2, hd)  # (B, T, n_kv_local, r + 2, head_dim)
@@ -81,7 +83,7 @@ class CausalSelfAttention(nn.Module):
         k = qkv[:, :, :, r].transpose(1, 2)  # (B, n_kv_local, T, head_dim)
         v = qkv[:, :, :, r + 1].transpose(1, 2)  # (B, n_kv_local, T, head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = attend(q, k, v, self.attn_implementation)  # (B, n_heads_local, T, head_dim)
+        y = attend(q, k, v, self.attn_implementation, documents)  # (B, n_heads_local, T, head_dim)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads_local * head_dim)
         return self.o_proj(y)
 
@@ -114,8 +116,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, documents)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -134,13 +138,16 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`hidden_states` replaces the embedding's output (a pipeline stage's input); a module a
-        pipeline split removed (None) is skipped, so one forward serves every stage."""
+        pipeline split removed (None) is skipped, so one forward serves every stage.
+        `document_ids` (B, T) keep packed documents apart (attention stays inside a document)."""
         x = self.embed_tokens(input_ids) if hidden_states is None else hidden_states  # (B, T, C)
         cos, sin = self.rotary_tables(input_ids.shape, position_ids, x)
+        documents = Documents(document_ids) if document_ids is not None else None
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, documents)
         return x if self.norm is None else self.norm(x)
 
     def rotary_tables(
@@ -225,9 +232,12 @@ class LlamaForCausalLM(nn.Module):
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Without a head (a pipeline stage before the last) returns the hidden states (B, T, C)."""
-        h = self.model(input_ids, position_ids, hidden_states)  # (B, T, C)
+        """Without a head (a pipeline stage before the last) returns the hidden states (B, T, C).
+        With `document_ids` packed documents do not see each other, and the last token of a
+        document is not asked to predict the next document's first."""
+        h = self.model(input_ids, position_ids, hidden_states, document_ids)  # (B, T, C)
         if self.lm_head is None:
             return h
         logits = self.lm_head(h)  # (B, T, V)
@@ -236,6 +246,9 @@ class LlamaForCausalLM(nn.Module):
         # logits at t predict the token at t+1: shift the labels left (the last position predicts
         # nothing, -100) rather than slicing logits, which would copy the largest activation.
         shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T)
+        if document_ids is not None:
+            crossing = F.pad(document_ids[:, 1:] != document_ids[:, :-1], (0, 1), value=False)
+            shifted = shifted.masked_fill(crossing, IGNORE_INDEX)
         return self.loss_fn(logits, shifted)
 
     # ------------------------------------------------------------------ initialisation

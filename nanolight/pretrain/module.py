@@ -90,13 +90,20 @@ class CausalLMPretrain(NanoModule):
             # the trainer's seed, so every layout starts from the same weights.
             self.model.init_weights(torch.Generator().manual_seed(torch.initial_seed()))
 
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The mean token loss; `data.document_mask` adds each token's position and document."""
+        return self.model(
+            batch["input_ids"], labels=batch["labels"], position_ids=batch.get("position_ids"),
+            document_ids=batch.get("document_ids"),
+        )  # fmt: skip
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.model(batch["input_ids"], labels=batch["labels"])
+        loss = self(batch)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.model(batch["input_ids"], labels=batch["labels"])
+        loss = self(batch)
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
         if self.bytes_per_token:  # nats/token -> bits/byte (a mean of per-batch values: linear)
             self.log(

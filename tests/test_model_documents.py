@@ -1,0 +1,105 @@
+"""Document masking: a packed row with `document_ids` (and restarting `position_ids`) computes
+exactly what its documents compute one by one -- logits and the mean token loss -- with SDPA,
+eager and (a stand-in for) flash-attn's variable-length kernel, also under tensor parallelism."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _tiny import run_distributed, tiny_config
+
+import nanolight.models.attention as attention
+from nanolight.data.docmask import document_fields
+from nanolight.models import LlamaForCausalLM
+from nanolight.strategies.parallel3d import Parallel3DStrategy
+
+LENGTHS, EOS = (5, 7, 4), 3
+
+
+def _packed() -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Three documents, each ended by EOS, and their packing into one row of 16 tokens."""
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.cat([torch.randint(4, 128, (n - 1,), generator=g), torch.tensor([EOS])]) for n in LENGTHS]
+    return docs, torch.cat(docs)[None]
+
+
+def _one_by_one(model: LlamaForCausalLM, docs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits of every document, concatenated; mean loss over every document's predictions)."""
+    logits = torch.cat([model(d[None])[0] for d in docs])
+    total = sum(model(d[None], labels=d[None]) * (len(d) - 1) for d in docs)
+    return logits, total / sum(len(d) - 1 for d in docs)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_packed_row_equals_its_documents_one_by_one(attn: str) -> None:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config(attn_implementation=attn)).eval()
+    docs, row = _packed()
+    fields = document_fields(row, EOS)
+    assert fields["position_ids"].tolist() == [[*range(5), *range(7), *range(4)]]
+    with torch.no_grad():
+        ref_logits, ref_loss = _one_by_one(model, docs)
+        logits = model(row, **fields)[0]
+        loss = model(row, labels=row, **fields)
+        unmasked = model(row, labels=row)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    assert abs(unmasked - ref_loss) > 1e-3  # without the mask the documents see each other
+
+
+def test_flash_varlen_gets_one_sequence_per_document(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPU here: a stand-in with flash-attn's varlen API, computing each sequence with SDPA."""
+    seen = []
+
+    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):  # noqa: ANN001, ANN202
+        seen.append(cu_seqlens_q.tolist())
+        out = torch.empty_like(q)
+        for a, b in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(), strict=True):
+            qs, ks, vs = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, n, head_dim)
+            y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            out[a:b] = y[0].transpose(0, 1)
+        return out
+
+    monkeypatch.setitem(
+        sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=varlen, flash_attn_func=None)
+    )
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
+    torch.manual_seed(0)
+    sdpa = LlamaForCausalLM(tiny_config(attn_implementation="sdpa")).eval()
+    flash = LlamaForCausalLM(tiny_config(attn_implementation="flash_attention_2")).eval()
+    flash.load_state_dict(sdpa.state_dict())
+    docs, row = _packed()
+    rows = torch.cat([row, row.flip(1)])  # two rows: documents never span a row
+    fields = document_fields(rows, EOS)
+    with torch.no_grad():
+        torch.testing.assert_close(flash(rows, **fields), sdpa(rows, **fields), rtol=1e-5, atol=1e-5)
+    assert seen[0] == [0, 5, 12, 16, 17, 21, 28, 32]  # the second row: EOS first, then 4, 7 and 4 tokens
+
+
+def _tp_worker(rank: int, world: int, sp: bool) -> float:
+    torch.manual_seed(0)
+    docs, row = _packed()
+    model = LlamaForCausalLM(tiny_config())
+    strategy = Parallel3DStrategy(tp=world, sequence_parallel=sp, init_seed=0)
+    strategy.setup_environment()
+    wrapper = torch.nn.Module()
+    wrapper.model = model
+    strategy.setup_module(wrapper)
+    with torch.no_grad():
+        return float(model(row, labels=row, **document_fields(row, EOS)))
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_tensor_parallel_packed_loss_equals_one_by_one(sp: bool) -> None:
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(tiny_config())
+    reference.init_weights(torch.Generator().manual_seed(0))
+    docs, _ = _packed()
+    with torch.no_grad():
+        _, ref_loss = _one_by_one(reference, docs)
+    for loss in run_distributed(_tp_worker, 2, sp, timeout=120):
+        assert loss == pytest.approx(float(ref_loss), rel=1e-5)

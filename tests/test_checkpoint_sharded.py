@@ -182,3 +182,26 @@ def test_step_directory_is_a_model_directory_that_keeps_hf_token_ids(tmp_path: P
     assert meta["sharding"] == {"index": "index.json", "prefix": "model."}
     loaded = load_pretrained(tmp_path / "step-1")
     assert loaded.config.hidden_size == 64 and loaded.config.num_key_value_heads == 4
+
+
+def test_resume_at_another_tp_pp_keeps_each_dp_rank_its_own_data_position(tmp_path: Path) -> None:
+    """A data stream's position is per dp rank: at another tp x pp with the same dp, every rank of
+    dp coordinate d takes the state saved by dp rank d (at another dp, rank 0's)."""
+    from nanolight.checkpoint.files import save_torch
+    from nanolight.checkpoint.index import CheckpointIndex
+    from nanolight.checkpoint.load import trainer_state
+
+    for rank in range(2):  # saved at dp=2, one rank each
+        save_torch(
+            tmp_path / f"rank-{rank:05d}.pt", {"rng": None, "loop": {"dp": rank}, "coords": {"dp": rank}}
+        )
+    save_torch(tmp_path / "trainer_state.pt", {"loop": {"dp": 0}, "rng": None})
+    topology = {"tp": 1, "pp": 1, "dp": 2, "world_size": 2}
+    write_index(tmp_path, CheckpointIndex(topology, {}, {}))
+    reader = CheckpointReader.open(tmp_path)
+    at_tp2 = {"tp": 2, "pp": 1, "dp": 2, "world_size": 4}
+    assert [trainer_state(reader, r, at_tp2, dp_rank=r // 2)["loop"] for r in range(4)] == [
+        {"dp": 0}, {"dp": 0}, {"dp": 1}, {"dp": 1}
+    ]  # fmt: skip
+    at_dp4 = {"tp": 1, "pp": 1, "dp": 4, "world_size": 4}
+    assert all(trainer_state(reader, r, at_dp4, dp_rank=r)["loop"] == {"dp": 0} for r in range(4))

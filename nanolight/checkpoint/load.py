@@ -153,12 +153,22 @@ def _read_param_state(
     return out.to(p.device)
 
 
-def trainer_state(reader: CheckpointReader, rank: int, topology: dict[str, Any]) -> dict[str, Any]:
-    """The trainer's state, with this rank's own RNG and data position when the layout is unchanged."""
+def trainer_state(
+    reader: CheckpointReader, rank: int, topology: dict[str, Any], dp_rank: int = 0
+) -> dict[str, Any]:
+    """The trainer's state, with this rank's own RNG and data position when the layout is unchanged.
+    At another tp x pp with the same dp, a rank takes the saved state of the first rank with its dp
+    coordinate (a data stream's position is per dp rank); at another dp, rank 0's."""
     state = reader.trainer_state()
     if reader.sharded:
         saved = {k: reader.topology.get(k) for k in ("tp", "pp", "dp", "world_size")}
         if saved == {k: topology.get(k) for k in saved}:
             own = reader.rank_state(rank)
-            state["rng"], state["loop"] = own["rng"], own["loop"]
+        elif saved["dp"] == topology.get("dp") and dp_rank:
+            own = reader.rank_state(
+                dp_rank * saved["tp"] * saved["pp"]
+            )  # (dp_rank, pp 0, tp 0) of the saved mesh
+        else:
+            return state
+        state["rng"], state["loop"] = own["rng"], own["loop"]
     return state

@@ -243,7 +243,7 @@ class Strategy:
         self.on_weights_loaded()
         if load_optimizer:
             self._load_optimizers(reader)
-        return trainer_state(reader, self.global_rank, self.topology)
+        return trainer_state(reader, self.global_rank, self.topology, self.layout.dp_rank)
 
     def load_optimizer_checkpoint(self, path: str | Path) -> None:
         """Load the optimizer state(s) stored in checkpoint directory `path`."""

@@ -12,11 +12,13 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from nanolight.errors import UsageError
+
 EMBEDDED = "embedded"
 """The `path`/`tokenizer` value that selects the built-in, offline corpus and BPE tokenizer."""
 
 
-class DataError(ValueError):
+class DataError(UsageError):
     """Data that cannot be trained on (a damaged file, a wrong index, a bad mixture). The message
     names the file or key and says how to fix it."""
 

@@ -10,13 +10,15 @@ Run: ``python classifier.py OUTDIR``.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from observe import final_weights, run_summary, snapshot, write_observed
+from observe import final_weights, run_summary, snapshot, stem, write_observed
 from torch.utils.data import DataLoader, TensorDataset
 
 SEED = 1234
@@ -39,6 +41,7 @@ class BlobData(L.LightningDataModule):
         self.batch_size = batch_size
         self.prepare_calls = 0
         self.setup_stages: list[str] = []
+        self.loaded_states: list[dict[str, Any]] = []
 
     def prepare_data(self) -> None:
         self.prepare_calls += 1
@@ -49,6 +52,12 @@ class BlobData(L.LightningDataModule):
         self.val_set = blobs(70, 2)
         self.test_set = blobs(50, 3)
         self.predict_set = TensorDataset(blobs(20, 4).tensors[0])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"setups_before_save": len(self.setup_stages)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loaded_states.append(dict(state_dict))
 
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(7)
@@ -77,6 +86,24 @@ class Classifier(L.LightningModule):
         )
         self.calls = {"training_step": 0, "validation_step": 0, "test_step": 0, "predict_step": 0}
         self.val_batches: list[tuple[int, float]] = []  # (batch size, val_loss) per validation_step
+        self.phase = ""  # set by main() before each trainer call
+        self.seen: dict[str, dict[str, Any]] = {}  # trainer flags at the first step of each kind
+
+    def _see(self, step: str) -> None:
+        t = self.trainer
+        key = f"{self.phase}/{step}" + ("/sanity" if t.sanity_checking else "")
+        if key not in self.seen:
+            self.seen[key] = {
+                "training": t.training,
+                "validating": t.validating,
+                "testing": t.testing,
+                "sanity_checking": t.sanity_checking,
+                "device": str(self.device),
+                "global_rank": self.global_rank,
+                "local_rank": self.local_rank,
+                "logger_is_trainer_logger": self.logger is t.logger,
+                "n_loggers": len(self.loggers),
+            }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -88,6 +115,7 @@ class Classifier(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         self.calls["training_step"] += 1
+        self._see("training_step")
         loss, acc = self._loss_acc(batch)
         self.log("train_loss", loss, on_step=True, on_epoch=True)
         self.log("train_acc", acc)
@@ -95,6 +123,7 @@ class Classifier(L.LightningModule):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self.calls["validation_step"] += 1
+        self._see("validation_step")
         loss, acc = self._loss_acc(batch)
         self.val_batches.append((int(batch[0].shape[0]), float(loss)))
         self.log("val_loss", loss)
@@ -102,12 +131,14 @@ class Classifier(L.LightningModule):
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self.calls["test_step"] += 1
+        self._see("test_step")
         loss, acc = self._loss_acc(batch)
         self.log("test_loss", loss)
         self.log("test_acc", acc)
 
     def predict_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         self.calls["predict_step"] += 1
+        self._see("predict_step")
         return self(batch[0]).argmax(-1)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -132,6 +163,7 @@ def main(outdir: str) -> None:
         logger=CSVLogger(save_dir=outdir, name="lightning_logs"),
         default_root_dir=outdir,
     )
+    model.phase = "fit"
     trainer.fit(model, datamodule=dm)
     after_fit = {
         **snapshot(trainer),
@@ -144,12 +176,20 @@ def main(outdir: str) -> None:
         "num_training_batches": trainer.num_training_batches,
         "num_val_batches": trainer.num_val_batches,
         "weights": final_weights(model),
+        "checkpoint_callback_is_ours": trainer.checkpoint_callback is ckpt,
+        "early_stopping_callback_is_ours": trainer.early_stopping_callback is early,
+        "lightning_module_is_model": trainer.lightning_module is model,
+        "log_dir": Path(trainer.logger.log_dir).relative_to(outdir).as_posix(),
     }
+    model.phase = "validate"
     validate_out = trainer.validate(datamodule=dm)
-    after_validate = {**snapshot(trainer), "calls": dict(model.calls)}
+    after_validate = {**snapshot(trainer), "calls": dict(model.calls), "ckpt_path": stem(trainer.ckpt_path)}
+    model.phase = "test"
     test_out = trainer.test(datamodule=dm, ckpt_path="best")
-    after_test = {**snapshot(trainer), "calls": dict(model.calls)}
+    after_test = {**snapshot(trainer), "calls": dict(model.calls), "ckpt_path": stem(trainer.ckpt_path)}
+    model.phase = "predict"
     predict_out = trainer.predict(datamodule=dm)
+    loaded = Classifier.load_from_checkpoint(ckpt.best_model_path)
     observed = {
         "after_fit": after_fit,
         "validate_returned": validate_out,
@@ -158,10 +198,16 @@ def main(outdir: str) -> None:
         "after_test": after_test,
         "predict_returned": predict_out,
         "calls": model.calls,
+        "trainer_flags_seen": model.seen,
         "val_batches": model.val_batches,
         "setup_stages": dm.setup_stages,
         "prepare_data_calls": dm.prepare_calls,
+        "datamodule_loaded_states": dm.loaded_states,
         "hparams": dict(model.hparams),
+        "load_from_checkpoint": {
+            "hparams": dict(loaded.hparams),
+            "equals_final_weights": final_weights(loaded) == final_weights(model),
+        },
         **run_summary(trainer, model, outdir),
     }
     write_observed(outdir, observed)

@@ -7,17 +7,34 @@ so a checkpoint reads it back with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
 import numpy as np
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_info
 
 
-def seed_everything(seed: int) -> int:
-    """Seed python, numpy and torch (all devices); returns the seed."""
+MAX_SEED = 2**32 - 1
+
+
+def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
+    """Lightning's ``seed_everything``: seed python, numpy and torch (all devices) and record the
+    seed in ``PL_GLOBAL_SEED`` (and ``PL_SEED_WORKERS``), so processes started later -- data
+    parallel ranks re-launched by the trainer, DataLoader workers with ``workers=True`` -- derive
+    theirs from it. None takes ``PL_GLOBAL_SEED`` or 0. Returns the seed."""
+    if seed is None:
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    seed = int(seed)
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed {seed} is out of range [0, {MAX_SEED}]")
+    if verbose:
+        rank_zero_info(f"Seed set to {seed}")
+    os.environ["PL_GLOBAL_SEED"] = str(seed)
+    os.environ["PL_SEED_WORKERS"] = str(int(workers))
     random.seed(seed)
-    np.random.seed(seed % 2**32)
+    np.random.seed(seed)
     torch.manual_seed(seed)
     return seed
 

@@ -88,7 +88,8 @@ def token_loader(
 
 
 class StepLosses(Callback):
-    """Each step's logged ``train/loss`` (the reduced global-batch mean) and grad norm."""
+    """Each step's loss (``trainer.step_loss``: the global-batch mean, the same on every rank) and
+    grad norm."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -104,7 +105,7 @@ class StepLosses(Callback):
         if trainer.global_step == self._step:
             return  # a micro-batch before this step's update
         self._step = trainer.global_step
-        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+        self.losses.append(float(trainer.step_loss))
         if trainer.grad_norm is not None:
             self.norms.append(float(trainer.grad_norm))
 

@@ -40,6 +40,7 @@ def _loader() -> DataLoader:
 
 def _trainer(strategy: object, steps: int) -> NanoTrainer:
     return NanoTrainer(
+        use_distributed_sampler=False,  # each rank is given its own data
         max_steps=steps, accumulate_grad_batches=2, strategy=strategy, seed=0, logger=False,
         enable_progress_bar=False,
         enable_checkpointing=False,

@@ -60,6 +60,7 @@ def _train_worker(rank: int, world: int, root: str, layout: str) -> bool:
     strategy.setup_environment()
     ctx = strategy.parallel_context
     trainer = NanoTrainer(
+        use_distributed_sampler=False,  # each rank is given its own data
         max_steps=STEPS,
         accumulate_grad_batches=ACCUM,
         strategy=strategy,
@@ -199,6 +200,7 @@ def test_single_device_step_dir_converts_to_hf(tmp_path: Path, tied: bool) -> No
     from nanolight.strategies.single_device import SingleDeviceStrategy
 
     trainer = NanoTrainer(
+        use_distributed_sampler=False,  # each rank is given its own data
         max_steps=STEPS, accumulate_grad_batches=ACCUM, strategy=SingleDeviceStrategy("cpu"), seed=SEED,
         logger=False, enable_progress_bar=False, default_root_dir=tmp_path,
     )  # fmt: skip

@@ -44,6 +44,7 @@ def _loader(dp: int, dp_rank: int | None) -> DataLoader:
 def _fit(strategy: object, loader: DataLoader) -> tuple[NanoTrainer, TinyLM, StepLosses]:
     record = StepLosses()
     trainer = NanoTrainer(
+        use_distributed_sampler=False,  # each rank is given its own data
         max_steps=STEPS,
         accumulate_grad_batches=ACCUM,
         gradient_clip_val=0.5,
@@ -179,6 +180,7 @@ def _nan_worker(rank: int, world: int) -> list[int]:
     guard = NaNGuard(action="skip")
     strategy = Parallel3DStrategy(dp=world, zero_stage=1, dp_bucket_bytes=BUCKET)
     trainer = NanoTrainer(
+        use_distributed_sampler=False,  # each rank is given its own data
         max_steps=STEPS,
         accumulate_grad_batches=ACCUM,
         strategy=strategy,

@@ -133,6 +133,7 @@ def test_workers_of_a_killed_torchrun_agent_stop(tmp_path: Path, cache_dir: Path
 
 def _unshared(rank: int, world: int, root: str) -> str:
     trainer = NanoTrainer(
+        use_distributed_sampler=False,  # each rank is given its own data
         max_steps=1, strategy=Parallel3DStrategy(dp=world), default_root_dir=Path(root) / f"node{rank}",
         logger=False, enable_progress_bar=False,
     )  # fmt: skip

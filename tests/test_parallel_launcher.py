@@ -143,7 +143,7 @@ class LM(NanoModule):
 
 ids = torch.randint(0, 64, (6, 8), generator=torch.Generator().manual_seed(0))
 loader = DataLoader([{"input_ids": x, "labels": x} for x in ids], batch_size=2)
-trainer = NanoTrainer(max_steps=3, strategy=Parallel3DStrategy(tp=2), seed=0, logger=False,
+trainer = NanoTrainer(use_distributed_sampler=False, max_steps=3, strategy=Parallel3DStrategy(tp=2), seed=0, logger=False,
                       enable_progress_bar=False, enable_checkpointing=False, default_root_dir=sys.argv[1])
 module = LM()
 trainer.fit(module, train_dataloaders=loader)

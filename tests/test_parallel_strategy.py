@@ -41,6 +41,7 @@ def _loader() -> DataLoader:
 
 def _fit(strategy: object, root: Path) -> tuple[NanoTrainer, TinyLM]:
     trainer = NanoTrainer(
+        use_distributed_sampler=False,  # each rank is given its own data
         max_steps=STEPS,
         accumulate_grad_batches=ACCUM,
         gradient_clip_val=0.5,

@@ -115,6 +115,7 @@ def _pp_worker(
     )
     seen = Observe(cfg)
     trainer = NanoTrainer(
+        use_distributed_sampler=False,  # each rank is given its own data
         max_steps=STEPS, accumulate_grad_batches=MICRO, gradient_clip_val=0.5, strategy=strategy, logger=False,
         callbacks=[seen], enable_progress_bar=False, enable_checkpointing=False,
     )  # fmt: skip
@@ -229,6 +230,7 @@ def _memory_worker(rank: int, world: int, schedule: str) -> tuple[int, int]:
     strategy = Parallel3DStrategy(pp=world, pp_schedule=schedule, init_seed=SEED)
     seen = Observe(cfg)
     trainer = NanoTrainer(
+        use_distributed_sampler=False,  # each rank is given its own data
         max_steps=1, accumulate_grad_batches=2 * MICRO, strategy=strategy, logger=False, callbacks=[seen],
         enable_progress_bar=False, enable_checkpointing=False,
     )  # fmt: skip

@@ -48,6 +48,7 @@ def _loader(n: int) -> DataLoader:
 
 def _fit(strategy: object, root: Path, accum: int = ACCUM) -> tuple[NanoTrainer, TinyLM]:
     trainer = NanoTrainer(
+        use_distributed_sampler=False,  # each rank is given its own data
         max_steps=STEPS,
         accumulate_grad_batches=accum,
         gradient_clip_val=0.5,

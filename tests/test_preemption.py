@@ -50,6 +50,7 @@ def _fit(root: Path, max_steps: int, at: int = 0, sig: int = signal.SIGTERM, ckp
     rec = SignalAt(at, sig)
     callbacks = [rec] + ([ModelCheckpoint(every_n_train_steps=4, keep_last_n=2)] if ckpt else [])
     trainer = NanoTrainer(
+        use_distributed_sampler=False,  # each rank is given its own data
         max_steps=max_steps, accumulate_grad_batches=2, gradient_clip_val=1.0, seed=1234,
         callbacks=callbacks, logger=False, enable_progress_bar=False, default_root_dir=root,
         enable_checkpointing=ckpt,
@@ -93,6 +94,7 @@ def test_signal_at_a_periodic_checkpoint_step_still_stops(tmp_path) -> None:
 
 def test_without_last_pointer_the_hint_names_the_saved_directory(tmp_path, capfd) -> None:
     trainer = NanoTrainer(
+        use_distributed_sampler=False,  # each rank is given its own data
         max_steps=12, callbacks=[SignalAt(3), ModelCheckpoint(every_n_train_steps=4, save_last=False)],
         logger=False, enable_progress_bar=False, default_root_dir=tmp_path,
     )  # fmt: skip
@@ -113,7 +115,7 @@ def test_handlers_restored_after_a_failed_fit(tmp_path) -> None:
 
     previous = {s: signal.signal(s, sentinel) for s in (signal.SIGTERM, signal.SIGUSR1)}
     try:
-        trainer = NanoTrainer(max_steps=3, callbacks=[Boom()], logger=False, enable_progress_bar=False,
+        trainer = NanoTrainer(use_distributed_sampler=False, max_steps=3, callbacks=[Boom()], logger=False, enable_progress_bar=False,
                               enable_checkpointing=False, default_root_dir=tmp_path)  # fmt: skip
         with pytest.raises(RuntimeError, match="boom"):
             trainer.fit(DropoutMLP(), DataLoader(make_data(16), batch_size=4))

@@ -23,6 +23,12 @@ class SchedulerConfig:
     frequency: int = 1
     monitor: str | None = None
     name: str | None = None
+    strict: bool = True  # a plateau scheduler whose metric is missing: an error (False: a warning)
+
+    @property
+    def reduce_on_plateau(self) -> bool:
+        """Stepped with a monitored metric, after validation (Lightning's distinction)."""
+        return isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
     def __post_init__(self) -> None:
         if self.interval not in ("step", "epoch"):
@@ -34,22 +40,26 @@ class SchedulerConfig:
                 f"lr_scheduler must be a torch LR scheduler (with step/state_dict), got "
                 f"{type(self.scheduler).__name__}"
             )
+        if self.reduce_on_plateau and self.monitor is None:
+            raise ValueError(
+                'a ReduceLROnPlateau scheduler needs the metric it watches: return {"optimizer": opt, '
+                '"lr_scheduler": {"scheduler": sched, "monitor": "val_loss"}}'
+            )
 
 
 def _bad(got: Any, why: str) -> TypeError:
     return TypeError(f"configure_optimizers() returned {type(got).__name__}: {why}. Expected {_FORMS}.")
 
 
-def _scheduler(obj: Any, where: Any) -> SchedulerConfig:
+def _scheduler(obj: Any, where: Any, monitor: str | None = None) -> SchedulerConfig:
     if isinstance(obj, dict):
         if "scheduler" not in obj:
             raise _bad(where, f'the lr_scheduler dict has no "scheduler" key (keys: {sorted(obj)})')
         unknown = set(obj) - {"scheduler", "interval", "frequency", "monitor", "name", "strict"}
         if unknown:
             raise _bad(where, f"unknown lr_scheduler keys {sorted(unknown)}")
-        obj = {k: v for k, v in obj.items() if k != "strict"}
-        return SchedulerConfig(**obj)
-    return SchedulerConfig(obj)
+        return SchedulerConfig(**{"monitor": monitor, **obj})
+    return SchedulerConfig(obj, monitor=monitor)
 
 
 def _from_dict(d: dict, where: Any) -> tuple[torch.optim.Optimizer, list[SchedulerConfig]]:
@@ -63,10 +73,7 @@ def _from_dict(d: dict, where: Any) -> tuple[torch.optim.Optimizer, list[Schedul
         raise _bad(where, f'"optimizer" is a {type(opt).__name__}, not a torch.optim.Optimizer')
     scheds = []
     if d.get("lr_scheduler") is not None:
-        cfg = _scheduler(d["lr_scheduler"], where)
-        if cfg.monitor is None and "monitor" in d:
-            cfg.monitor = d["monitor"]
-        scheds.append(cfg)
+        scheds.append(_scheduler(d["lr_scheduler"], where, d.get("monitor")))
     return opt, scheds
 
 
@@ -93,16 +100,3 @@ def parse_optimizers(out: Any) -> tuple[list[torch.optim.Optimizer], list[Schedu
         kinds = sorted({type(x).__name__ for x in out}) or ["<empty>"]
         raise _bad(out, f"a sequence of {kinds}")
     raise _bad(out, "not an optimizer")
-
-
-def step_scheduler(sc: SchedulerConfig, metrics: dict[str, torch.Tensor]) -> None:
-    """Step one scheduler; ReduceLROnPlateau gets its monitored metric."""
-    if isinstance(sc.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        value = metrics.get(sc.monitor or "")
-        if value is None:
-            raise KeyError(
-                f"ReduceLROnPlateau monitors {sc.monitor!r}, which was not logged; available: {sorted(metrics)}"
-            )
-        sc.scheduler.step(float(value))
-    else:
-        sc.scheduler.step()

@@ -171,3 +171,9 @@ class GradientSync:
         if max_norm is not None:
             clip_(self._final_grads(), norm, max_norm)
         return norm
+
+    def clip_value_(self, value: float) -> None:
+        """Clamp the step's final gradients elementwise (the dp-reduced ones, or the ZeRO-1 shards
+        the optimizer steps with): no communication, the same result at every layout."""
+        for grad in self._final_grads():
+            grad.clamp_(-value, value)

@@ -98,9 +98,20 @@ class CausalLMPretrain(NanoModule):
         )  # fmt: skip
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self(batch)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
+        return self(batch)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # train/loss is the global batch's mean (every micro-batch, every dp rank, from the last
+        # pipeline stage), not Lightning's default of the last micro-batch's value
+        self.log("train/loss", self.trainer.step_loss, prog_bar=True)
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:  # fmt: skip
+        norm = self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        if norm is not None:  # the pre-clip global norm, summed over every parallel rank
+            self.log("grad_norm", norm)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self(batch)

@@ -17,13 +17,13 @@ Call order during ``NanoTrainer.fit`` (each a method below)::
     load_checkpoint(path, load_optimizer=False) -> trainer state     # only when resuming
     load_optimizer_checkpoint(path)                                  # only when resuming
     per optimizer step (the trainer walks the schedule and fires the hooks itself):
-        batch_to_device(batch)          # each micro-batch
+        precision.convert_input(batch)  # each micro-batch (then the module's transfer hooks)
         micro_batch_schedule(n)         # [(FORWARD, i) | (BACKWARD, i), ...] in this rank's order
           FORWARD i:  with forward_context(i): training_step    # + zero_grad(opt) after i == 0
-          BACKWARD i: backward(loss_i / n, i, n)
+          BACKWARD i: with backward_context(i, n): backward(loss_i / accumulate)
         finish_backward()               # gradients final: partial sums completed, dp reduced
         reduce(step_loss)               # the step's mean loss, the same on every rank
-        clip_gradients(max_norm)        # -> pre-clip global norm (only if gradient_clip_val)
+        clip_gradients(max_norm)        # -> pre-clip global norm (or clip_gradients_value)
         optimizer_step(optimizer)
         any_rank(signal_received)       # preemption: did any rank get SIGTERM/SIGUSR1?
     save_checkpoint(path, state)        # ModelCheckpoint -> trainer.save_checkpoint (all ranks)
@@ -34,8 +34,8 @@ Call order during ``NanoTrainer.fit`` (each a method below)::
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,7 @@ class Strategy:
         self.module: nn.Module | None = None  # the NanoModule being trained
         self.optimizers: list[torch.optim.Optimizer] = []
         self.layout: ModelLayout | None = None  # where each tensor lives (set by setup_module)
+        self._micro_batch = (0, 1)  # (i, n) of the backward running now (`backward_context`)
 
     # ---- topology ------------------------------------------------------------------------
     @property
@@ -87,6 +88,22 @@ class Strategy:
     def data_parallel_size(self) -> int:
         """Number of data-parallel replicas: tokens/step = local tokens x this (ThroughputMonitor)."""
         return 1
+
+    @property
+    def local_rank(self) -> int:
+        """This process's index on its node (prepare_data runs where it is 0)."""
+        return 0
+
+    @property
+    def pipelined(self) -> bool:
+        """Pipeline parallelism: only the last stage computes the loss, every stage runs every
+        micro-batch (no skipping, no manual optimization)."""
+        return False
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int] | None:
+        """``num_replicas``/``rank`` a plain DataLoader's DistributedSampler gets (None: no sharding)."""
+        return None
 
     @property
     def parallel_context(self) -> Any:
@@ -134,14 +151,6 @@ class Strategy:
     def teardown(self) -> None:
         """Release what `setup_environment` acquired (process groups, CUDA cache)."""
 
-    def batch_to_device(self, batch: Any) -> Any:
-        """Move a batch to `root_device` (and cast it for ``bf16-true``)."""
-        if self.root_device.type != "cpu":
-            batch = apply_to_collection(
-                batch, torch.Tensor, lambda t: t.to(self.root_device, non_blocking=True)
-            )
-        return self.precision.convert_input(batch)
-
     # ---- one optimizer step --------------------------------------------------------------
     def micro_batch_schedule(self, n: int) -> Sequence[Action]:
         """The order of this rank's forwards and backwards for a step of `n` micro-batches."""
@@ -155,8 +164,18 @@ class Strategy:
         """Context for forward passes (bf16-mixed autocast); validation_step runs in it too."""
         return self.precision.autocast(self.root_device)
 
-    def backward(self, loss: torch.Tensor, i: int = 0, n: int = 1) -> None:
-        """Backward of micro-batch `i` of `n` (its loss already divided by n)."""
+    @contextmanager
+    def backward_context(self, i: int, n: int) -> Iterator[None]:
+        """Around the module's ``backward`` hook: it back-propagates micro-batch `i` of `n`."""
+        previous, self._micro_batch = self._micro_batch, (i, n)
+        try:
+            yield
+        finally:
+            self._micro_batch = previous
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate `loss` (already scaled for accumulation); `backward_context` says which
+        micro-batch it is (outside one, e.g. manual optimization: a whole step's one)."""
         loss.backward()
 
     def finish_backward(self) -> None:
@@ -166,16 +185,28 @@ class Strategy:
         """Drop gradients before the first micro-batch of a step (set_to_none saves memory)."""
         optimizer.zero_grad(set_to_none=True)
 
-    def clip_gradients(self, max_norm: float | None) -> torch.Tensor:
+    def clip_gradients(self, max_norm: float | None, optimizer: Any = None) -> torch.Tensor:
         """Clip by the global L2 norm (``max_norm`` None: only measure); returns the pre-clip norm.
-        One process: torch's own (a parallel strategy sums the norm over its ranks, `parallel/grads.py`)."""
-        assert self.module is not None
-        params = [p for p in self.module.parameters() if p.grad is not None]
+        One process: torch's own over `optimizer`'s parameters (all of them when None); a parallel
+        strategy sums the norm over its ranks (`parallel/grads.py`)."""
+        params = [p for p in self._params(optimizer) if p.grad is not None]
         if not params:
             return torch.zeros((), device=self.root_device)
         if max_norm is None:
             return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+
+    def clip_gradients_value(self, value: float, optimizer: Any = None) -> None:
+        """Clamp every gradient element to [-value, value] (elementwise: no communication)."""
+        params = [p for p in self._params(optimizer) if p.grad is not None]
+        if params:
+            torch.nn.utils.clip_grad_value_(params, value, foreach=True)
+
+    def _params(self, optimizer: Any) -> list[nn.Parameter]:
+        assert self.module is not None
+        if optimizer is None:
+            return list(self.module.parameters())
+        return [p for g in optimizer.param_groups for p in g["params"]]
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Apply the update (a ZeRO strategy also all-gathers updated shards here)."""
@@ -183,7 +214,8 @@ class Strategy:
 
     # ---- collectives ---------------------------------------------------------------------
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        """A metric as every rank must see it ("mean" or "sum" over dp); identity on one process."""
+        """A metric as every rank must see it ("mean", "sum", "max" or "min" over dp); identity
+        on one process."""
         return tensor
 
     def barrier(self, name: str | None = None) -> None:
@@ -223,12 +255,13 @@ class Strategy:
             probe.unlink(missing_ok=True)
 
     # ---- checkpoints ---------------------------------------------------------------------
-    def save_checkpoint(self, path: str | Path, state: dict[str, Any]) -> None:
-        """Write checkpoint directory `path` atomically: weights, optimizer state and the trainer's
-        `state` (tensors and plain containers only: read back with ``weights_only=True``)."""
+    def save_checkpoint(self, path: str | Path, state: dict[str, Any], weights_only: bool = False) -> None:
+        """Write checkpoint directory `path` atomically: weights, optimizer state (not with
+        `weights_only`) and the trainer's `state` (tensors and plain containers only: read back
+        with ``torch.load(weights_only=True)``)."""
         assert self.module is not None
         if self.is_global_zero:
-            optimizers = [opt.state_dict() for opt in self.optimizers]
+            optimizers = [] if weights_only else [opt.state_dict() for opt in self.optimizers]
             meta = step_dir_meta(self.module, index=None)  # a Llama inside: also a model dir
             files = model_dir_files(self.module)  # e.g. its tokenizer: exports are complete
             save_one_process(Path(path), self.module.state_dict(), optimizers, state, meta, files)

@@ -86,6 +86,7 @@ class Parallel3DStrategy(Strategy):
         self.stage: PipelineStage | None = None  # pp > 1: this rank's pipeline stage
         self.grads: GradientSync | None = None  # built by setup_optimizers
         self._model_meta: dict[str, Any] | None = None
+        self._local_rank = 0
 
     @classmethod
     def from_config(cls, config: ParallelConfig, **kwargs: Any) -> Parallel3DStrategy:
@@ -116,6 +117,19 @@ class Parallel3DStrategy(Strategy):
         return self._ctx.dp_size if self._ctx is not None else 1
 
     @property
+    def local_rank(self) -> int:
+        return self._local_rank
+
+    @property
+    def pipelined(self) -> bool:
+        return self.stage is not None
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int] | None:
+        ctx = self._ctx
+        return None if ctx is None or ctx.dp_size == 1 else {"num_replicas": ctx.dp_size, "rank": ctx.dp_rank}
+
+    @property
     def sequence_multiple(self) -> int:
         return self.config.tp if self.config.sequence_parallel else 1
 
@@ -137,17 +151,21 @@ class Parallel3DStrategy(Strategy):
             )
             dp = cfg.resolve_dp(world)  # world must be tp*pp*dp: a clear error, before anything starts
             env = ensure_processes(world)  # plain python, world > 1: re-launches and never returns
+            self._local_rank = env.local_rank
             self.heartbeat = init_distributed(env, self.backend, self.timeout)
             self._ctx = ParallelContext(cfg.tp, cfg.pp, dp, timeout=self.timeout)
             atexit.register(self._ctx.destroy)
         super().setup_environment()
 
     def init_device(self) -> torch.device | None:
-        return torch.device("meta")  # the full model is never materialised on one rank
+        # the full model is never materialised on one rank (dp alone replicates it anyway)
+        return torch.device("meta") if self.config.tp * self.config.pp > 1 else None
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         ctx, cfg = self._ctx, self.config
-        model, prefix = _find_plan_model(module)
+        model, prefix = _find_plan_model(module, required=cfg.tp * cfg.pp > 1)
+        if model is None:  # any nn.Module under plain data parallelism
+            return self._setup_replicated(module)
         if getattr(model, "config", None) is not None:
             c = model.config
             cfg.check_model(c.num_attention_heads, c.num_key_value_heads, c.vocab_size)
@@ -178,7 +196,26 @@ class Parallel3DStrategy(Strategy):
             p2p = StageP2P(ctx.prev_pp_rank, ctx.next_pp_rank, ctx.device)
             self.stage = PipelineStage(model, ctx.pp_rank, ctx.pp_size, p2p)
         self._model_meta = step_dir_meta(module, self.pretrained)
+        if not on_meta:
+            self._broadcast_weights(module)
         return module
+
+    def _setup_replicated(self, module: nn.Module) -> nn.Module:
+        """dp alone, a model without a tp/pp plan: every rank holds it whole."""
+        module.to(self.root_device)
+        shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+        self.module, self._model_meta = module, step_dir_meta(module, self.pretrained)
+        self.layout = ModelLayout.sharded(module, shapes, tied_aliases(module), self._ctx, None, "")
+        self.precision.convert_module(module)
+        self._broadcast_weights(module)
+        return module
+
+    def _broadcast_weights(self, module: nn.Module) -> None:
+        """A model each rank built itself starts from rank 0's weights on every rank (DDP's rule:
+        replicas that were seeded differently must not silently diverge)."""
+        if self._ctx.world_size > 1:
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor.data, src=0)  # rank 0 sends its initial weights to every rank
 
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[Any]:
         """Gradient synchronisation, and ZeRO-1 around the optimizer (`parallel/grads.py`)."""
@@ -207,7 +244,8 @@ class Parallel3DStrategy(Strategy):
         return stack
 
     @watched("a backward (the pipeline's gradient exchange, or the dp reduction)")
-    def backward(self, loss: torch.Tensor, i: int = 0, n: int = 1) -> None:
+    def backward(self, loss: torch.Tensor) -> None:
+        i, n = self._micro_batch
         self.grads.require_sync(i == n - 1)  # every schedule back-propagates micro-batch n-1 last
         if self.stage is not None:
             self.stage.backward(i, loss)  # receive d loss/d output, backward, send d loss/d input
@@ -232,8 +270,11 @@ class Parallel3DStrategy(Strategy):
         return super().load_checkpoint(path, load_optimizer)
 
     @watched("the global gradient norm (summed over tp / pp / dp)")
-    def clip_gradients(self, max_norm: float | None) -> torch.Tensor:
-        return self.grads.clip_(max_norm)
+    def clip_gradients(self, max_norm: float | None, optimizer: Any = None) -> torch.Tensor:
+        return self.grads.clip_(max_norm)  # every parameter: the norm of all of them, on all ranks
+
+    def clip_gradients_value(self, value: float, optimizer: Any = None) -> None:
+        self.grads.clip_value_(value)
 
     # ---- collectives ---------------------------------------------------------------------
     @watched("the loss/metric reduction (from the last pipeline stage, over dp)")
@@ -244,7 +285,9 @@ class Parallel3DStrategy(Strategy):
             # the last stage sends its value to every stage of its pipeline
             dist.broadcast(out, src=ctx.pp_ranks[-1], group=ctx.pp_group)
         if ctx.dp_size > 1:  # tp ranks already hold identical metrics
-            dist.all_reduce(out, group=ctx.dp_group)  # dp replicas sum their metric
+            # dp replicas combine their metric: summed (a mean divides after), or max / min
+            reduce_op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}.get(op, dist.ReduceOp.SUM)
+            dist.all_reduce(out, op=reduce_op, group=ctx.dp_group)
             out = out / ctx.dp_size if op == "mean" else out
         return out
 
@@ -271,10 +314,11 @@ class Parallel3DStrategy(Strategy):
 
     # ---- checkpoints: per-rank shards + index ------------------------------------------------
     @watched("a checkpoint save")
-    def save_checkpoint(self, path: str | Path, state: dict[str, Any]) -> None:
+    def save_checkpoint(self, path: str | Path, state: dict[str, Any], weights_only: bool = False) -> None:
         """Every rank writes what it owns; rank 0 the index; published atomically (collective)."""
+        optimizers = [] if weights_only else self.optimizers
         save_sharded(
-            Path(path), self.module, self.optimizers, self.layout, state, self.topology, self._model_meta,
+            Path(path), self.module, optimizers, self.layout, state, self.topology, self._model_meta,
             self.root_device, model_dir_files(self.module),
         )  # fmt: skip
 
@@ -289,11 +333,13 @@ class Parallel3DStrategy(Strategy):
         return one_process_order(self.optimizers, local, list(self.layout.full_shapes), self._ctx.pp_group)
 
 
-def _find_plan_model(module: nn.Module) -> tuple[nn.Module, str]:
+def _find_plan_model(module: nn.Module, required: bool) -> tuple[nn.Module | None, str]:
     """The (first) submodule that declares a tensor-parallel plan, and its state-dict key prefix."""
     for name, sub in module.named_modules():
         if isinstance(getattr(sub, "tp_plan", None), dict):
             return sub, f"{name}." if name else ""
+    if not required:
+        return None, ""
     raise TypeError(
         f"Parallel3DStrategy found no model with a `tp_plan` inside {type(module).__name__}; build one "
         "(e.g. nanolight.models.LlamaForCausalLM) in configure_model()"

@@ -1,21 +1,32 @@
-"""The fit loop (epochs of optimizer steps, with validation when due) and the validation loop.
+"""The fit loop: epochs of optimizer steps, validation when due, stopping -- Lightning's fit and
+training-epoch loops, in one place.
 
-`FitLoop` owns where training stands inside an epoch, so that a checkpoint can record it and a
-resumed run continue from the next unseen micro-batch (`data_position.py` says how, for stateful
-loaders and for plain ``DataLoader``s); the trainer owns the counters (``trainer.progress``).
+Per accumulation window (one optimizer step; one batch under manual optimization):
+the step (`step.py` / `manual.py`), its logger row, validation if one of the window's batches is
+a check batch (an int ``val_check_interval`` counts batches, a float is a fraction of the
+epoch), plateau schedulers with interval "step", then `max_time` and pre-emption checks.
+At an epoch's end: epoch values published, ``on_train_epoch_end`` (monitoring callbacks after
+the module), plateau schedulers (only after a complete epoch), the epoch row. Stopping: max
+steps/epochs, or ``should_stop`` once ``min_steps``/``min_epochs`` are met (with one extra
+validation right then, as Lightning). Where training stands in its data is `FitLoop`'s state,
+so a resumed run continues from the next unseen batch (`data_position.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import math
+import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import torch
+from lightning_utilities.core.rank_zero import rank_zero_info
 
-from nanolight.module.optimizers import step_scheduler
+from nanolight.errors import UsageError
 from nanolight.seed import restore_rng_state
 from nanolight.trainer import data_position as position
-from nanolight.trainer.step import run_step
+from nanolight.trainer.evaluation import run_evaluation
+from nanolight.trainer.manual import ManualStep
+from nanolight.trainer.step import AutomaticStep
 
 if TYPE_CHECKING:
     from nanolight.trainer.trainer import NanoTrainer
@@ -27,10 +38,15 @@ class FitLoop:
     def __init__(self, trainer: NanoTrainer) -> None:
         self.trainer = trainer
         self.train_loader: Any = None
+        self.val_loaders: list[Any] | None = None
+        self.max_batches = math.inf  # training batches per epoch
+        self.val_check_batch = math.inf
         self._epoch_start: dict[str, Any] | None = None  # RNG that ordered this epoch's samples
         self._resume: dict[str, Any] | None = None  # loop position read from a checkpoint
         self._resume_rng: dict[str, Any] | None = None
+        self._told_min = False
 
+    # ---- checkpoint state ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         loader = self.train_loader
         return {
@@ -43,20 +59,100 @@ class FitLoop:
         """Continue from `loop` at the next epoch start; the RNG states are restored after the skip."""
         self._resume, self._resume_rng = loop, rng
 
-    def run(self, train_loader: Iterable, val_loader: Iterable | None) -> None:
+    @property
+    def restarting(self) -> bool:
+        """Resumed into a run that was not at an epoch boundary, or a step-based run (Lightning
+        then skips the sanity check)."""
+        resume = self._resume
+        return resume is not None and (self.trainer.config.max_steps != -1 or bool(resume.get("batch_idx")))
+
+    # ---- data ------------------------------------------------------------------------------
+    def ensure_train_data(self) -> float:
+        """The train loader (requested once per fit) and its number of batches per epoch."""
         trainer = self.trainer
-        self.train_loader = train_loader
-        trainer.call_hook("on_fit_start")
+        if self.train_loader is None:
+            self.train_loader = trainer.data.request("train")[0]
+            self.max_batches = trainer.data.num_batches(self.train_loader, "train")
+            trainer.num_training_batches = int(self.max_batches) if self.max_batches != math.inf else math.inf
+            self._val_check_batch()
+        return self.max_batches
+
+    def _val_check_batch(self) -> None:
+        cfg, trainer = self.trainer.config, self.trainer
+        vci = cfg.val_check_interval
+        if isinstance(vci, int):
+            if vci > self.max_batches and cfg.check_val_every_n_epoch is not None and trainer.enable_validation:
+                raise UsageError(
+                    f"val_check_interval={vci} is more than the {self.max_batches:g} training batches of an "
+                    "epoch: lower it, or pass check_val_every_n_epoch=None to count batches across epochs"
+                )
+            self.val_check_batch = vci
+        elif self.max_batches == math.inf:
+            if vci != 1.0:
+                raise UsageError(f"val_check_interval={vci}: a fraction needs a train loader with a length; give an int")
+            self.val_check_batch = math.inf
+        else:
+            self.val_check_batch = max(1, int(self.max_batches * vci))
+
+    def ensure_val_data(self) -> list[Any]:
+        trainer = self.trainer
+        if self.val_loaders is None:
+            self.val_loaders = trainer.data.request("val")
+        return self.val_loaders
+
+    # ---- stopping --------------------------------------------------------------------------
+    @property
+    def can_stop_early(self) -> bool:
+        cfg, trainer = self.trainer.config, self.trainer
+        met_epochs = trainer.current_epoch >= cfg.min_epochs if cfg.min_epochs else True
+        met_steps = trainer.global_step >= cfg.min_steps if cfg.min_steps else True
+        return met_epochs and met_steps
+
+    def _stop_requested(self) -> bool:
+        if not self.trainer.should_stop:
+            return False
+        if not self.can_stop_early and not self._told_min:
+            self._told_min = True
+            cfg = self.trainer.config
+            rank_zero_info(
+                f"Trainer was signaled to stop but the required `min_epochs={cfg.min_epochs!r}` or "
+                f"`min_steps={cfg.min_steps!r}` has not been met. Training will continue..."
+            )
+        return self.can_stop_early
+
+    @property
+    def done(self) -> bool:
+        trainer, cfg = self.trainer, self.trainer.config
+        if self.max_batches == 0:
+            return True
+        if cfg.max_steps != -1 and trainer.global_step >= cfg.max_steps:
+            return True
+        if cfg.max_epochs != -1 and trainer.current_epoch >= cfg.max_epochs:
+            return True
+        return self._stop_requested()
+
+    # ---- the loop --------------------------------------------------------------------------
+    def run(self) -> None:
+        trainer = self.trainer
+        self.ensure_train_data()
+        if self.done or trainer.config.limit_train_batches == 0:
+            return
+        if trainer.enable_validation and self._validates_epoch():
+            self.ensure_val_data()
+        self._t0 = time.monotonic()
         trainer.lightning_module.train()
         trainer.call_hook("on_train_start")
-        while not trainer.done:
-            self._epoch(train_loader, val_loader)
+        while not self.done:
+            self._epoch()
         trainer.call_hook("on_train_end")
-        trainer.call_hook("on_fit_end")
 
-    def _iterator(self, loader: Iterable) -> Iterator:
+    def _validates_epoch(self) -> bool:
+        every = self.trainer.config.check_val_every_n_epoch
+        return every is None or (self.trainer.current_epoch + 1) % every == 0
+
+    def _iterator(self) -> Iterator:
         """Iterator for the current epoch, positioned after the batches a checkpoint consumed."""
-        trainer = self.trainer
+        trainer, loader = self.trainer, self.train_loader
         resume, self._resume = self._resume, None
         stateful = position.is_stateful(loader)
         position.set_epoch(loader, trainer.current_epoch)
@@ -75,67 +171,83 @@ class FitLoop:
             trainer.progress["batch_idx"] = 0
         return iterator
 
-    def _epoch(self, loader: Iterable, val_loader: Iterable | None) -> None:
+    def _epoch(self) -> None:
         trainer, cfg = self.trainer, self.trainer.config
-        iterator = self._iterator(loader)
+        every = cfg.reload_dataloaders_every_n_epochs
+        if every and trainer.current_epoch and trainer.current_epoch % every == 0:
+            self.train_loader = None  # Lightning: ask for the train loader again
+            self.ensure_train_data()
+        iterator = self._iterator()
         trainer.call_hook("on_train_epoch_start")
-        while not trainer.done:
-            batches = position.take(iterator, cfg.accumulate_grad_batches)
+        manual = not trainer.lightning_module.automatic_optimization
+        step = ManualStep(trainer) if manual else AutomaticStep(trainer)
+        window = 1 if manual else cfg.accumulate_grad_batches
+        complete = False
+        while not (cfg.max_steps != -1 and trainer.global_step >= cfg.max_steps) and not self._stop_requested():
+            first = trainer.progress["batch_idx"]
+            left = self.max_batches - first
+            batches = position.take(iterator, int(min(window, left))) if left > 0 else []
             if not batches:
-                if trainer.progress["batch_idx"] == 0:
-                    raise ValueError(
-                        "the train dataloader yielded no batches: check the dataset and batch size"
-                    )
+                if first == 0:
+                    raise UsageError("the train dataloader yielded no batches: check the dataset and batch size")
+                complete = True
                 break
-            run_step(trainer, batches)
-            trainer.preemption.check()
-            if (
-                val_loader is not None
-                and cfg.val_check_interval
-                and trainer.global_step % cfg.val_check_interval == 0
-            ):
-                validation_loop(trainer, val_loader)
-        if val_loader is not None and cfg.val_check_interval is None and not trainer.should_stop:
-            validation_loop(trainer, val_loader)
-        trainer.metrics.stage = "train"
-        trainer.log_metrics(trainer.metrics.finish_epoch(trainer.strategy.reduce))
+            trainer.progress["batch_idx"] += len(batches)
+            last = trainer.progress["batch_idx"] == self.max_batches
+            if not step.run(batches, first, last):
+                break
+            trainer.step_row()
+            self._after_window(first, len(batches), last)
+            if last:
+                complete = True
+                break
+        if complete and self.val_check_batch == math.inf and self._should_validate_now():
+            self._validate()  # an unsized loader: its last batch is known only now
+        self._epoch_end(complete)
+
+    def _should_validate_now(self) -> bool:
+        return self.trainer.enable_validation and self._validates_epoch()
+
+    def _after_window(self, first: int, n: int, last: bool) -> None:
+        trainer = self.trainer
+        trainer.progress["total_batch_idx"] += n
+        if self._validation_due(first, n, last):
+            trainer.call_module_hook("on_validation_model_zero_grad")
+            self._validate()
+        trainer.update_lr_schedulers("step", plateau=True, batch_idx=first + n - 1)
+        trainer.progress["stepped"] += 1
+        max_time = trainer.config.max_time_s
+        if max_time is not None and time.monotonic() - self._t0 >= max_time:
+            trainer.should_stop = True
+        trainer.preemption.check()
+
+    def _validation_due(self, first: int, n: int, last: bool) -> bool:
+        if not self._should_validate_now():
+            return False
+        if self.trainer.should_stop and self.can_stop_early:
+            return True
+        vcb = self.val_check_batch
+        if vcb == math.inf:
+            return False  # checked at the end of an unsized epoch
+        per_epoch = self.trainer.config.check_val_every_n_epoch is not None
+        start = first if per_epoch else self.trainer.progress["total_batch_idx"] - n
+        return any((start + k + 1) % vcb == 0 for k in range(n))
+
+    def _validate(self) -> None:
+        trainer = self.trainer
+        trainer.state.stage = "validate"
+        try:
+            run_evaluation(trainer, "val", self.ensure_val_data())
+        finally:
+            trainer.state.stage = "train"
+
+    def _epoch_end(self, complete: bool) -> None:
+        trainer = self.trainer
+        trainer.publish_epoch()  # epoch values first: the hooks (and monitoring callbacks) read them
         trainer.call_hook("on_train_epoch_end")
-        for sc in trainer.lr_scheduler_configs:
-            if sc.interval == "epoch" and (trainer.current_epoch + 1) % sc.frequency == 0:
-                step_scheduler(sc, trainer.callback_metrics)
+        if complete:
+            trainer.update_lr_schedulers("epoch", plateau=True, batch_idx=trainer.progress["batch_idx"] - 1)
+        trainer.epoch_row()
         trainer.progress["epoch"] += 1
         trainer.progress["batch_idx"] = 0
 
-
-@torch.no_grad()
-def validation_loop(trainer: NanoTrainer, loader: Iterable) -> dict[str, torch.Tensor]:
-    """One pass over `loader`: validation_step per batch, then the epoch means (logged)."""
-    module, strategy, metrics, hook = (
-        trainer.lightning_module,
-        trainer.strategy,
-        trainer.metrics,
-        trainer.call_hook,
-    )
-    limit = trainer.config.val_batches(position.loader_len(loader))
-    was_training = module.training
-    module.eval()
-    metrics.stage = "val"
-    try:
-        hook("on_validation_start")
-        hook("on_validation_epoch_start")
-        for idx, batch in enumerate(loader):
-            if limit is not None and idx >= limit:
-                break
-            batch = strategy.batch_to_device(batch)
-            hook("on_validation_batch_start", batch, idx)
-            with strategy.autocast():
-                out = module.validation_step(batch, idx)
-            hook("on_validation_batch_end", out, batch, idx)
-        hook("on_validation_epoch_end")
-        results = metrics.finish_epoch(strategy.reduce)
-        trainer.log_metrics(results)
-        hook("on_validation_end")
-    finally:
-        metrics.stage = "train"
-        module.train(was_training)
-    return results

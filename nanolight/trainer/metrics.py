@@ -1,127 +1,129 @@
-"""What ``self.log`` records, and how it becomes step/epoch metrics.
+"""`MetricStore`: where ``self.log`` goes, and the trainer's metric dicts (Lightning's logger
+connector).
 
-Training: values logged during one optimizer step are averaged over its micro-batches (so
-``train/loss`` is the global-batch mean), then -- when ``sync_dist`` -- averaged over
-data-parallel ranks by `Strategy.reduce` (the one path every metric and the loss take across
-ranks). Validation: values are averaged over the epoch.
+It routes each call to the loop's `Results` (training, or the evaluation pass running), picks
+Lightning's defaults for the hook it is called from (``on_step`` in training steps and batch
+hooks, ``on_epoch`` elsewhere), infers the batch size for epoch means, and publishes values to
+``callback_metrics`` / ``progress_bar_metrics`` / ``logged_metrics`` at the moments Lightning
+does: after every batch (step values), and when an epoch ends -- before the epoch-end hooks run,
+so a callback's ``on_validation_epoch_end`` sees this validation's values.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-Reduce = Callable[[torch.Tensor], torch.Tensor]
+from nanolight.errors import UsageError
+from nanolight.trainer.results import Meta, Reduce, Results, reduce_fx_name, to_scalar_tensor
+
+# hooks whose logs default to step values (Lightning's FxValidator); every other allowed hook
+# defaults to epoch values
+STEP_HOOKS = frozenset(
+    {
+        "training_step", "on_train_batch_start", "on_train_batch_end", "on_before_backward", "backward",
+        "on_after_backward", "on_before_optimizer_step", "optimizer_step", "on_before_zero_grad",
+        "optimizer_zero_grad", "configure_gradient_clipping", "lr_scheduler_step",
+    }
+)  # fmt: skip
+NOT_LOGGABLE = frozenset(
+    {
+        "predict_step", "on_predict_start", "on_predict_end", "on_predict_epoch_start", "on_predict_epoch_end",
+        "on_predict_batch_start", "on_predict_batch_end", "setup", "teardown", "prepare_data",
+        "configure_model", "configure_optimizers", "configure_callbacks", "on_fit_start", "on_fit_end",
+        "on_sanity_check_start", "on_sanity_check_end", "on_train_end", "train_dataloader",
+        "val_dataloader", "test_dataloader", "predict_dataloader", "on_save_checkpoint", "on_load_checkpoint",
+    }
+)  # fmt: skip
 
 
-@dataclass
-class _Entry:
-    prog_bar: bool
-    logger: bool
-    on_step: bool
-    on_epoch: bool
-    sync_dist: bool
-    values: list[torch.Tensor] = field(default_factory=list)
+def batch_size_of(batch: Any) -> int | None:
+    """The first tensor's leading size in a (nested) batch, as Lightning infers it."""
+    if isinstance(batch, torch.Tensor):
+        return 1 if batch.dim() == 0 else int(batch.size(0))
+    if isinstance(batch, str):
+        return None
+    items: Iterable[Any] = batch.values() if isinstance(batch, Mapping) else batch if _iterable(batch) else ()
+    for item in items:
+        size = batch_size_of(item)
+        if size is not None:
+            return size
+    return None
 
 
-def _to_tensor(name: str, value: Any) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"self.log({name!r}) needs a scalar, got a tensor of shape {tuple(value.shape)}")
-        value = value.detach()
-        return (value if value.dim() == 0 else value.reshape(())).float()
-    if isinstance(value, (int, float, bool)):
-        return torch.tensor(float(value))
-    raise TypeError(f"self.log({name!r}) needs a number or scalar tensor, got {type(value).__name__}")
-
-
-def _reduced(
-    entries: dict[str, _Entry], reduce: Reduce, always: frozenset[str] = frozenset()
-) -> dict[str, torch.Tensor]:
-    """Each entry's mean; the ``sync_dist`` ones (and `always`) reduced over ranks together, in one
-    collective, so a step costs one reduction however many metrics it logs."""
-    values = {name: torch.stack(e.values).mean() for name, e in entries.items()}
-    synced = [name for name, e in entries.items() if e.sync_dist or name in always]
-    if synced:
-        reduced = reduce(torch.stack([values[name] for name in synced]))
-        values.update(zip(synced, reduced.unbind(), strict=True))
-    return values
+def _iterable(obj: Any) -> bool:
+    return isinstance(obj, (list, tuple)) or (hasattr(obj, "__iter__") and hasattr(obj, "__len__"))
 
 
 class MetricStore:
-    """Collects logs by stage ("train" or "val") and hands out reduced dicts."""
+    """The trainer's logging state; ``reduce`` is the strategy's (a collective)."""
 
-    def __init__(self) -> None:
-        self.stage = "train"
-        self._step: dict[str, _Entry] = {}
-        # per-step (train) or per-batch (val) values, kept apart: validation runs mid-epoch
-        self._epoch: dict[str, dict[str, _Entry]] = {"train": {}, "val": {}}
+    def __init__(self, reduce: Reduce, always_sync: bool = False) -> None:
+        self.reduce = reduce
+        self.always_sync = always_sync  # pipeline parallelism: only the last stage has the loss
+        self.train = Results(training=True)
+        self.eval = Results(training=False)
+        self.active: Results | None = None
+        self.hook: str | None = None  # the hook running now (sets the defaults)
+        self.batch: Any = None  # the batch being processed (for its size)
+        self.dataloader_idx: int | None = None  # evaluation with several dataloaders
         self.callback_metrics: dict[str, torch.Tensor] = {}
+        self.logged_metrics: dict[str, torch.Tensor] = {}
         self.progress_bar_metrics: dict[str, torch.Tensor] = {}
 
     def log(
         self,
         name: str,
         value: Any,
+        *,
         prog_bar: bool,
         logger: bool,
         on_step: bool | None,
         on_epoch: bool | None,
+        reduce_fx: Any,
         sync_dist: bool,
+        batch_size: int | None,
+        add_dataloader_idx: bool,
     ) -> None:
-        train = self.stage == "train"
-        on_step = train if on_step is None else on_step
-        on_epoch = (not train) if on_epoch is None else on_epoch
-        tensor = _to_tensor(name, value)
-        store = self._step if train else self._epoch["val"]
-        entry = store.setdefault(name, _Entry(prog_bar, logger, on_step, on_epoch, sync_dist))
-        entry.values.append(tensor)
+        hook = self.hook or "training_step"
+        if hook in NOT_LOGGABLE or self.active is None:
+            raise UsageError(f"self.log({name!r}) cannot be called in {hook}: log in a step or a loop hook")
+        default_step = hook in STEP_HOOKS
+        on_step = default_step if on_step is None else on_step
+        on_epoch = (not default_step) if on_epoch is None else on_epoch
+        if not self.active.training and on_step and hook in ("on_validation_epoch_end", "on_test_epoch_end"):
+            raise UsageError(f"self.log({name!r}, on_step=True) in {hook}: an epoch-end hook logs epoch values")
+        if not (on_step or on_epoch):
+            raise UsageError(f"self.log({name!r}, on_step=False, on_epoch=False) would record nothing")
+        if self.dataloader_idx is not None and add_dataloader_idx:
+            name = f"{name}/dataloader_idx_{self.dataloader_idx}"
+        fx = reduce_fx_name(reduce_fx)
+        meta = Meta(name, prog_bar, logger, on_step, on_epoch, fx, sync_dist or self.always_sync)
+        tensor = to_scalar_tensor(name, value)
+        if batch_size is None:
+            batch_size = (batch_size_of(self.batch) or 1) if fx == "mean" and on_epoch else 1
+        self.active.log(meta, tensor, batch_size)
+        if on_step and self.active.training:  # seen at once by later hooks of this batch (unsynced)
+            self.callback_metrics[name] = tensor
+            self.callback_metrics[meta.forked(True)] = tensor
 
-    def has(self, name: str) -> bool:
-        return name in self._step
+    # ---- publishing (Lightning's on_batch_end / on_epoch_end) -----------------------------
+    def publish(self, results: Results, on_step: bool) -> dict[str, torch.Tensor]:
+        """Update callback / progress-bar / logged metrics; returns the values for a logger row."""
+        if on_step:
+            results.sync_step(self.reduce)
+        else:
+            results.compute_epoch(self.reduce)
+        log, callback, pbar = results.values(on_step)
+        self.callback_metrics.update(callback)
+        self.progress_bar_metrics.update(pbar)
+        self.logged_metrics.update(log)
+        return log
 
-    def finish_step(
-        self, reduce: Reduce, always_sync: frozenset[str] = frozenset()
-    ) -> dict[str, torch.Tensor]:
-        """Close one optimizer step: the metrics for the loggers, as tensors (converting to float
-        forces a device sync, so the trainer does it only on logging steps)."""
-        values = _reduced(self._step, reduce, always_sync)
-        out: dict[str, torch.Tensor] = {}
-        for name, e in self._step.items():
-            value = values[name]
-            key = f"{name}_step" if e.on_step and e.on_epoch else name
-            if e.on_step:
-                self._publish(key, value, e)
-                if key != name:
-                    self.callback_metrics[name] = value
-                if e.logger:
-                    out[key] = value
-            if e.on_epoch:
-                ep = self._epoch["train"].setdefault(
-                    name, _Entry(e.prog_bar, e.logger, e.on_step, True, False)
-                )
-                ep.values.append(value)
-        self._step = {}
-        return out
-
-    def finish_epoch(self, reduce: Reduce) -> dict[str, torch.Tensor]:
-        """Close a train or validation epoch: epoch means of ``on_epoch`` metrics."""
-        entries = {n: e for n, e in self._epoch[self.stage].items() if e.on_epoch and e.values}
-        values = _reduced(entries, reduce)
-        out: dict[str, torch.Tensor] = {}
-        for name, e in entries.items():
-            key = f"{name}_epoch" if e.on_step and e.on_epoch else name
-            self._publish(key, values[name], e)
-            self.callback_metrics[name] = values[name]
-            if e.logger:
-                out[key] = values[name]
-        self._epoch[self.stage] = {}
-        return out
-
-    def _publish(self, key: str, value: torch.Tensor, e: _Entry) -> None:
-        self.callback_metrics[key] = value
-        if e.prog_bar:
-            self.progress_bar_metrics[key] = value
+    def reset(self) -> None:
+        """A new trainer call: Lightning's dicts start empty for fit, validate, test, predict."""
+        self.train.reset()
+        self.eval.reset()
+        self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}

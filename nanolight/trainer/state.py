@@ -17,6 +17,8 @@ from nanolight.checkpoint.atomic import LAST_POINTER, resolve_checkpoint
 from nanolight.checkpoint.files import CheckpointError, MissingCheckpointFile, with_hint
 from nanolight.checkpoint.reader import newest_intact
 from nanolight.errors import UsageError
+from nanolight.module.hparams import plain_hparams
+from nanolight.module.loading import HPARAMS_KEY
 from nanolight.seed import capture_rng_state
 
 if TYPE_CHECKING:
@@ -25,19 +27,33 @@ if TYPE_CHECKING:
 FORMAT = "nanolight-trainer-v1"
 
 
-def build_state(trainer: NanoTrainer) -> dict[str, Any]:
-    """Everything but weights/optimizer: progress, loop position, schedulers, callbacks, RNG."""
+def build_state(trainer: NanoTrainer, weights_only: bool = False) -> dict[str, Any]:
+    """Everything but weights/optimizer: progress, loop position, schedulers, callbacks, RNG, the
+    module's (and datamodule's) hparams and the datamodule's state. `weights_only`: what rebuilding
+    the module needs, nothing to resume training from (Lightning's ``save_weights_only``)."""
+    module, dm = trainer.lightning_module, trainer.datamodule
     state: dict[str, Any] = {
         "format": FORMAT,
-        "progress": dict(trainer.progress),
-        "loop": trainer.fit_loop.state_dict(),
-        "schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
-        "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
-        "rng": capture_rng_state(),
+        "epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "weights_only": weights_only,
+        HPARAMS_KEY: plain_hparams(module.hparams, type(module).__name__),
     }
-    for cb in trainer.callbacks:
-        cb.on_save_checkpoint(trainer, trainer.lightning_module, state)
-    trainer.lightning_module.on_save_checkpoint(state)
+    if dm is not None:
+        state["datamodule_hyper_parameters"] = plain_hparams(dm.hparams, type(dm).__name__)
+    if not weights_only:
+        state.update(
+            progress=dict(trainer.progress),
+            loop=trainer.fit_loop.state_dict(),
+            schedulers=[cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
+            callbacks={cb.state_key: cb.state_dict() for cb in trainer.callbacks},
+            rng=capture_rng_state(),
+        )
+        if dm is not None:
+            state["datamodule"] = {type(dm).__qualname__: dm.state_dict()}
+        for cb in trainer.callbacks:
+            cb.on_save_checkpoint(trainer, module, state)
+    module.on_save_checkpoint(state)
     return state
 
 
@@ -51,17 +67,26 @@ def restore_state(trainer: NanoTrainer, path: Path) -> dict[str, Any]:
     module, strategy = trainer.lightning_module, trainer.strategy
     with _naming_an_intact_one(path):
         state = strategy.load_checkpoint(path, load_optimizer=False)
-    module.on_load_checkpoint(state)
+    trainer.call_module_hook("on_load_checkpoint", state)
     for cb in trainer.callbacks:
         cb.on_load_checkpoint(trainer, module, state)
     saved = state.get("callbacks", {})
     for cb in trainer.callbacks:
         if cb.state_key in saved:
             cb.load_state_dict(saved[cb.state_key])
+    dm = trainer.datamodule
+    if dm is not None and type(dm).__qualname__ in state.get("datamodule", {}):
+        dm.load_state_dict(state["datamodule"][type(dm).__qualname__])
     return state
 
 
 def restore_training_state(trainer: NanoTrainer, path: Path, state: dict[str, Any]) -> None:
+    if state.get("weights_only"):
+        raise UsageError(
+            f"checkpoint {path} holds only weights (ModelCheckpoint(save_weights_only=True)): it cannot "
+            "resume training. Start a new fit from its weights (Module.load_from_checkpoint), or resume "
+            "from a full checkpoint"
+        )
     with _naming_an_intact_one(path):
         trainer.strategy.load_optimizer_checkpoint(path)
     scheds = state.get("schedulers", [])
@@ -72,7 +97,10 @@ def restore_training_state(trainer: NanoTrainer, path: Path, state: dict[str, An
         )
     for cfg, sd in zip(trainer.lr_scheduler_configs, scheds, strict=True):
         cfg.scheduler.load_state_dict(sd)
-    trainer.progress.update(state.get("progress", {}))
+    saved = state.get("progress", {})
+    trainer.progress.update(saved)
+    if "stepped" not in saved:  # a checkpoint from before the counter existed
+        trainer.progress["stepped"] = trainer.progress["global_step"]
     trainer.fit_loop.load_state_dict(state.get("loop"), state.get("rng"))
 
 
@@ -89,20 +117,38 @@ def _naming_an_intact_one(path: Path) -> Iterator[None]:
         raise with_hint(exc, hint) from exc
 
 
-def resolve_ckpt_path(trainer: NanoTrainer, ckpt_path: str | Path | None) -> Path | None:
-    """``"last"`` -> the newest complete checkpoint (None + a warning if there is none)."""
-    if ckpt_path is None:
+def resolve_ckpt_path(trainer: NanoTrainer, ckpt_path: str | Path | None, fn: str, model_given: bool) -> Path | None:
+    """Lightning's rules: None restores nothing (fit, or a model was passed) or else the best
+    checkpoint of the fit before; ``"best"`` -> the first ModelCheckpoint's best; ``"last"`` ->
+    the newest complete checkpoint (None + a warning if there is none); else a directory."""
+    if ckpt_path is None and (fn == "fit" or model_given):
         return None
-    if str(ckpt_path) == LAST_POINTER:
+    if ckpt_path is None:
+        ckpt_path = "best"
+        rank_zero_warn(
+            f"{fn}(ckpt_path=None) was called without a model: the best checkpoint of the previous fit is "
+            f"used. Pass {fn}(ckpt_path='best') or {fn}(ckpt_path='last') to silence this"
+        )
+    if str(ckpt_path) == "best":
+        cb = trainer.checkpoint_callback
+        if cb is None:
+            raise UsageError(f'{fn}(ckpt_path="best") but there is no ModelCheckpoint callback')
+        if not cb.best_model_path:
+            raise UsageError(
+                f'{fn}(ckpt_path="best") but the ModelCheckpoint has saved nothing yet: pass a checkpoint '
+                f"directory as {fn}(ckpt_path=...)"
+            )
+        ckpt_path = cb.best_model_path
+    elif str(ckpt_path) == LAST_POINTER:
         dirs = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if cb.dirpath is not None]
         dirs.append(Path(trainer.default_root_dir) / "checkpoints")
         for d in dirs:
             found = resolve_checkpoint(d / LAST_POINTER)
             if found is not None:
                 return found
-        rank_zero_warn(f'ckpt_path="last" but no checkpoint found under {dirs[-1]}; training from scratch.')
+        rank_zero_warn(f'{fn}(ckpt_path="last") but there is no checkpoint under {dirs[0]}: nothing is restored')
         return None
     found = resolve_checkpoint(ckpt_path)
     if found is None:
-        raise MissingCheckpointFile(f"checkpoint {ckpt_path} does not exist: pass a step directory or 'last'")
+        raise MissingCheckpointFile(f"checkpoint {ckpt_path} does not exist: pass a checkpoint directory, 'best' or 'last'")
     return found

@@ -1,128 +1,166 @@
-"""One optimizer step, read top to bottom: the strategy's micro-batch schedule, walked by the trainer.
+"""One optimizer step under automatic optimization: the strategy's micro-batch schedule, walked by
+the trainer, with Lightning's hooks in Lightning's order.
 
 The strategy says in which order this rank runs the forwards and backwards of the step's `n`
 micro-batches (one after the other, or 1F1B / all-forward-all-backward under pipeline
-parallelism) and what surrounds each of them; the trainer walks that list and fires Lightning's
-hooks itself, in Lightning's order for automatic optimization with gradient accumulation::
+parallelism). The last micro-batch's forward is where Lightning enters ``optimizer_step``: its
+closure runs the rest of the schedule, so a module that overrides ``optimizer_step`` still wraps
+the whole update::
 
-    FORWARD i:  on_train_batch_start -> training_step -> (i == 0: on_before_zero_grad, zero_grad)
-    BACKWARD i: on_before_backward -> backward(loss_i / n) -> on_after_backward
-                -> on_train_batch_end (i < n - 1)
-    then:       on_before_optimizer_step -> clip -> optimizer.step -> LR schedulers (interval "step")
-                -> on_train_batch_end (the last micro-batch, after the update, as in Lightning)
+    FORWARD i < n-1: batch transfer -> on_train_batch_start -> training_step
+                     -> (i == 0: on_before_zero_grad, optimizer_zero_grad)
+    FORWARD n-1:     batch transfer -> on_train_batch_start -> optimizer_step(closure):
+                       closure: training_step -> the remaining schedule -> gradients final
+                       -> on_before_optimizer_step -> configure_gradient_clipping
+                     -> optimizer.step -> LR schedulers (interval "step")
+    BACKWARD i:      on_before_backward -> backward(loss_i / accumulate) -> on_after_backward
+                     -> on_train_batch_end (i < n-1; the last one after the update)
 
-``batch_idx`` counts micro-batches within the epoch; ``global_step`` counts optimizer steps.
+``batch_idx`` counts batches (micro-batches) within the epoch; ``global_step`` optimizer steps.
+A ``training_step`` that returns None skips that backward (the step still happens).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nanolight.module.optimizers import step_scheduler
+from nanolight.errors import UsageError
 from nanolight.strategies.base import FORWARD
 from nanolight.trainer.data_position import count_consumed
 
 if TYPE_CHECKING:
     from nanolight.trainer.trainer import NanoTrainer
 
+END_EPOCH = -1  # what on_train_batch_start returns to end the epoch
 
-def extract_loss(output: Any) -> torch.Tensor:
-    """The loss tensor of a ``training_step`` output, or a TypeError/ValueError naming the problem."""
-    fix = "training_step must return the scalar loss tensor (or a dict with a 'loss' entry)"
+
+def extract_loss(output: Any) -> torch.Tensor | None:
+    """The loss tensor of a ``training_step`` output (None: skip), or an error naming the problem."""
+    fix = "training_step must return the scalar loss tensor, a dict with a 'loss' entry, or None"
     if output is None:
-        raise TypeError(
-            f"training_step returned None; {fix}. Skipping a step by returning None is not supported."
-        )
+        return None
     if isinstance(output, dict):
         if "loss" not in output:
-            raise TypeError(f"training_step returned a dict without 'loss' (keys: {sorted(output)}); {fix}")
+            raise UsageError(f"training_step returned a dict without 'loss' (keys: {sorted(output)}); {fix}")
         output = output["loss"]
     if not isinstance(output, torch.Tensor):
-        raise TypeError(f"training_step returned a {type(output).__name__}; {fix}")
+        raise UsageError(f"training_step returned a {type(output).__name__}; {fix}")
     if output.numel() != 1:
-        raise ValueError(
-            f"training_step returned a loss of shape {tuple(output.shape)}; {fix} (reduce it, e.g. loss.mean())"
-        )
+        raise UsageError(f"training_step returned a loss of shape {tuple(output.shape)}; {fix} (e.g. loss.mean())")
     return output if output.dim() == 0 else output.reshape(())
 
 
-def detach_output(output: Any) -> Any:
-    if isinstance(output, torch.Tensor):
-        return output.detach()
-    if isinstance(output, dict):
-        return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in output.items()}
-    return output
+def batch_outputs(output: Any, loss: torch.Tensor | None) -> dict[str, Any]:
+    """What on_train_batch_end receives: Lightning's ``{"loss": ..., **extras}`` (``{}`` if skipped)."""
+    if loss is None:
+        return {}
+    extras = output if isinstance(output, dict) else {}
+    out = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in extras.items()}
+    out["loss"] = loss.detach()
+    return out
 
 
-def run_step(trainer: NanoTrainer, batches: list[Any]) -> None:
-    """Forward and backward every micro-batch of one optimizer step, then apply the update."""
-    strategy, module, hook = trainer.strategy, trainer.lightning_module, trainer.call_hook
-    batches = [strategy.batch_to_device(b) for b in batches]
-    n, first = len(batches), trainer.progress["batch_idx"]
-    losses: dict[int, torch.Tensor] = {}
-    outputs: dict[int, Any] = {}
-    for kind, i in strategy.micro_batch_schedule(n):
-        if kind == FORWARD:
-            hook("on_train_batch_start", batches[i], first + i)
-            with strategy.forward_context(i):
-                output = module.training_step(batches[i], first + i)
-            losses[i], outputs[i] = extract_loss(output), detach_output(output)
-            if i == 0:
-                for opt in strategy.optimizers:
-                    hook("on_before_zero_grad", opt)
-                    strategy.zero_grad(opt)
-        else:
-            scaled = losses[i] / n  # the accumulated gradient equals one big batch's
-            hook("on_before_backward", scaled)
-            strategy.backward(scaled, i, n)
-            hook("on_after_backward")
-            losses[i] = losses[i].detach()
-            if i < n - 1:
-                hook("on_train_batch_end", outputs.pop(i), batches[i], first + i)
-    strategy.finish_backward()
-    trainer.progress["batch_idx"] += n
-    # the step's mean loss as every rank must see it (from the last pipeline stage, over dp)
-    trainer.step_loss = strategy.reduce(torch.stack([losses[i] for i in range(n)]).float().mean())
-    _update(trainer)
-    count_consumed(trainer.progress, batches, strategy.data_parallel_size)
-    trainer.progress["global_step"] += 1
-    if not trainer.skip_optimizer_step:
-        for sc in trainer.lr_scheduler_configs:
-            if sc.interval == "step" and trainer.global_step % sc.frequency == 0:
-                step_scheduler(sc, trainer.callback_metrics)
-    _log_step(trainer)
-    hook("on_train_batch_end", outputs.pop(n - 1), batches[n - 1], first + n - 1)
+class AutomaticStep:
+    """Runs one optimizer step over `batches` (see the module docstring)."""
+
+    def __init__(self, trainer: NanoTrainer) -> None:
+        self.trainer = trainer
+
+    def run(self, batches: list[Any], first: int, last_of_epoch: bool) -> bool:
+        """Returns False when ``on_train_batch_start`` ended the epoch (nothing was stepped)."""
+        trainer = self.trainer
+        strategy, hook = trainer.strategy, trainer.call_hook
+        n, epoch = len(batches), trainer.current_epoch
+        self.losses: dict[int, torch.Tensor | None] = {}
+        self.outputs: dict[int, dict[str, Any]] = {}
+        self.batches: dict[int, Any] = {}
+        actions = list(strategy.micro_batch_schedule(n))
+        last_forward = actions.index((FORWARD, n - 1))
+        for pos, (kind, i) in enumerate(actions):
+            if kind != FORWARD:
+                self._backward(i, n, first)
+                continue
+            self.batches[i] = batch = trainer.transfer_batch(batches[i])
+            trainer.metrics.batch = batch
+            if hook("on_train_batch_start", batch, first + i, returns=True) == END_EPOCH:
+                if strategy.pipelined:
+                    raise UsageError("on_train_batch_start returned -1 under pipeline parallelism: stop with trainer.should_stop")
+                return False
+            if pos < last_forward:
+                self._forward(i, first)
+                continue
+            closure = _Closure(lambda: self._finish(actions[pos + 1 :], n, first))
+            opt = trainer.nano_optimizers[0]
+            trainer.call_module_hook("optimizer_step", epoch, first + i, opt, closure)
+            if not closure.ran:
+                raise UsageError(
+                    "optimizer_step did not run its optimizer_closure: call optimizer.step(closure=optimizer_closure)"
+                )
+            break
+        count_consumed(trainer.progress, batches, strategy.data_parallel_size)
+        trainer.after_optimizer_step(last_of_epoch)
+        hook("on_train_batch_end", self.outputs.pop(n - 1), self.batches[n - 1], first + n - 1)
+        return True
+
+    def _forward(self, i: int, first: int) -> None:
+        trainer = self.trainer
+        with trainer.strategy.forward_context(i):
+            output = trainer.call_module_hook("training_step", self.batches[i], first + i)
+        loss = extract_loss(output)
+        if loss is None and trainer.strategy.pipelined:
+            raise UsageError("training_step returned None under pipeline parallelism: every stage must run every micro-batch")
+        self.losses[i], self.outputs[i] = loss, batch_outputs(output, loss)
+        if i == 0:  # Lightning zeroes after the window's first forward, before its backward
+            for raw, opt in zip(trainer.optimizers, trainer.nano_optimizers, strict=True):
+                trainer.call_hook("on_before_zero_grad", raw)
+                trainer.call_module_hook("optimizer_zero_grad", trainer.current_epoch, first + i, opt)
+
+    def _backward(self, i: int, n: int, first: int) -> None:
+        trainer = self.trainer
+        loss = self.losses[i]
+        if loss is not None:
+            trainer.backward(loss / trainer.config.accumulate_grad_batches, i, n)
+            self.losses[i] = loss.detach()
+        if i < n - 1:
+            trainer.metrics.batch = self.batches[i]
+            trainer.call_hook("on_train_batch_end", self.outputs.pop(i), self.batches[i], first + i)
+            trainer.publish_step(sync=False)
+
+    def _finish(self, rest: list[tuple[str, int]], n: int, first: int) -> torch.Tensor:
+        """The closure: the last training_step, the remaining schedule, final gradients, the
+        step's loss (`trainer.step_loss`), on_before_optimizer_step and clipping."""
+        trainer = self.trainer
+        self._forward(n - 1, first)
+        for _, i in rest:
+            self._backward(i, n, first)
+        trainer.strategy.finish_backward()
+        trainer.step_loss = self._step_loss()
+        trainer.before_optimizer_step(trainer.optimizers[0])
+        return trainer.step_loss
+
+    def _step_loss(self) -> torch.Tensor:
+        """The mean loss of the step's micro-batches (the skipped ones left out), over dp ranks."""
+        device = self.trainer.strategy.root_device
+        done = [loss.float() for loss in self.losses.values() if loss is not None]
+        local = torch.stack(done).sum() if done else torch.zeros((), device=device)
+        count = torch.tensor(float(len(done)), device=device)
+        # the last pipeline stage's (sum, count), summed over dp replicas
+        total = self.trainer.strategy.reduce(torch.stack([local.to(device), count]), "sum")
+        return total[0] / total[1]
 
 
-def _update(trainer: NanoTrainer) -> None:
-    """on_before_optimizer_step (a callback may veto the update: NaNGuard), clip, step."""
-    strategy, clip = trainer.strategy, trainer.config.gradient_clip_val
-    trainer.skip_optimizer_step = False
-    for opt in strategy.optimizers:
-        trainer.call_hook("on_before_optimizer_step", opt)
-    if trainer.skip_optimizer_step:
-        for opt in strategy.optimizers:
-            strategy.zero_grad(opt)
-        return
-    if clip is not None:
-        trainer.grad_norm = strategy.clip_gradients(clip)
-    for opt in strategy.optimizers:
-        strategy.optimizer_step(opt)
+class _Closure:
+    """``optimizer_closure``: runs once, returns the step's loss (what torch optimizers expect)."""
 
+    def __init__(self, fn: Callable[[], torch.Tensor | None]) -> None:
+        self.fn, self.ran = fn, False
+        self.loss: torch.Tensor | None = None
 
-def _log_step(trainer: NanoTrainer) -> None:
-    """This step's metrics: what training_step logged (reduced in one collective) and train/loss,
-    always reported (the global-batch mean: the step loss, already reduced, unless the module
-    logged its own)."""
-    metrics = trainer.metrics
-    sync = {"train/loss"} if metrics.has("train/loss") else set()
-    if not sync:
-        metrics.log("train/loss", trainer.step_loss, True, True, True, False, False)
-    out = metrics.finish_step(trainer.strategy.reduce, always_sync=frozenset(sync))
-    if trainer.grad_norm is not None:
-        metrics.callback_metrics["grad_norm"] = trainer.grad_norm.detach()
-        out["grad_norm"] = trainer.grad_norm
-    if trainer.should_log:
-        trainer.log_metrics({**out, "epoch": trainer.current_epoch})
+    def __call__(self) -> torch.Tensor | None:
+        if not self.ran:
+            self.ran = True
+            self.loss = self.fn()
+        return self.loss

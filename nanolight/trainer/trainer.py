@@ -1,261 +1,311 @@
-"""`NanoTrainer`: the training loop. It owns callbacks, loggers and a strategy, and asks the
-strategy every question whose answer depends on the parallel layout (it has no parallel code).
+"""`NanoTrainer`: Lightning's ``Trainer`` -- the same arguments, entry points and hook order --
+over a `Strategy` that owns every question of parallel layout (the trainer has no parallel code).
 
-Its parts, each with its own state: `loops.FitLoop` (epochs, validation when due, the data
-position), `step.run_step` (one optimizer step over the strategy's micro-batch schedule),
-`metrics.MetricStore` (what ``self.log`` records), `state` (the trainer's part of a checkpoint)
-and `preemption.Preemption` (SIGTERM/SIGUSR1). Hook order follows Lightning's documented
-pseudocode: callbacks first, then the module.
+Its parts, each in its own file: `config.py` (the loop options), `connect.py` (accelerator /
+devices -> strategy), `data.py` (where loaders come from), `loops.py` (fit), `step.py` /
+`manual.py` (one step), `evaluation.py` (validate / test / predict), `metrics.py` +
+`results.py` (``self.log``), `log_rows.py` (rows for the loggers), `optimization.py`
+(backward, optimizer steps, clipping, schedulers), `hooks.py` (calling hooks), `state.py` (the
+trainer's part of a checkpoint), `properties.py` (what users read), `preemption.py` (SIGTERM).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning_utilities.core.overrides import is_overridden
 from lightning_utilities.core.rank_zero import rank_zero_info
 
 from nanolight.callbacks.base import Callback
-from nanolight.callbacks.model_checkpoint import ModelCheckpoint
-from nanolight.callbacks.progress import RichProgressBar
 from nanolight.checkpoint.atomic import LAST_POINTER, resolve_checkpoint, write_last_pointer
 from nanolight.checkpoint.files import CheckpointError, with_hint
-from nanolight.loggers.base import Logger
-from nanolight.loggers.csv_logger import CSVLogger
-from nanolight.module import NanoModule
-from nanolight.module.optimizers import SchedulerConfig, parse_optimizers
-from nanolight.precision import Precision
+from nanolight.errors import UsageError
+from nanolight.module import NanoDataModule, NanoModule
 from nanolight.seed import seed_everything
-from nanolight.strategies.base import Strategy
-from nanolight.strategies.single_device import SingleDeviceStrategy
-from nanolight.trainer.config import TrainerConfig
-from nanolight.trainer.loops import FitLoop, validation_loop
+from nanolight.trainer.builders import build_callbacks, build_loggers, check_module, set_determinism
+from nanolight.trainer.config import TrainerConfig, unsupported_args
+from nanolight.trainer.connect import resolve_strategy
+from nanolight.trainer.data import DataConnector
+from nanolight.trainer.evaluation import run_evaluation, run_predict
+from nanolight.trainer.hooks import HookCaller, merge_model_callbacks
+from nanolight.trainer.log_rows import LogRows
+from nanolight.trainer.loops import FitLoop
 from nanolight.trainer.metrics import MetricStore
+from nanolight.trainer.optimization import Optimization
 from nanolight.trainer.preemption import Preemption
+from nanolight.trainer.properties import TrainerProperties, TrainerState
 from nanolight.trainer.state import build_state, resolve_ckpt_path, restore_state, restore_training_state
 
 
-class NanoTrainer:
-    """Lightning-style trainer. See `TrainerConfig` for the loop options."""
+class NanoTrainer(TrainerProperties, HookCaller, Optimization, LogRows):
+    """Lightning-style trainer: ``NanoTrainer(max_epochs=3).fit(module, datamodule=dm)``.
+    `seed` (nanolight) seeds everything at the start of every call."""
 
     def __init__(
         self,
         *,
-        max_steps: int = -1,
+        accelerator: str = "auto",
+        strategy: Any = "auto",
+        devices: Any = "auto",
+        num_nodes: int = 1,
+        precision: str | None = None,
+        logger: Any = None,
+        callbacks: list[Callback] | Callback | None = None,
+        fast_dev_run: int | bool = False,
         max_epochs: int | None = None,
+        min_epochs: int | None = None,
+        max_steps: int = -1,
+        min_steps: int | None = None,
+        max_time: Any = None,
+        limit_train_batches: int | float | None = None,
+        limit_val_batches: int | float | None = None,
+        limit_test_batches: int | float | None = None,
+        limit_predict_batches: int | float | None = None,
+        overfit_batches: int | float = 0.0,
+        val_check_interval: int | float | None = None,
+        check_val_every_n_epoch: int | None = 1,
+        num_sanity_val_steps: int | None = None,
+        log_every_n_steps: int | None = None,
+        enable_checkpointing: bool | None = None,
+        enable_progress_bar: bool | None = None,
+        enable_model_summary: bool | None = None,
         accumulate_grad_batches: int = 1,
         gradient_clip_val: float | None = None,
-        precision: str | None = None,
-        val_check_interval: int | None = None,
-        limit_val_batches: int | float = 1.0,
-        log_every_n_steps: int = 50,
-        callbacks: list[Callback] | Callback | None = None,
-        logger: bool | Logger | list[Logger] = True,
-        strategy: str | Strategy | None = None,
+        gradient_clip_algorithm: str | None = None,
+        deterministic: bool | str | None = None,
+        benchmark: bool | None = None,
+        inference_mode: bool = True,
+        use_distributed_sampler: bool = True,
+        detect_anomaly: bool = False,
+        barebones: bool = False,
+        reload_dataloaders_every_n_epochs: int = 0,
         default_root_dir: str | Path | None = None,
-        enable_progress_bar: bool = True,
-        enable_checkpointing: bool = True,
+        enable_autolog_hparams: bool = True,
         seed: int | None = None,
-        deterministic: bool = False,
-        fast_dev_run: int | bool = False,
+        **unsupported: Any,
     ) -> None:
+        unsupported_args(unsupported)
+        if barebones:
+            on = [k for k, v in {"logger": logger, "enable_checkpointing": enable_checkpointing,
+                                  "enable_progress_bar": enable_progress_bar,
+                                  "enable_model_summary": enable_model_summary}.items() if v]  # fmt: skip
+            if on:
+                raise UsageError(f"barebones=True turns off {on}: drop them or barebones")
+            logger, enable_checkpointing, enable_progress_bar, enable_model_summary = False, False, False, False
+            log_every_n_steps = 0
         self.config = TrainerConfig(
-            max_steps, max_epochs, accumulate_grad_batches, gradient_clip_val, val_check_interval,
-            limit_val_batches, log_every_n_steps, fast_dev_run, seed, deterministic,
+            max_steps, max_epochs, min_steps, min_epochs, max_time, accumulate_grad_batches,
+            gradient_clip_val, gradient_clip_algorithm, val_check_interval, check_val_every_n_epoch,
+            num_sanity_val_steps, limit_train_batches, limit_val_batches, limit_test_batches,
+            limit_predict_batches, overfit_batches, log_every_n_steps, fast_dev_run,
+            reload_dataloaders_every_n_epochs,
         )  # fmt: skip
+        self.barebones, self.seed, self.inference_mode = barebones, seed, inference_mode
+        self.deterministic, self.benchmark, self.detect_anomaly = deterministic, benchmark, detect_anomaly
+        self.use_distributed_sampler, self.enable_autolog_hparams = use_distributed_sampler, enable_autolog_hparams
         self.default_root_dir = str(default_root_dir or os.getcwd())
-        if strategy in (None, "auto"):
-            strategy = SingleDeviceStrategy()
-        if not isinstance(strategy, Strategy):
-            raise TypeError(f"strategy must be None, 'auto' or a Strategy instance, got {strategy!r}")
-        if precision is not None:
-            strategy.precision = Precision(precision)
-        self.strategy = strategy
+        self.strategy = resolve_strategy(strategy, accelerator, devices, num_nodes, precision)
+        self.num_nodes, self.num_devices = num_nodes, self.strategy.world_size // max(num_nodes, 1)
         fast = bool(self.config.fast_dev_run)
-        self.callbacks = _build_callbacks(callbacks, enable_checkpointing, enable_progress_bar, fast)
-        self.loggers = _build_loggers(logger, self.default_root_dir, fast)
-        self.progress = {"global_step": 0, "epoch": 0, "batch_idx": 0, "samples": 0, "tokens": 0}
-        self.lr_scheduler_configs: list[SchedulerConfig] = []
+        self._base_callbacks = build_callbacks(
+            callbacks, enable_checkpointing is not False, enable_progress_bar is not False,
+            enable_model_summary is not False and not fast,
+        )  # fmt: skip
+        self.callbacks = list(self._base_callbacks)
+        self.loggers = build_loggers(logger, self.default_root_dir, fast)
+        self.progress = {"global_step": 0, "epoch": 0, "batch_idx": 0, "samples": 0, "tokens": 0,
+                         "stepped": 0, "total_batch_idx": 0}  # fmt: skip
+        self.state = TrainerState()
+        self.lr_scheduler_configs: list[Any] = []
+        self.nano_optimizers: list[Any] = []
         self.lightning_module: NanoModule | None = None
+        self.datamodule: NanoDataModule | None = None
+        self.data = DataConnector(self)
         self.should_stop = False
         self.preempted_by: str | None = None  # "SIGTERM"/"SIGUSR1" if a signal stopped the fit
         self.preemption = Preemption(self)
         self.skip_optimizer_step = False  # set by a callback (NaNGuard) in on_before_optimizer_step
         self.step_loss: torch.Tensor | None = None  # this step's mean loss, the same on every rank
-        self.grad_norm: torch.Tensor | None = None
-        self.logged_metrics: dict[str, float] = {}
-        self.metrics = MetricStore()  # what `NanoModule.log` records
+        self.grad_norm: torch.Tensor | None = None  # the pre-clip global norm of the last clipping
+        self.ckpt_path: str | None = None  # the checkpoint the last call restored
+        self.num_training_batches: int | float = float("inf")
+        self.num_val_batches: list[int | float] = []
+        self.num_sanity_val_batches: list[int | float] = []
+        self.num_test_batches: list[int | float] = []
+        self.num_predict_batches: list[int | float] = []
+        self.metrics = MetricStore(self.strategy.reduce)
         self.fit_loop = FitLoop(self)
-        self._hooks: dict[str, list[tuple[Any, bool]]] = {}
-
-    # ---- properties --------------------------------------------------------------------
-    @property
-    def global_step(self) -> int:
-        return self.progress["global_step"]
-
-    @property
-    def current_epoch(self) -> int:
-        return self.progress["epoch"]
-
-    @property
-    def is_global_zero(self) -> bool:
-        return self.strategy.is_global_zero
-
-    @property
-    def world_size(self) -> int:
-        return self.strategy.world_size
-
-    @property
-    def global_rank(self) -> int:
-        return self.strategy.global_rank
-
-    @property
-    def callback_metrics(self) -> dict[str, torch.Tensor]:
-        return self.metrics.callback_metrics
-
-    @property
-    def progress_bar_metrics(self) -> dict[str, torch.Tensor]:
-        return self.metrics.progress_bar_metrics
-
-    @property
-    def logger(self) -> Logger | None:
-        return self.loggers[0] if self.loggers else None
-
-    @property
-    def log_dir(self) -> str:
-        return self.logger.log_dir if self.logger is not None else self.default_root_dir
-
-    @property
-    def checkpoint_callbacks(self) -> list[ModelCheckpoint]:
-        return [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
-
-    @property
-    def max_steps(self) -> int:
-        return self.config.max_steps
-
-    @property
-    def should_log(self) -> bool:
-        """Whether this optimizer step's metrics go to the loggers (every ``log_every_n_steps``)."""
-        return self.global_step % self.config.log_every_n_steps == 0
-
-    @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        return self.strategy.optimizers
-
-    @property
-    def done(self) -> bool:
-        """Training stops: asked to, or ``max_steps`` / ``max_epochs`` reached."""
-        cfg = self.config
-        return (
-            self.should_stop
-            or (cfg.max_steps >= 0 and self.global_step >= cfg.max_steps)
-            or (cfg.max_epochs is not None and self.current_epoch >= cfg.max_epochs)
-        )
-
-    # ---- hooks & logging ---------------------------------------------------------------
-    def call_hook(self, name: str, *args: Any) -> None:
-        """Callbacks (in order) then the module, as Lightning does; only overridden hooks are
-        called (resolved once per run: a step fires ~10 hooks per micro-batch)."""
-        targets = self._hooks.get(name)
-        if targets is None:
-            module = self.lightning_module
-            targets = [
-                (getattr(cb, name), True) for cb in self.callbacks if is_overridden(name, cb, Callback)
-            ]
-            if is_overridden(name, module, NanoModule):
-                targets.append((getattr(module, name), False))
-            self._hooks[name] = targets
-        for fn, is_callback in targets:
-            if is_callback:
-                fn(self, self.lightning_module, *args)
-            else:
-                fn(*args)
-
-    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        """Send metrics (floats or scalar tensors) to every logger (rank zero only); callbacks use this too."""
-        if not metrics:
-            return
-        metrics = {k: float(v) for k, v in metrics.items()}
-        self.logged_metrics.update(metrics)
-        if self.is_global_zero:
-            for lg in self.loggers:
-                lg.log_metrics(dict(metrics), self.global_step if step is None else step)
+        self._hook_targets: dict[str, list[tuple[Any, bool]]] = {}
+        self._eval_rows: dict[int, int] = {}
 
     # ---- entry points ------------------------------------------------------------------
     def fit(
         self,
-        module: NanoModule,
-        train_dataloaders: Iterable,
-        val_dataloaders: Iterable | None = None,
+        model: NanoModule,
+        train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+        datamodule: NanoDataModule | None = None,
         ckpt_path: str | Path | None = None,
     ) -> None:
+        if isinstance(train_dataloaders, NanoDataModule):
+            datamodule, train_dataloaders = train_dataloaders, None
+        self.data.attach(model, datamodule, train=train_dataloaders, val=val_dataloaders)
         with self.preemption:  # SIGTERM/SIGUSR1: finish the step, save, stop (preemption.py)
-            self._run("fit", module, ckpt_path, lambda: self.fit_loop.run(train_dataloaders, val_dataloaders))
+            self._run("fit", model, ckpt_path, self._fit_stage)
 
-    def validate(
-        self, module: NanoModule, dataloaders: Iterable, ckpt_path: str | Path | None = None
-    ) -> dict:
-        """Run one validation epoch; returns its epoch metrics."""
-        result: dict[str, Any] = {}
-        self._run("validate", module, ckpt_path, lambda: result.update(validation_loop(self, dataloaders)))
-        return {k: float(v) for k, v in result.items()}
+    def validate(self, model: NanoModule | None = None, dataloaders: Any = None, ckpt_path: str | Path | None = None,
+                 verbose: bool = True, datamodule: NanoDataModule | None = None) -> list[dict[str, float]]:  # fmt: skip
+        """One validation pass; returns its metrics, one dict per dataloader."""
+        return self._evaluate("validate", "val", model, dataloaders, ckpt_path, verbose, datamodule)
 
-    def _run(self, stage: str, module: NanoModule, ckpt_path: Any, loop: Any) -> None:
-        if not isinstance(module, NanoModule):
-            raise TypeError(f"expected a NanoModule, got {type(module).__name__}")
-        self.lightning_module, module.trainer = module, self
-        self._hooks = {}
-        self.should_stop = False
-        was_deterministic = torch.are_deterministic_algorithms_enabled()
-        try:
-            self._setup(stage, module, ckpt_path)
-            loop()
-            for lg in self.loggers if self.is_global_zero else []:
-                lg.finalize("success")
-            self.call_hook("teardown", stage)
-        except BaseException as exc:
-            self.call_hook("on_exception", exc)
-            for lg in self.loggers if self.is_global_zero else []:
-                lg.finalize("failed")
-            raise
-        finally:
-            self.strategy.teardown()
-            torch.use_deterministic_algorithms(was_deterministic)  # process-global: restore it
+    def test(self, model: NanoModule | None = None, dataloaders: Any = None, ckpt_path: str | Path | None = None,
+             verbose: bool = True, datamodule: NanoDataModule | None = None) -> list[dict[str, float]]:  # fmt: skip
+        """One test pass (``test_step``); returns its metrics, one dict per dataloader."""
+        return self._evaluate("test", "test", model, dataloaders, ckpt_path, verbose, datamodule)
 
-    def _setup(self, stage: str, module: NanoModule, ckpt_path: Any) -> None:
-        cfg = self.config
-        self.strategy.setup_environment()
-        if cfg.seed is not None:
-            seed_everything(cfg.seed)
-        if cfg.deterministic:
-            torch.use_deterministic_algorithms(True)
-        self.call_hook("setup", stage)
-        with self.strategy.model_init_context():
-            module.configure_model()
-        self.strategy.setup_module(module)
-        if stage == "fit":
-            optimizers, self.lr_scheduler_configs = parse_optimizers(module.configure_optimizers())
-            self.strategy.setup_optimizers(optimizers)
-        path = resolve_ckpt_path(self, ckpt_path)
+    def predict(self, model: NanoModule | None = None, dataloaders: Any = None, datamodule: NanoDataModule | None = None,
+                return_predictions: bool | None = None, ckpt_path: str | Path | None = None) -> Any:  # fmt: skip
+        """What ``predict_step`` returns, per batch (a list per dataloader when there are several)."""
+        model, datamodule, dataloaders = self._call_args("predict", model, datamodule, dataloaders)
+        self.data.attach(model, datamodule, predict=dataloaders)
+        out: list[Any] = []
+        keep = True if return_predictions is None else return_predictions
+        self._run("predict", model, ckpt_path, lambda: out.append(run_predict(self, self.data.request("predict"), keep)),
+                  model_given=self._model_given)  # fmt: skip
+        return out[0]
+
+    def _evaluate(self, fn: str, kind: str, model: Any, dataloaders: Any, ckpt_path: Any, verbose: bool,
+                  datamodule: Any) -> list[dict[str, float]]:  # fmt: skip
+        model, datamodule, dataloaders = self._call_args(fn, model, datamodule, dataloaders)
+        self.data.attach(model, datamodule, **{kind: dataloaders})
+        out: list[list[dict[str, float]]] = []
+
+        def stage() -> None:
+            self.state.stage = fn
+            out.append(run_evaluation(self, kind, self.data.request(kind)))
+            if verbose and self.is_global_zero:
+                _print_results(fn, out[0])
+
+        self._run(fn, model, ckpt_path, stage, model_given=self._model_given)
+        return out[0]
+
+    def _call_args(self, fn: str, model: Any, datamodule: Any, dataloaders: Any) -> tuple[Any, Any, Any]:
+        if isinstance(dataloaders, NanoDataModule):
+            datamodule, dataloaders = dataloaders, None
+        self._model_given = model is not None
+        if model is None:
+            model = self.lightning_module
+            if model is None:
+                raise UsageError(f"{fn}() needs a model: pass {fn}(model, ...) or call fit(model) first")
+        return model, datamodule, dataloaders
+
+    def _fit_stage(self) -> None:
+        with ExitStack() as stack:
+            if self.detect_anomaly:
+                stack.enter_context(torch.autograd.set_detect_anomaly(True))
+            self.call_hook("on_fit_start")
+            if self.enable_validation and self.config.num_sanity_val_steps != 0 and not self.fit_loop.restarting:
+                self._sanity_check()
+            self.state.stage = "train"
+            self.fit_loop.run()
+            self.call_hook("on_fit_end")
+
+    def _sanity_check(self) -> None:
+        """A short validation before training, its RNG use undone and its metrics not kept."""
+        from nanolight.seed import capture_rng_state, restore_rng_state
+
+        rng = capture_rng_state()
+        self.state.stage = "sanity_check"
+        self.call_hook("on_sanity_check_start")
+        run_evaluation(self, "val", self.fit_loop.ensure_val_data(), sanity=True)
+        self.call_hook("on_sanity_check_end")
+        self.metrics.reset()
+        restore_rng_state(rng)
+
+    def _run(self, fn: str, module: NanoModule, ckpt_path: Any, stage: Any, model_given: bool = True) -> None:
+        check_module(module, fn, self.strategy)
+        self.state.fn, self.state.stage, self.state.status = fn, None, "running"
+        self.lightning_module, module.trainer, self.datamodule = module, self, self.data.datamodule
+        self.should_stop, self._hook_targets, self._eval_rows = False, {}, {}
+        self.callbacks = merge_model_callbacks(self._base_callbacks, self.call_module_hook("configure_callbacks"))
+        self.metrics.reset()
+        self.metrics.active = self.metrics.train
+        self.metrics.always_sync = False
+        with set_determinism(self.deterministic, self.benchmark):
+            try:
+                self._setup(fn, module, ckpt_path, model_given)
+                stage()
+                self.state.status = "finished"
+                for lg in self.loggers if self.is_global_zero else []:
+                    lg.finalize("success")
+                self.call_setup_hook("teardown", fn)
+            except BaseException as exc:
+                self.state.status = "interrupted"
+                self.call_hook("on_exception", exc)
+                for lg in self.loggers if self.is_global_zero else []:
+                    lg.finalize("failed")
+                raise
+            finally:
+                self.state.stage = None
+                self.strategy.teardown()
+
+    def _setup(self, fn: str, module: NanoModule, ckpt_path: Any, model_given: bool) -> None:
+        strategy = self.strategy
+        strategy.setup_environment()
+        self.metrics.always_sync = strategy.pipelined
+        if self.seed is not None:
+            seed_everything(self.seed, verbose=False)
+        self._prepare_data()
+        self.call_setup_hook("setup", fn)
+        with strategy.model_init_context():  # every call, as Lightning (it must be idempotent)
+            self.call_module_hook("configure_model")
+        if strategy.module is not module:  # parallelised once per trainer
+            strategy.setup_module(module)
+            self.metrics.always_sync = strategy.pipelined
+        if fn == "fit":
+            self.setup_optimization(module)
+        path = resolve_ckpt_path(self, ckpt_path, fn, model_given)
+        self.ckpt_path = str(path) if path is not None else None
         if path is not None:
             rank_zero_info(f"Restoring from checkpoint {path}")
             state = restore_state(self, path)
-            if stage == "fit":
+            if fn == "fit":
                 restore_training_state(self, path, state)
-        if stage == "fit" and self.is_global_zero:
-            for lg in self.loggers:
-                lg.log_hyperparams(dict(getattr(module, "hparams", {}) or {}))
+        self._log_hyperparams(module)
+
+    def _prepare_data(self) -> None:
+        """``prepare_data`` on local rank 0 of each node (or global rank 0), the others wait."""
+        module, dm = self.lightning_module, self.datamodule
+        per_node = getattr(dm if dm is not None else module, "prepare_data_per_node", True)
+        if (self.local_rank if per_node else self.global_rank) == 0:
+            self.call_datamodule_hook("prepare_data")
+            self.call_module_hook("prepare_data")
+        self.strategy.barrier("prepare_data")
+
+    def _log_hyperparams(self, module: NanoModule) -> None:
+        if not (self.enable_autolog_hparams and self.is_global_zero and self.loggers):
+            return
+        params: dict[str, Any] = {}
+        for owner in (self.datamodule, module):
+            if owner is not None and owner.logs_hyperparameters:
+                clash = sorted(k for k in owner.hparams_initial if k in params and params[k] != owner.hparams_initial[k])
+                if clash:
+                    raise UsageError(f"the module and datamodule save different values for the hparams {clash}")
+                params.update(owner.hparams_initial)
+        for lg in self.loggers:
+            lg.log_hyperparams(params)
+            lg.save()
 
     # ---- checkpoints -------------------------------------------------------------------
-    def save_checkpoint(self, path: str | Path, update_last: bool = True) -> None:
-        """Save a full training checkpoint to directory ``path`` (all ranks must call this)."""
-        path = Path(path)
+    def save_checkpoint(self, filepath: str | Path, weights_only: bool = False, update_last: bool = True) -> None:
+        """Save a checkpoint directory at `filepath` (all ranks call this) and move the ``last``
+        pointer next to it (nanolight: a pointer file, where Lightning copies ``last.ckpt``)."""
+        path = Path(filepath)
         try:
-            self.strategy.save_checkpoint(path, build_state(self))
+            self.strategy.save_checkpoint(path, build_state(self, weights_only), weights_only=weights_only)
         except CheckpointError as exc:  # e.g. a full disk: the save's temporary directory is gone
             last = resolve_checkpoint(path.parent / LAST_POINTER)
             where = f"`last` still points at {last.name}" if last else "there is no earlier checkpoint"
@@ -264,30 +314,17 @@ class NanoTrainer:
             write_last_pointer(path)
         self.strategy.barrier("last_pointer")
 
-
-def _build_callbacks(
-    callbacks: Any, checkpointing: bool, progress_bar: bool, fast_dev_run: bool
-) -> list[Callback]:
-    """User callbacks + defaults (ModelCheckpoint, progress bar); checkpointing moved last so it
-    saves what every other callback did this step (as Lightning does). ``fast_dev_run`` drops
-    checkpointing."""
-    cbs = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
-    if fast_dev_run:
-        cbs = [cb for cb in cbs if not isinstance(cb, ModelCheckpoint)]
-    elif checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in cbs):
-        cbs.append(ModelCheckpoint())
-    if progress_bar and not any(isinstance(cb, RichProgressBar) for cb in cbs):
-        cbs.append(RichProgressBar())
-    return [cb for cb in cbs if not isinstance(cb, ModelCheckpoint)] + [
-        cb for cb in cbs if isinstance(cb, ModelCheckpoint)
-    ]
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank zero only."""
+        if self.is_global_zero:
+            print(*args, **kwargs)
 
 
-def _build_loggers(logger: Any, default_root_dir: str | Path, fast_dev_run: bool) -> list[Logger]:
-    """``True`` -> a CSVLogger; ``False``/None -> none; loggers without a save_dir get the root dir."""
-    if fast_dev_run or logger is False or logger is None:
-        return []
-    loggers = [CSVLogger()] if logger is True else [logger] if isinstance(logger, Logger) else list(logger)
-    for lg in loggers:
-        lg.set_default_save_dir(default_root_dir)
-    return loggers
+def _print_results(fn: str, results: list[dict[str, float]]) -> None:
+    for i, metrics in enumerate(results):
+        if not metrics:
+            continue
+        width = max(len(k) for k in metrics)
+        title = f"{fn.capitalize()} metric" + (f" (dataloader {i})" if len(results) > 1 else "")
+        print(f"{title:<{width}}  value\n" + "\n".join(f"{k:<{width}}  {v:.6g}" for k, v in sorted(metrics.items())))
+

@@ -1,0 +1,136 @@
+"""``save_hyperparameters()`` / ``self.hparams``: a module's (or datamodule's) constructor
+arguments, kept so a checkpoint can rebuild the object (`load_from_checkpoint`) and a logger can
+record them (``hparams.yaml``), as in Lightning.
+
+Only plain values (numbers, strings, bools, None, and lists/tuples/dicts of them) go into a
+checkpoint: it is read back with ``torch.load(weights_only=True)``, which refuses arbitrary
+objects. Anything else (an ``nn.Module``, a config object) stays in ``self.hparams`` for this run
+and is left out of checkpoints with a warning; `load_from_checkpoint` then takes it as a keyword.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import types
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_utilities.core.rank_zero import rank_zero_warn
+from torch import nn
+
+from nanolight.errors import UsageError
+
+
+class AttributeDict(dict):
+    """A dict whose keys also read as attributes: ``self.hparams.lr``."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError as exc:
+            raise AttributeError(f"hparams has no {key!r}; it holds {sorted(self)}") from exc
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self[key] = value
+
+    def __delattr__(self, key: str) -> None:
+        del self[key]
+
+
+def _is_plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return False
+
+
+def plain_hparams(hparams: Mapping[str, Any], owner: str) -> dict[str, Any]:
+    """The checkpointable part of `hparams` (see the module docstring); warns about the rest."""
+    left_out = sorted(k for k, v in hparams.items() if not _is_plain(v))
+    if left_out:
+        rank_zero_warn(
+            f"{owner}.hparams {left_out} are not plain values (numbers, strings, lists, dicts), so "
+            f"checkpoints do not store them: pass them to load_from_checkpoint(..., {left_out[0]}=...) "
+            f"or leave them out with save_hyperparameters(ignore={left_out!r})"
+        )
+    return {k: _to_builtin(v) for k, v in hparams.items() if k not in left_out}
+
+
+def _to_builtin(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _to_builtin(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_to_builtin(v) for v in value]
+    return copy.deepcopy(value)
+
+
+def _caller_init_args(frame: types.FrameType) -> dict[str, Any]:
+    """The arguments of the ``__init__`` that called save_hyperparameters (its current values),
+    ``**kwargs`` merged in; ``self`` and ``*args`` are not named arguments, so they are left out."""
+    info = inspect.getargvalues(frame)
+    args = {name: info.locals[name] for name in info.args[1:] if name in info.locals}
+    code = frame.f_code
+    kwonly = code.co_varnames[code.co_argcount : code.co_argcount + code.co_kwonlyargcount]
+    args.update({name: info.locals[name] for name in kwonly if name in info.locals})
+    if info.keywords:
+        args.update(info.locals.get(info.keywords) or {})
+    return args
+
+
+class HyperparametersMixin:
+    """``save_hyperparameters`` and ``hparams`` for `NanoModule` and `NanoDataModule`."""
+
+    def save_hyperparameters(
+        self,
+        *args: Any,
+        ignore: str | list[str] | None = None,
+        frame: types.FrameType | None = None,
+        logger: bool = True,
+    ) -> None:
+        """Record constructor arguments in ``self.hparams``: all of them (no `args`), the named
+        ones (strings), or a dict / namespace. `ignore` drops names; ``logger=False`` keeps them
+        out of the loggers' hparams."""
+        caller = frame or inspect.currentframe().f_back  # type: ignore[union-attr]
+        if args and len(args) == 1 and not isinstance(args[0], str):
+            given = args[0]
+            values = dict(vars(given)) if isinstance(given, types.SimpleNamespace) else dict(given)
+        else:
+            init = _caller_init_args(caller) if caller is not None else {}
+            missing = [a for a in args if a not in init]
+            if missing:
+                raise UsageError(
+                    f"save_hyperparameters({', '.join(map(repr, args))}): {missing} are not arguments of "
+                    f"{type(self).__name__}.__init__ (its arguments: {sorted(init)})"
+                )
+            values = {a: init[a] for a in args} if args else init
+        drop = {ignore} if isinstance(ignore, str) else set(ignore or ())
+        for name, value in values.items():
+            if isinstance(value, nn.Module) and name not in drop:
+                rank_zero_warn(
+                    f"hparam {name!r} is an nn.Module: its weights are saved with the model already; "
+                    f"leave it out with save_hyperparameters(ignore=[{name!r}])"
+                )
+        values = {k: v for k, v in values.items() if k not in drop}
+        self.hparams.update(values)
+        object.__setattr__(self, "_hparams_initial", copy.copy(self.hparams))
+        object.__setattr__(self, "_log_hyperparams", logger)
+
+    @property
+    def hparams(self) -> AttributeDict:
+        if "_hparams" not in self.__dict__:
+            object.__setattr__(self, "_hparams", AttributeDict())
+        return self.__dict__["_hparams"]
+
+    @property
+    def hparams_initial(self) -> AttributeDict:
+        """The hparams as saved (later edits of ``self.hparams`` do not change this)."""
+        return AttributeDict(self.__dict__.get("_hparams_initial", {}))
+
+    @property
+    def logs_hyperparameters(self) -> bool:
+        """Whether the loggers receive these hparams (``save_hyperparameters(logger=False)``: no)."""
+        return bool(self.__dict__.get("_log_hyperparams", True)) and bool(self.hparams_initial)

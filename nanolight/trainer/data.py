@@ -1,0 +1,162 @@
+"""Where a trainer call's data comes from and how much of it each loop runs (Lightning's data
+connector).
+
+Sources, in Lightning's precedence: loaders passed to the call, then the DataModule, then the
+module's own ``*_dataloader`` hooks. A loader is requested when its loop first needs it (the
+hook order Lightning has). Under data parallelism a plain ``DataLoader`` gets a
+``DistributedSampler`` (each rank its 1/dp of the samples; ``use_distributed_sampler=False`` to
+shard yourself); with ``seed_everything(workers=True)`` each worker is seeded. Batch limits
+(``limit_*_batches``, ``overfit_batches``, ``num_sanity_val_steps``) follow Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from lightning_utilities.core.overrides import is_overridden
+from lightning_utilities.core.rank_zero import rank_zero_warn
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+
+from nanolight.errors import UsageError
+from nanolight.module.datamodule import NanoDataModule
+from nanolight.trainer.data_position import loader_len
+
+if TYPE_CHECKING:
+    from nanolight.trainer.trainer import NanoTrainer
+
+KINDS = ("train", "val", "test", "predict")
+
+
+def worker_init(worker_id: int) -> None:
+    """Distinct, reproducible seeds per dataloader worker (``seed_everything(workers=True)``)."""
+    base = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    rank = int(os.environ.get("RANK", 0))
+    seed = (base + 1000003 * rank + 7919 * worker_id) % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def parse_num_batches(kind: str, length: int | None, limit: int | float) -> float:
+    """Batches a loop runs for a loader of `length` (None: unsized) under `limit`."""
+    if isinstance(limit, int):
+        return float(limit) if length is None else float(min(length, limit))
+    if length is None:
+        if limit not in (0.0, 1.0):
+            raise UsageError(f"limit_{kind}_batches={limit}: a fraction needs a loader with a length; give an int")
+        return 0.0 if limit == 0.0 else math.inf
+    n = int(length * limit)
+    if n == 0 and limit > 0.0:
+        raise UsageError(
+            f"limit_{kind}_batches={limit} x {length} batches = 0 batches: use at least {1 / length:.3g} or an int"
+        )
+    return float(n)
+
+
+class DataConnector:
+    """One trainer call's data sources (set by `attach`)."""
+
+    def __init__(self, trainer: NanoTrainer) -> None:
+        self.trainer = trainer
+        self.datamodule: NanoDataModule | None = None
+        self._given: dict[str, Any] = {}
+
+    def attach(self, module: Any, datamodule: Any, **loaders: Any) -> None:
+        given = {k: v for k, v in loaders.items() if v is not None}
+        if datamodule is not None and not isinstance(datamodule, NanoDataModule):
+            raise UsageError(f"datamodule must be a NanoDataModule, got {type(datamodule).__name__}")
+        if datamodule is not None and given:
+            raise UsageError(f"pass either dataloaders ({', '.join(given)}) or datamodule=..., not both")
+        self.module, self.datamodule, self._given = module, datamodule, given
+        if datamodule is not None:
+            datamodule.trainer = self.trainer
+
+    def has_source(self, kind: str) -> bool:
+        if kind in self._given:
+            return True
+        hook = f"{kind}_dataloader"
+        dm = self.datamodule
+        return (dm is not None and is_overridden(hook, dm, NanoDataModule)) or _module_overrides(self.module, hook)
+
+    def request(self, kind: str) -> list[Any]:
+        """The loaders of `kind` (one per dataloader), processed for this run."""
+        trainer = self.trainer
+        if kind in self._given:
+            raw = self._given[kind]
+        elif self.datamodule is not None and is_overridden(f"{kind}_dataloader", self.datamodule, NanoDataModule):
+            raw = trainer.call_datamodule_hook(f"{kind}_dataloader")
+        elif _module_overrides(self.module, f"{kind}_dataloader"):
+            raw = trainer.call_module_hook(f"{kind}_dataloader")
+        else:
+            raise UsageError(
+                f"no {kind} data: pass {kind}_dataloaders=... (or a datamodule), or implement {kind}_dataloader()"
+            )
+        trainer.strategy.barrier(f"{kind}_dataloader()")
+        loaders = list(raw) if isinstance(raw, (list, tuple)) else [raw]
+        if isinstance(raw, dict):
+            raise UsageError(f"a dict of {kind} dataloaders is not supported: pass one loader or a list")
+        if kind == "train" and len(loaders) != 1:
+            raise UsageError(f"training takes one dataloader, got {len(loaders)}: combine them into one")
+        return [self._process(loader, kind) for loader in loaders]
+
+    def num_batches(self, loader: Any, kind: str) -> float:
+        cfg = self.trainer.config
+        limit = {"train": cfg.limit_train_batches, "val": cfg.limit_val_batches}.get(kind)
+        if limit is None:
+            limit = cfg.limit_test_batches if kind == "test" else cfg.limit_predict_batches
+        return parse_num_batches(kind, loader_len(loader), limit)
+
+    def _process(self, loader: Any, kind: str) -> Any:
+        trainer = self.trainer
+        if not isinstance(loader, DataLoader):
+            return loader  # a custom iterable (e.g. nanolight's token loaders) shards itself
+        if os.environ.get("PL_SEED_WORKERS") == "1" and loader.num_workers > 0 and loader.worker_init_fn is None:
+            loader.worker_init_fn = worker_init  # settable after construction, unlike the sampler
+        kwargs = trainer.strategy.distributed_sampler_kwargs
+        sampler = loader.sampler
+        shard = (
+            kwargs is not None
+            and trainer.use_distributed_sampler
+            and not isinstance(sampler, DistributedSampler)  # sharded already
+            and not isinstance(loader.dataset, IterableDataset)  # nothing a sampler can split
+        )
+        overfit = kind == "train" and trainer.config.overfit_batches > 0 and isinstance(sampler, RandomSampler)
+        if not (shard or overfit):
+            return loader
+        if overfit:
+            rank_zero_warn("overfit_batches: the training loader's shuffling is turned off (the same batches each epoch)")
+            sampler = SequentialSampler(loader.dataset)
+        if shard:
+            if type(loader) is not DataLoader or loader.batch_size is None:
+                what = type(loader).__name__ if type(loader) is not DataLoader else "a custom batch_sampler"
+                raise UsageError(
+                    f"cannot shard {what} over data-parallel ranks with a DistributedSampler: pass "
+                    "NanoTrainer(use_distributed_sampler=False) and shard the data per rank yourself"
+                )
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+            sampler = DistributedSampler(loader.dataset, shuffle=isinstance(sampler, RandomSampler), seed=seed, **kwargs)
+        return _rebuild(loader, sampler)
+
+
+def _module_overrides(module: Any, hook: str) -> bool:
+    from nanolight.module.module import NanoModule
+
+    return module is not None and is_overridden(hook, module, NanoModule)
+
+
+def _rebuild(loader: DataLoader, sampler: Any) -> DataLoader:
+    """The same loader with another sampler."""
+    extra: dict[str, Any] = {}
+    if loader.num_workers > 0:
+        extra = {"prefetch_factor": loader.prefetch_factor, "persistent_workers": loader.persistent_workers}
+    return DataLoader(
+        loader.dataset, batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context, generator=loader.generator, **extra,
+    )  # fmt: skip

@@ -1,0 +1,183 @@
+"""The read-only attributes Lightning users read from a trainer (``trainer.global_step``,
+``trainer.callback_metrics``, ``trainer.num_val_batches``, ...), mixed into `NanoTrainer`, and
+``trainer.state`` (what the trainer is doing: Lightning's ``TrainerFn`` / ``RunningStage``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nanolight.callbacks.early_stopping import EarlyStopping
+from nanolight.callbacks.model_checkpoint import ModelCheckpoint
+
+if TYPE_CHECKING:
+    from nanolight.loggers.base import Logger
+    from nanolight.trainer.trainer import NanoTrainer
+
+
+@dataclass
+class TrainerState:
+    """``fn``: the running entry point ("fit", "validate", "test", "predict"); ``stage``: the loop
+    running inside it ("train", "sanity_check", "validate", "test", "predict")."""
+
+    fn: str | None = None
+    stage: str | None = None
+    status: str = "initializing"  # "running", "finished", "interrupted"
+
+
+def _stage_flag(stage: str) -> property:
+    def get(self: NanoTrainer) -> bool:
+        return self.state.stage == stage
+
+    def set_(self: NanoTrainer, value: bool) -> None:
+        if value:
+            self.state.stage = stage
+        elif self.state.stage == stage:
+            self.state.stage = None
+
+    return property(get, set_, doc=f"True while the {stage!r} loop runs.")
+
+
+class TrainerProperties:
+    """Mixed into `NanoTrainer`."""
+
+    training = _stage_flag("train")
+    validating = _stage_flag("validate")
+    testing = _stage_flag("test")
+    predicting = _stage_flag("predict")
+    sanity_checking = _stage_flag("sanity_check")
+
+    @property
+    def global_step(self: NanoTrainer) -> int:
+        """Optimizer steps taken (Lightning: one per ``optimizer.step()``)."""
+        return self.progress["global_step"]
+
+    @property
+    def current_epoch(self: NanoTrainer) -> int:
+        return self.progress["epoch"]
+
+    @property
+    def log_step(self: NanoTrainer) -> int:
+        """The ``step`` a logger row gets now: batches that stepped so far (Lightning's counter;
+        during optimizer step k, 1-based, it is k - 1, so ``step = global_step - 1`` in a training
+        row; in a row written by ``validate()`` after fit it is ``global_step``)."""
+        return self.progress["stepped"]
+
+    @property
+    def should_log(self: NanoTrainer) -> bool:
+        """Whether a step row is due (every ``log_every_n_steps`` steps, and every step once
+        ``should_stop`` is set), as Lightning's ``should_update_logs``."""
+        n = self.config.log_every_n_steps
+        return n > 0 and ((self.log_step + 1) % n == 0 or self.should_stop)
+
+    @property
+    def is_global_zero(self: NanoTrainer) -> bool:
+        return self.strategy.is_global_zero
+
+    @property
+    def world_size(self: NanoTrainer) -> int:
+        return self.strategy.world_size
+
+    @property
+    def global_rank(self: NanoTrainer) -> int:
+        return self.strategy.global_rank
+
+    @property
+    def local_rank(self: NanoTrainer) -> int:
+        return self.strategy.local_rank
+
+    @property
+    def callback_metrics(self: NanoTrainer) -> dict[str, torch.Tensor]:
+        return self.metrics.callback_metrics
+
+    @property
+    def logged_metrics(self: NanoTrainer) -> dict[str, torch.Tensor]:
+        return self.metrics.logged_metrics
+
+    @property
+    def progress_bar_metrics(self: NanoTrainer) -> dict[str, torch.Tensor]:
+        return self.metrics.progress_bar_metrics
+
+    @property
+    def logger(self: NanoTrainer) -> Logger | None:
+        return self.loggers[0] if self.loggers else None
+
+    @property
+    def log_dir(self: NanoTrainer) -> str:
+        return self.logger.log_dir if self.logger is not None else self.default_root_dir
+
+    @property
+    def checkpoint_callbacks(self: NanoTrainer) -> list[ModelCheckpoint]:
+        return [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
+
+    @property
+    def checkpoint_callback(self: NanoTrainer) -> ModelCheckpoint | None:
+        cbs = self.checkpoint_callbacks
+        return cbs[0] if cbs else None
+
+    @property
+    def early_stopping_callbacks(self: NanoTrainer) -> list[EarlyStopping]:
+        return [cb for cb in self.callbacks if isinstance(cb, EarlyStopping)]
+
+    @property
+    def early_stopping_callback(self: NanoTrainer) -> EarlyStopping | None:
+        cbs = self.early_stopping_callbacks
+        return cbs[0] if cbs else None
+
+    @property
+    def optimizers(self: NanoTrainer) -> list[Any]:
+        return self.strategy.optimizers
+
+    @property
+    def precision(self: NanoTrainer) -> str:
+        return self.strategy.precision.mode
+
+    @property
+    def model(self: NanoTrainer) -> Any:
+        return self.strategy.module
+
+    @property
+    def enable_validation(self: NanoTrainer) -> bool:
+        """Fit validates: a validation_step, a validation source and ``limit_val_batches`` > 0."""
+        from nanolight.module.module import NanoModule
+        from lightning_utilities.core.overrides import is_overridden
+
+        module = self.lightning_module
+        return (
+            module is not None
+            and is_overridden("validation_step", module, NanoModule)
+            and self.config.limit_val_batches != 0
+            and self.data.has_source("val")
+        )
+
+    @property
+    def estimated_stepping_batches(self: NanoTrainer) -> int | float:
+        """Optimizer steps fit will take (Lightning's estimate; asks for the train loader if needed)."""
+        cfg = self.config
+        if cfg.max_epochs == -1:
+            return math.inf if cfg.max_steps == -1 else cfg.max_steps
+        total = self.fit_loop.ensure_train_data()
+        if total == math.inf:
+            return cfg.max_steps
+        steps = math.ceil(total / cfg.accumulate_grad_batches) * max(cfg.max_epochs, 1)
+        return min(steps, cfg.max_steps) if cfg.max_steps != -1 else steps
+
+    def __getattr__(self, name: str) -> Any:
+        """The loop options by their Lightning names (``trainer.max_epochs``, ...)."""
+        config = self.__dict__.get("config")
+        if config is not None and name in _CONFIG_NAMES:
+            return getattr(config, name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+
+_CONFIG_NAMES = frozenset(
+    {
+        "max_steps", "max_epochs", "min_steps", "min_epochs", "accumulate_grad_batches", "gradient_clip_val",
+        "gradient_clip_algorithm", "val_check_interval", "check_val_every_n_epoch", "num_sanity_val_steps",
+        "limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
+        "overfit_batches", "log_every_n_steps", "fast_dev_run", "reload_dataloaders_every_n_epochs",
+    }
+)  # fmt: skip

@@ -1,0 +1,67 @@
+"""Run a Lightning program of tests/lightning_programs under nanolight (the renames applied as
+text, nothing else) and compare what it observed with what Lightning itself did (the fixture)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+PROGRAMS, FIXTURES = HERE / "lightning_programs", HERE / "fixtures" / "lightning"
+RENAMES = [  # the whole port, in the order that keeps the longer names intact
+    ("lightning.pytorch.callbacks", "nanolight.callbacks"),
+    ("lightning.pytorch.loggers", "nanolight.loggers"),
+    ("import lightning as L", "import nanolight as L"),
+    ("L.LightningModule", "L.NanoModule"),
+    ("L.LightningDataModule", "L.NanoDataModule"),
+    ("L.Trainer", "L.NanoTrainer"),
+]
+
+
+def port(source: str) -> str:
+    for old, new in RENAMES:
+        source = source.replace(old, new)
+    return source
+
+
+def run_ported(program: str, workdir: Path) -> dict[str, Any]:
+    """The program, renamed, run as a script under nanolight; returns its observed.json."""
+    script = workdir / f"{program}.py"
+    script.write_text(port((PROGRAMS / f"{program}.py").read_text()))
+    (workdir / "observe.py").write_text((PROGRAMS / "observe.py").read_text())
+    out = workdir / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(workdir)])}
+    proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads((out / "observed.json").read_text())
+
+
+def fixture(program: str) -> dict[str, Any]:
+    return json.loads((FIXTURES / f"{program}.json").read_text())
+
+
+def differences(want: Any, got: Any, path: str = "", rel: float = 1e-4, abs_: float = 1e-6) -> list[str]:
+    """Every place where `got` differs from `want` (floats within rel/abs tolerance)."""
+    if isinstance(want, dict) and isinstance(got, dict):
+        out = [f"{path}: missing key {k!r}" for k in want if k not in got]
+        out += [f"{path}: unexpected key {k!r}" for k in got if k not in want]
+        for k in want:
+            if k in got:
+                out += differences(want[k], got[k], f"{path}.{k}", rel, abs_)
+        return out
+    if isinstance(want, list) and isinstance(got, list):
+        if len(want) != len(got):
+            return [f"{path}: length {len(got)} != {len(want)} (want {str(want)[:300]}, got {str(got)[:300]})"]
+        return [d for i, (w, g) in enumerate(zip(want, got, strict=True)) for d in differences(w, g, f"{path}[{i}]", rel, abs_)]
+    if isinstance(want, float | int) and isinstance(got, float | int) and not isinstance(want, bool):
+        if isinstance(want, int) and isinstance(got, int):
+            return [] if want == got else [f"{path}: {got} != {want}"]
+        ok = math.isclose(want, got, rel_tol=rel, abs_tol=abs_) or (math.isnan(want) and math.isnan(got))
+        return [] if ok else [f"{path}: {got} != {want}"]
+    return [] if want == got else [f"{path}: {got!r} != {want!r}"]

@@ -184,6 +184,9 @@ def test_recipe_style_checkpoints_and_skips(tmp_path: Path) -> None:
     assert trainer.saves == ["step-3", "step-6", "step-9", "step-10"]  # the end is saved too
     assert listing(tmp_path) == ["last", "step-10", "step-9"]
     assert ckpt.save_now(trainer) == str(tmp_path / "step-10") and len(trainer.saves) == 4  # already saved
+    trainer.global_step = 11  # e.g. preempted after step 11
+    assert ckpt.save_now(trainer) == str(tmp_path / "step-11")
+    assert listing(tmp_path) == ["last", "step-10", "step-11"] and ckpt.best_model_path.endswith("step-11")
     for flag in (
         {"sanity_checking": True},
         {"fast_dev_run": 1},

@@ -227,7 +227,11 @@ class ModelCheckpoint(TopKMixin, Callback):
         """Make sure the current step is saved (e.g. on preemption); returns its directory. A no-op
         when this step was saved already. All ranks must call it."""
         if self._last_global_step_saved != trainer.global_step or not self._last_checkpoint_saved:
-            self._save_current(trainer, self._monitor_candidates(trainer))
+            candidates = self._monitor_candidates(trainer)
+            if self.monitor is None and self.save_top_k != 0:  # the save top-k would make
+                self._save_none_monitor_checkpoint(trainer, candidates)
+            else:  # never ranked (the metric may be stale): kept as the newest, like save_last's
+                self._save_current(trainer, candidates)
         return self._last_checkpoint_saved
 
     # ------------------------------------------------------------------------------ decisions

@@ -111,10 +111,10 @@ class MetricsFile:
     def _continue_existing(self, first_step: int) -> None:
         self._resume = False
         with open(self.metrics_file_path, newline="") as f:
-            reader = csv.DictReader(f)
-            header = list(reader.fieldnames or [])
-            rows = [r for r in reader if r.get("step") not in (None, "") and float(r["step"]) < first_step]
-        self.metrics_keys = sorted(set(header) | {"step"})
+            rows = [r for r in csv.DictReader(f) if r.get("step") and float(r["step"]) < first_step]
+        # the header of the rows kept (a column only the dropped rows had goes with them)
+        self.metrics_keys = sorted({k for r in rows for k, v in r.items() if v != ""} | {"step"})
+        rows = [{k: v for k, v in r.items() if k in self.metrics_keys} for r in rows]
         self._rewrite(rows)
 
 

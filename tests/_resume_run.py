@@ -58,7 +58,7 @@ def run(root: Path, max_steps: int, kill_at: int, resume: str) -> None:
     train = DataLoader(make_data(64), batch_size=4, shuffle=True)
     trainer = NanoTrainer(
         max_steps=max_steps, accumulate_grad_batches=2, gradient_clip_val=1.0, seed=1234,
-        callbacks=[Recorder(root, kill_at), ModelCheckpoint(every_n_train_steps=3, keep_last_n=2)],
+        callbacks=[Recorder(root, kill_at), ModelCheckpoint(every_n_train_steps=3, keep_last_n=2, filename="step-{step}", auto_insert_metric_name=False)],
         logger=False, enable_progress_bar=False, default_root_dir=root,
     )  # fmt: skip
     module = DropoutMLP(lr=0.02, scheduler=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,30 +108,42 @@ class ValLossSequence(MLPModule):
 
 
 def test_early_stopping(tmp_path):
-    es = EarlyStopping(monitor="val/loss", patience=2)
+    # val_check_interval=1 (int) == 1.0, so Lightning would check only at epoch ends: ask for validation ends
+    es = EarlyStopping(monitor="val/loss", patience=2, check_on_train_epoch_end=False)
     trainer = _trainer(tmp_path, max_steps=100, val_check_interval=1, limit_val_batches=1, callbacks=[es])
     data = loader(make_data(64), 4)
     trainer.fit(ValLossSequence(), data, data)
     assert trainer.global_step == 4 and trainer.should_stop  # best at step 2, no improvement at 3, 4
-    assert es.best == 0.5 and "did not improve" in es.reason
+    assert float(es.best_score) == 0.5 and "did not improve" in es.stopping_reason_message
+    assert (es.wait_count, es.stopped_epoch) == (2, 0)
 
 
 def test_model_checkpoint_top_k_and_keep_last_n(tmp_path):
-    top = ModelCheckpoint(dirpath=tmp_path / "top", every_n_train_steps=1, monitor="val/loss", save_top_k=2)
-    newest = ModelCheckpoint(
-        dirpath=tmp_path / "newest", every_n_train_steps=2, keep_last_n=2, save_last=False
+    names = {"filename": "step-{step}", "auto_insert_metric_name": False}
+    top = ModelCheckpoint(
+        dirpath=tmp_path / "top",
+        every_n_train_steps=1,
+        monitor="val/loss",
+        save_top_k=2,
+        save_last=True,
+        **names,
     )
+    newest = ModelCheckpoint(dirpath=tmp_path / "newest", every_n_train_steps=2, keep_last_n=2, **names)
     trainer = _trainer(
         tmp_path, max_steps=7, val_check_interval=1, limit_val_batches=1, callbacks=[top, newest]
     )
     data = loader(make_data(64), 4)
-    with pytest.warns(UserWarning, match="not logged yet at step 1"):
-        trainer.fit(ValLossSequence(), data, data)
-    # checkpoints save at the end of step s, before that step's validation: step s sees val of s-1.
-    # scores: step2=1.0, step3=0.5, step4=0.6, step5=0.7, ... -> best two: step-3, step-4; newest kept
+    trainer.fit(ValLossSequence(), data, data)
+    # a step-triggered save runs at the end of step s, before that step's validation, so step s
+    # sees the val of s-1; step 1 has none yet (deferred, as Lightning). Scores: step2=1.0,
+    # step3=0.5, step4=0.6, step5=0.7, ... -> top two: step-3, step-4; save_last keeps the newest
     assert sorted(p.name for p in (tmp_path / "top").iterdir()) == ["last", "step-3", "step-4", "step-7"]
-    assert top.best_model_path.endswith("step-3") and top.best_model_score == 0.5
-    assert sorted(p.name for p in (tmp_path / "newest").iterdir()) == ["step-4", "step-6"]
+    assert top.best_model_path.endswith("step-3") and float(top.best_model_score) == 0.5
+    assert {Path(p).name: float(v) for p, v in top.best_k_models.items()} == pytest.approx(
+        {"step-3": 0.5, "step-4": 0.6}
+    )
+    # no monitor, save_top_k=1: the newest, plus keep_last_n=2 newest; every save moves `last`
+    assert sorted(p.name for p in (tmp_path / "newest").iterdir()) == ["last", "step-4", "step-6"]
     assert (tmp_path / "top" / "last").read_text().strip() == "step-7"
 
 

@@ -22,7 +22,7 @@ from nanolight.trainer import NanoTrainer
 def _fit(root: Path, max_steps: int, every: int = 2, ckpt_path: str | None = None) -> NanoTrainer:
     trainer = NanoTrainer(
         max_steps=max_steps, accumulate_grad_batches=2, default_root_dir=root, logger=False,
-        enable_progress_bar=False, callbacks=[ModelCheckpoint(every_n_train_steps=every, save_on_train_end=True)],
+        enable_progress_bar=False, callbacks=[ModelCheckpoint(every_n_train_steps=every, save_on_train_end=True, save_top_k=-1, filename="step-{step}", auto_insert_metric_name=False)],
     )  # fmt: skip
     trainer.fit(MLPModule(scheduler=True), loader(make_data(64), 4), ckpt_path=ckpt_path)
     return trainer
@@ -105,7 +105,7 @@ class BigMLP(MLPModule):
 def test_a_full_disk_names_the_file_and_keeps_last(small_disk: Path) -> None:
     trainer = NanoTrainer(
         max_steps=4, default_root_dir=small_disk, logger=False, enable_progress_bar=False,
-        callbacks=[ModelCheckpoint(every_n_train_steps=2, keep_last_n=5)],
+        callbacks=[ModelCheckpoint(every_n_train_steps=2, keep_last_n=5, filename="step-{step}", auto_insert_metric_name=False)],
     )  # fmt: skip
     with pytest.raises(
         CheckpointError, match="disk full writing .* bytes needed, .* free on that filesystem"

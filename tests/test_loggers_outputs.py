@@ -27,28 +27,34 @@ def _fit(tmp_path, logger, steps=6, **kw) -> NanoTrainer:
 
 
 def test_csv_logger_rows_and_late_columns(tmp_path):
-    trainer = _fit(tmp_path, True)
-    path = tmp_path / "metrics.csv"
-    assert trainer.log_dir == str(tmp_path)
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-        header = rows[0].keys()
-    assert {"step", "train/loss", "lr", "val/loss"} <= set(header)
-    by_step = {int(r["step"]): r for r in rows}
-    assert sorted(by_step) == [2, 3, 4, 6]  # logging steps 2, 4, 6; validation at 3 and 6
-    assert by_step[3]["train/loss"] == "" and float(by_step[3]["val/loss"]) > 0
-    # step 6: train metrics, lr and validation merged into one row
-    assert by_step[6]["train/loss"] and by_step[6]["lr"] and by_step[6]["val/loss"]
-    assert abs(float(by_step[6]["train/loss"]) - trainer.logged_metrics["train/loss"]) < 1e-7
-    assert float(by_step[2]["lr"]) == 0.05 / (1 + 0.1 * 1)  # the lr step 2 used
+    trainer = _fit(tmp_path, True)  # logger=True: CSVLogger(save_dir=default_root_dir), as Lightning
+    log_dir = tmp_path / "lightning_logs" / "version_0"
+    assert trainer.log_dir == str(log_dir)
+    with open(log_dir / "metrics.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        rows, header = list(reader), reader.fieldnames
+    assert header == ["epoch", "lr-AdamW", "step", "train/loss", "val/loss"]  # sorted, as Lightning
+    # one row per log call, never merged; `step` = optimizer steps done before the row's batch
+    # (logging steps 2, 4, 6 -> rows at 1, 3, 5; validations after steps 3 and 6 -> rows at 2, 5);
+    # LearningRateMonitor's rows come first (on_train_batch_start) and have no epoch
+    shape = [(int(r["step"]), [k for k in header if r[k] and k not in ("step", "epoch")]) for r in rows]
+    assert shape == [
+        (1, ["lr-AdamW"]), (1, ["train/loss"]), (2, ["val/loss"]),
+        (3, ["lr-AdamW"]), (3, ["train/loss"]),
+        (5, ["lr-AdamW"]), (5, ["train/loss"]), (5, ["val/loss"]),
+    ]  # fmt: skip
+    assert all((r["epoch"] == "") == bool(r["lr-AdamW"]) for r in rows)
+    assert abs(float(rows[6]["train/loss"]) - float(trainer.logged_metrics["train/loss"])) < 1e-7
+    assert float(rows[0]["lr-AdamW"]) == 0.05 / (1 + 0.1 * 1)  # the lr step 2 used
+    assert "lr-AdamW" in trainer.callback_metrics and "lr-AdamW" not in trainer.logged_metrics
 
 
 def test_csv_logger_resume_drops_rows_after_new_start(tmp_path):
-    lg = CSVLogger(save_dir=tmp_path)
+    lg = CSVLogger(save_dir=tmp_path, name="", version="")  # the recipe's fixed directory
     for s in (1, 2, 3):
         lg.log_metrics({"a": float(s)}, s)
     lg.save()
-    again = CSVLogger(save_dir=tmp_path)
+    again = CSVLogger(save_dir=tmp_path, name="", version="")
     again.log_metrics({"a": 20.0, "b": 1.0}, 2)  # resumed after step 1
     again.save()
     with open(tmp_path / "metrics.csv", newline="") as f:
@@ -103,6 +109,6 @@ def test_wandb_logger_offline_history(tmp_path, monkeypatch):
         if rec.WhichOneof("record_type") == "history":
             row = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in rec.history.item}
             history[row["_step"]] = row
-    assert sorted(history) == [2, 3, 4, 6]
-    assert abs(history[6]["train/loss"] - trainer.logged_metrics["train/loss"]) < 1e-7
-    assert "val/loss" in history[6] and "lr" in history[2]
+    assert sorted(history) == [1, 2, 3, 5]  # wandb folds the rows of one step into one record
+    assert abs(history[5]["train/loss"] - float(trainer.logged_metrics["train/loss"])) < 1e-7
+    assert "val/loss" in history[5] and "lr-AdamW" in history[1]

@@ -48,7 +48,15 @@ class SignalAt(Callback):
 def _fit(root: Path, max_steps: int, at: int = 0, sig: int = signal.SIGTERM, ckpt=True, resume=None):
     """The SIGKILL-resume test's run (dropout, shuffling, accumulation, clipping, LR schedule)."""
     rec = SignalAt(at, sig)
-    callbacks = [rec] + ([ModelCheckpoint(every_n_train_steps=4, keep_last_n=2)] if ckpt else [])
+    callbacks = [rec] + (
+        [
+            ModelCheckpoint(
+                every_n_train_steps=4, keep_last_n=2, filename="step-{step}", auto_insert_metric_name=False
+            )
+        ]
+        if ckpt
+        else []
+    )
     trainer = NanoTrainer(
         use_distributed_sampler=False,  # each rank is given its own data
         max_steps=max_steps, accumulate_grad_batches=2, gradient_clip_val=1.0, seed=1234,
@@ -95,7 +103,7 @@ def test_signal_at_a_periodic_checkpoint_step_still_stops(tmp_path) -> None:
 def test_without_last_pointer_the_hint_names_the_saved_directory(tmp_path, capfd) -> None:
     trainer = NanoTrainer(
         use_distributed_sampler=False,  # each rank is given its own data
-        max_steps=12, callbacks=[SignalAt(3), ModelCheckpoint(every_n_train_steps=4, save_last=False)],
+        max_steps=12, callbacks=[SignalAt(3), ModelCheckpoint(every_n_train_steps=4, save_last=False, filename="step-{step}", auto_insert_metric_name=False)],
         logger=False, enable_progress_bar=False, default_root_dir=tmp_path,
     )  # fmt: skip
     trainer.fit(DropoutMLP(lr=0.02), DataLoader(make_data(64), batch_size=4))

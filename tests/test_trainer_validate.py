@@ -21,9 +21,11 @@ def _trainer(tmp_path, **kw) -> NanoTrainer:
 def test_validate_from_checkpoint(tmp_path):
     ds = make_data(32)
     trained = MLPModule()
-    _trainer(tmp_path, max_steps=4, callbacks=[ModelCheckpoint(every_n_train_steps=4)]).fit(
-        trained, loader(ds, 4)
-    )
+    _trainer(
+        tmp_path,
+        max_steps=4,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=4)],
+    ).fit(trained, loader(ds, 4))
     with torch.no_grad():
         expected = torch.stack([trained.loss(b) for b in loader(ds, 8)]).mean()
     metrics = _trainer(tmp_path, enable_checkpointing=False).validate(
@@ -52,7 +54,8 @@ def test_checkpoint_files_are_weights_only(tmp_path):
     _trainer(tmp_path, max_steps=2, accumulate_grad_batches=2).fit(
         MLPModule(scheduler=True), loader(make_data(32), 4)
     )
-    ckpt = tmp_path / "checkpoints" / "step-2"
+    # the default ModelCheckpoint (as Lightning): under the default CSVLogger's version, once per epoch
+    ckpt = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=2"
     names = ["model.safetensors", "optimizer.pt", "trainer_state.pt"]
     assert sorted(p.name for p in ckpt.iterdir()) == ["checksums.json", *names]
     manifest = json.loads((ckpt / "checksums.json").read_text())  # what was written, checked at load

@@ -28,9 +28,14 @@ def has_wandb_credentials() -> bool:
 
 
 class WandbLogger(Logger):
-    """Args: ``project``, ``name``, ``offline`` (force offline), ``save_dir`` (default: the
-    trainer's ``default_root_dir``), ``log_model`` (True: upload the last checkpoint at the end;
-    "all": every checkpoint), extra ``wandb.init`` kwargs (``id``, ``resume``, ``tags``, ...)."""
+    """Args: ``project``, ``name`` (the run's display name), ``offline`` (force offline),
+    ``save_dir`` (default: the trainer's ``default_root_dir``), ``log_model`` (True: upload the
+    last checkpoint at the end; "all": every checkpoint), ``version``/``id`` (the run id, to
+    resume a run), extra ``wandb.init`` kwargs (``resume``, ``tags``, ...).
+
+    As Lightning's WandbLogger, ``name`` is the *project* and ``version`` the run id (the id given,
+    or the run's once it exists), so ``ModelCheckpoint``'s default directory is
+    ``<save_dir>/<project>/<run id>/checkpoints``."""
 
     def __init__(
         self,
@@ -39,18 +44,29 @@ class WandbLogger(Logger):
         offline: bool = False,
         save_dir: str | Path | None = None,
         log_model: bool | str = False,
+        version: str | None = None,
+        id: str | None = None,  # noqa: A002 (Lightning's and wandb's argument name)
         **init_kwargs: Any,
     ) -> None:
         self.project, self._name, self.offline = project, name, offline
         super().__init__(save_dir)
+        self._id = version or id
+        if self._id is not None:
+            init_kwargs["id"] = self._id
         self.log_model, self.init_kwargs = log_model, init_kwargs
         self._run: Any = None
         self._texts: list[list[Any]] = []
         self._last_checkpoint: str | None = None
 
     @property
-    def name(self) -> str:
-        return self._name or "wandb"
+    def name(self) -> str | None:
+        """The project (not the run's display name), as Lightning's WandbLogger."""
+        return self._run.project if self._run is not None else self.project
+
+    @property
+    def version(self) -> str | None:
+        """The run id; None until the run exists unless an id was given (as Lightning)."""
+        return self._run.id if self._run is not None else self._id
 
     @property
     def mode(self) -> str:
@@ -70,7 +86,7 @@ class WandbLogger(Logger):
         return self._run
 
     @rank_zero_only
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         self.experiment.log(dict(metrics), step=step)
 
     @rank_zero_only
@@ -85,7 +101,8 @@ class WandbLogger(Logger):
         self.experiment.log({key: wandb.Table(columns=["step", "text"], data=self._texts)}, step=step)
 
     @rank_zero_only
-    def after_save_checkpoint(self, path: str) -> None:
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        path = checkpoint_callback._last_checkpoint_saved
         self._last_checkpoint = path
         if self.log_model == "all":
             self._log_checkpoint(path)

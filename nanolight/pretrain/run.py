@@ -101,7 +101,8 @@ def build_strategy(config: PretrainConfig) -> Strategy:
 
 def build_loggers(config: PretrainConfig, root: Path) -> list[Logger]:
     lg = config.logger
-    loggers: list[Logger] = [CSVLogger(save_dir=root)] if lg.csv else []
+    # name="" and version="": metrics.csv stays at <root>/metrics.csv and continues across resumes
+    loggers: list[Logger] = [CSVLogger(save_dir=root, name="", version="")] if lg.csv else []
     if lg.wandb:
         offline = lg.offline if lg.offline is not None else not has_wandb_credentials()
         loggers.append(
@@ -114,13 +115,22 @@ def build_loggers(config: PretrainConfig, root: Path) -> list[Logger]:
 
 def build_trainer(config: PretrainConfig, strategy: Strategy, root: Path, *extra: Callback) -> NanoTrainer:
     t, c = config.trainer, config.checkpoint
-    callbacks = [LearningRateMonitor(), ThroughputMonitor(), *extra]
+    loggers = build_loggers(config, root)
+    # LearningRateMonitor needs a logger (as Lightning's, it raises without one)
+    callbacks = [*([LearningRateMonitor()] if loggers else []), ThroughputMonitor(), *extra]
     if c.every_n_steps is not None or c.save_last:
         callbacks.append(
-            ModelCheckpoint(
+            ModelCheckpoint(  # the recipe's layout, explicitly: <root>/checkpoints/step-<N>
+                dirpath=root / "checkpoints",
+                filename="step-{step}",
+                auto_insert_metric_name=False,
                 every_n_train_steps=c.every_n_steps,
                 save_last=c.save_last,
+                # no monitor: save_top_k=1 keeps only the newest, plus keep_last_n newest; -1 keeps all
+                save_top_k=-1 if c.keep_last_n is None else 1,
                 keep_last_n=c.keep_last_n,
+                enable_version_counter=False,  # a step saved again (an older resume) replaces step-<N>
+                save_on_train_epoch_end=True,  # without every_n_steps: at each epoch end, not per validation
                 save_on_train_end=True,  # the end of a run is always saved
             )
         )
@@ -134,7 +144,7 @@ def build_trainer(config: PretrainConfig, strategy: Strategy, root: Path, *extra
         limit_val_batches=t.limit_val_batches,
         log_every_n_steps=t.log_every_n_steps,
         callbacks=callbacks,
-        logger=build_loggers(config, root) or False,
+        logger=loggers or False,
         strategy=strategy,
         default_root_dir=root,
         enable_progress_bar=t.enable_progress_bar,

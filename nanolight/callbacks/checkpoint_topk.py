@@ -141,7 +141,8 @@ class TopKMixin:
         self._saved.pop(path, None)
         self._saved[path] = topk  # before saving: the bookkeeping is part of the saved state
         self._last_checkpoint_saved = path
-        trainer.save_checkpoint(path, weights_only=self.save_weights_only)
+        # save_last=False: no `last` pointer either (None, the default, keeps nanolight's pointer)
+        trainer.save_checkpoint(path, weights_only=self.save_weights_only, update_last=self.save_last is not False)
         self._last_global_step_saved = trainer.global_step
         if trainer.is_global_zero:
             for logger in trainer.loggers:

@@ -45,6 +45,7 @@ class FitLoop:
         self._resume: dict[str, Any] | None = None  # loop position read from a checkpoint
         self._resume_rng: dict[str, Any] | None = None
         self._told_min = False
+        self.window_open = False  # between a window's step and its `stepped` count (checkpoints)
 
     # ---- checkpoint state ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -194,7 +195,9 @@ class FitLoop:
                 break
             trainer.progress["batch_idx"] += len(batches)
             last = trainer.progress["batch_idx"] == self.max_batches
+            self.window_open = True
             if not step.run(batches, first, last):
+                self.window_open = False
                 break
             trainer.step_row()
             self._after_window(first, len(batches), last)
@@ -216,6 +219,7 @@ class FitLoop:
             self._validate()
         trainer.update_lr_schedulers("step", plateau=True, batch_idx=first + n - 1)
         trainer.progress["stepped"] += 1
+        self.window_open = False
         max_time = trainer.config.max_time_s
         if max_time is not None and time.monotonic() - self._t0 >= max_time:
             trainer.should_stop = True

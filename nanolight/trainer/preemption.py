@@ -85,8 +85,7 @@ def save_now(trainer: NanoTrainer) -> Path:
     consistent; a no-op if it already saved this step), else to ``<root>/checkpoints/step-N``."""
     callbacks = trainer.checkpoint_callbacks
     if callbacks:
-        callbacks[0].save(trainer)
-        return Path(callbacks[0].dirpath) / f"step-{trainer.global_step}"
+        return Path(callbacks[0].save_now(trainer))
     path = Path(trainer.default_root_dir) / "checkpoints" / f"step-{trainer.global_step}"
     trainer.save_checkpoint(path)
     return path

@@ -107,7 +107,11 @@ class TrainerProperties:
 
     @property
     def log_dir(self: NanoTrainer) -> str:
-        return self.logger.log_dir if self.logger is not None else self.default_root_dir
+        """The first logger's directory, as global rank 0 resolved it (a new ``version_N`` is
+        picked there once), else the root dir."""
+        if self.logger is None:
+            return self.default_root_dir
+        return self.__dict__.get("_log_dir") or self.logger.log_dir
 
     @property
     def checkpoint_callbacks(self: NanoTrainer) -> list[ModelCheckpoint]:

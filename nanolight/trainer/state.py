@@ -43,7 +43,7 @@ def build_state(trainer: NanoTrainer, weights_only: bool = False) -> dict[str, A
         state["datamodule_hyper_parameters"] = plain_hparams(dm.hparams, type(dm).__name__)
     if not weights_only:
         state.update(
-            progress=dict(trainer.progress),
+            progress=_progress(trainer),
             loop=trainer.fit_loop.state_dict(),
             schedulers=[cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
             callbacks={cb.state_key: cb.state_dict() for cb in trainer.callbacks},
@@ -55,6 +55,15 @@ def build_state(trainer: NanoTrainer, weights_only: bool = False) -> dict[str, A
             cb.on_save_checkpoint(trainer, module, state)
     module.on_save_checkpoint(state)
     return state
+
+
+def _progress(trainer: NanoTrainer) -> dict[str, int]:
+    """The counters as a resumed run needs them: a save inside a step's hooks (e.g. at its
+    on_train_batch_end) counts that step as stepped, as it will be once the hooks return."""
+    progress = dict(trainer.progress)
+    if trainer.fit_loop.window_open:
+        progress["stepped"] += 1
+    return progress
 
 
 def restore_state(trainer: NanoTrainer, path: Path) -> dict[str, Any]:

@@ -233,7 +233,6 @@ class NanoTrainer(TrainerProperties, HookCaller, Optimization, LogRows):
         self.callbacks = merge_model_callbacks(self._base_callbacks, self.call_module_hook("configure_callbacks"))
         self.metrics.reset()
         self.metrics.active = self.metrics.train
-        self.metrics.always_sync = False
         with set_determinism(self.deterministic, self.benchmark):
             try:
                 self._setup(fn, module, ckpt_path, model_given)
@@ -255,7 +254,8 @@ class NanoTrainer(TrainerProperties, HookCaller, Optimization, LogRows):
     def _setup(self, fn: str, module: NanoModule, ckpt_path: Any, model_given: bool) -> None:
         strategy = self.strategy
         strategy.setup_environment()
-        self.metrics.always_sync = strategy.pipelined
+        if self.logger is not None:  # every rank agrees on rank 0's (new) log directory
+            self._log_dir = strategy.broadcast(self.logger.log_dir if self.is_global_zero else None)
         if self.seed is not None:
             seed_everything(self.seed, verbose=False)
         self._prepare_data()
@@ -264,7 +264,7 @@ class NanoTrainer(TrainerProperties, HookCaller, Optimization, LogRows):
             self.call_module_hook("configure_model")
         if strategy.module is not module:  # parallelised once per trainer
             strategy.setup_module(module)
-            self.metrics.always_sync = strategy.pipelined
+        self.metrics.always_sync = strategy.pipelined  # only the last pipeline stage has the loss
         if fn == "fit":
             self.setup_optimization(module)
         path = resolve_ckpt_path(self, ckpt_path, fn, model_given)
@@ -286,6 +286,7 @@ class NanoTrainer(TrainerProperties, HookCaller, Optimization, LogRows):
         self.strategy.barrier("prepare_data")
 
     def _log_hyperparams(self, module: NanoModule) -> None:
+        """The module's and datamodule's saved hparams to every logger (rank 0), when there are any."""
         if not (self.enable_autolog_hparams and self.is_global_zero and self.loggers):
             return
         params: dict[str, Any] = {}
@@ -295,6 +296,8 @@ class NanoTrainer(TrainerProperties, HookCaller, Optimization, LogRows):
                 if clash:
                     raise UsageError(f"the module and datamodule save different values for the hparams {clash}")
                 params.update(owner.hparams_initial)
+        if not params:
+            return
         for lg in self.loggers:
             lg.log_hyperparams(params)
             lg.save()

@@ -80,12 +80,13 @@ class StandInTrainer:
     def logger(self) -> Any:
         return self.loggers[0] if self.loggers else None
 
-    def save_checkpoint(self, path: str | Path, weights_only: bool = False) -> None:
+    def save_checkpoint(self, path: str | Path, weights_only: bool = False, update_last: bool = True) -> None:
         path = Path(path)
         os.makedirs(path, exist_ok=True)
         state = {cb.state_key: cb.state_dict() for cb in self.callbacks}
         torch.save({"callbacks": state, "global_step": self.global_step}, path / "trainer_state.pt")
-        write_last_pointer(path)
+        if update_last:
+            write_last_pointer(path)
         self.saves.append(path.name)
 
     def restore_callbacks(self, path: str | Path) -> None:

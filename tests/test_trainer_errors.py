@@ -32,7 +32,6 @@ class Returns(MLPModule):
 @pytest.mark.parametrize(
     ("out", "match"),
     [
-        (None, "training_step returned None"),
         (lambda loss: loss.expand(3), r"loss of shape \(3,\)"),
         (lambda loss: {"x": loss}, "dict without 'loss'"),
         (lambda loss: loss.item(), "returned a float"),
@@ -118,7 +117,17 @@ def test_missing_explicit_ckpt_path(tmp_path):
 
 
 def test_bad_trainer_args():
-    with pytest.raises(ValueError, match="val_check_interval counts optimizer steps"):
-        NanoTrainer(val_check_interval=0.5)
+    with pytest.raises(ValueError, match="val_check_interval=1.5: a float is a fraction"):
+        NanoTrainer(val_check_interval=1.5)
+    with pytest.raises(ValueError, match="a Lightning argument nanolight does not support"):
+        NanoTrainer(profiler="simple")
+    with pytest.raises(ValueError, match="strategy='fsdp' is not supported"):
+        NanoTrainer(strategy="fsdp")
+    with pytest.raises(ValueError, match="accelerator='tpu' is not supported"):
+        NanoTrainer(accelerator="tpu")
+    with pytest.raises(ValueError, match="barebones=True turns off"):
+        NanoTrainer(barebones=True, enable_checkpointing=True)
+    with pytest.raises(TypeError, match="unexpected arguments"):
+        NanoTrainer(max_step=3)
     with pytest.raises(ValueError, match="precision"):
         NanoTrainer(precision="16-mixed")

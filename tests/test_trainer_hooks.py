@@ -4,8 +4,10 @@ Expected order written out from Lightning's hook pseudocode
 (https://lightning.ai/docs/pytorch/stable/common/lightning_module.html#hooks, "callbacks first,
 then the LightningModule": https://lightning.ai/docs/pytorch/stable/common/hooks.html) and
 checked against lightning 2.6.6 on the same scenario: max_steps=2, accumulate_grad_batches=2,
-validation after step 2 (1 batch), ModelCheckpoint every 2 steps. Note the zero_grad hook fires
-after the first micro-batch's training_step, before its backward.
+validation after batch 4 (= step 2; 1 batch, no sanity check), ModelCheckpoint every 2 steps.
+Note the zero_grad hook fires after the first micro-batch's training_step, before its backward.
+The full trace, every hook of module and callback against a recording of Lightning itself, is
+`test_lightning_fidelity.py` (hook_order).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class RecordingModule(MLPModule):
 
 def _trainer(tmp_path, calls, **kw) -> NanoTrainer:
     return NanoTrainer(
-        max_steps=2, accumulate_grad_batches=2, val_check_interval=2, limit_val_batches=1,
+        max_steps=2, accumulate_grad_batches=2, val_check_interval=4, limit_val_batches=1, num_sanity_val_steps=0,
         callbacks=[_recorder(calls), ModelCheckpoint(every_n_train_steps=2)], logger=False,
         enable_progress_bar=False, default_root_dir=tmp_path, **kw,
     )  # fmt: skip

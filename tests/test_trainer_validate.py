@@ -31,7 +31,7 @@ def test_validate_from_checkpoint(tmp_path):
     metrics = _trainer(tmp_path, enable_checkpointing=False).validate(
         MLPModule(), loader(ds, 8), ckpt_path="last"
     )
-    assert metrics["val/loss"] == pytest.approx(float(expected), abs=1e-6)
+    assert metrics == [{"val/loss": pytest.approx(float(expected), abs=1e-6)}]  # one dict per dataloader
 
 
 class StepEpochLogger(MLPModule):
@@ -45,8 +45,8 @@ def test_log_means_over_micro_batches_and_epoch(tmp_path):
     trainer = _trainer(tmp_path, max_steps=2, accumulate_grad_batches=4, enable_checkpointing=False)
     trainer.fit(StepEpochLogger(), loader(make_data(64), 2))
     m = trainer.callback_metrics
-    assert float(m["mb_index_step"]) == 5.5  # step 2 = micro-batches 4..7
-    assert float(m["mb_index_epoch"]) == 3.5  # mean of the two step means 1.5 and 5.5
+    assert float(m["mb_index_step"]) == 7.0  # Lightning: the step's last micro-batch (4..7)
+    assert float(m["mb_index_epoch"]) == 3.5  # the mean over all micro-batches 0..7
     assert float(trainer.progress_bar_metrics["synced"]) == 2.0
 
 
@@ -54,8 +54,8 @@ def test_checkpoint_files_are_weights_only(tmp_path):
     _trainer(tmp_path, max_steps=2, accumulate_grad_batches=2).fit(
         MLPModule(scheduler=True), loader(make_data(32), 4)
     )
-    # the default ModelCheckpoint (as Lightning): under the default CSVLogger's version, once per epoch
-    ckpt = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=2"
+    # the default ModelCheckpoint (as Lightning): no logger -> <root>/checkpoints, at the epoch's end
+    ckpt = tmp_path / "checkpoints" / "epoch=0-step=2"
     names = ["model.safetensors", "optimizer.pt", "trainer_state.pt"]
     assert sorted(p.name for p in ckpt.iterdir()) == ["checksums.json", *names]
     manifest = json.loads((ckpt / "checksums.json").read_text())  # what was written, checked at load
@@ -70,9 +70,16 @@ def test_checkpoint_files_are_weights_only(tmp_path):
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
 
 
-def test_empty_loader_is_an_error(tmp_path):
+def test_empty_loader_stops_fit_with_a_warning(tmp_path):
+    trainer = _trainer(tmp_path, max_steps=2)
+    with pytest.warns(UserWarning, match="the train dataloader has no batches"):
+        trainer.fit(MLPModule(), [])  # as Lightning: fit stops (with a word, not silently)
+    assert trainer.global_step == 0
+
+
+def test_unsized_loader_without_batches_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="yielded no batches"):
-        _trainer(tmp_path, max_steps=2).fit(MLPModule(), [])
+        _trainer(tmp_path, max_steps=2).fit(MLPModule(), iter([]))
 
 
 class DeterminismProbe(MLPModule):

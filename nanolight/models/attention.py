@@ -65,15 +65,15 @@ class Documents:
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None) -> torch.Tensor:
-    from flash_attn import flash_attn_func, flash_attn_varlen_func  # optional, checked at build time
+    import flash_attn  # optional, checked at build time
 
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, T, heads, head_dim); GQA built in
     if documents is None:
-        return flash_attn_func(q, k, v, causal=True).transpose(1, 2)
+        return flash_attn.flash_attn_func(q, k, v, causal=True).transpose(1, 2)
     B, T = q.shape[:2]
     cu, longest = documents.varlen()
     flat = [t.reshape(B * T, *t.shape[2:]) for t in (q, k, v)]
-    y = flash_attn_varlen_func(
+    y = flash_attn.flash_attn_varlen_func(
         *flat, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest, causal=True
     )
     return y.reshape(B, T, *y.shape[1:]).transpose(1, 2)

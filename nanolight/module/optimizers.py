@@ -40,11 +40,6 @@ class SchedulerConfig:
                 f"lr_scheduler must be a torch LR scheduler (with step/state_dict), got "
                 f"{type(self.scheduler).__name__}"
             )
-        if self.reduce_on_plateau and self.monitor is None:
-            raise ValueError(
-                'a ReduceLROnPlateau scheduler needs the metric it watches: return {"optimizer": opt, '
-                '"lr_scheduler": {"scheduler": sched, "monitor": "val_loss"}}'
-            )
 
 
 def _bad(got: Any, why: str) -> TypeError:
@@ -58,8 +53,12 @@ def _scheduler(obj: Any, where: Any, monitor: str | None = None) -> SchedulerCon
         unknown = set(obj) - {"scheduler", "interval", "frequency", "monitor", "name", "strict"}
         if unknown:
             raise _bad(where, f"unknown lr_scheduler keys {sorted(unknown)}")
-        return SchedulerConfig(**{"monitor": monitor, **obj})
-    return SchedulerConfig(obj, monitor=monitor)
+        cfg = SchedulerConfig(**{"monitor": monitor, **obj})
+    else:
+        cfg = SchedulerConfig(obj, monitor=monitor)
+    if cfg.reduce_on_plateau and cfg.monitor is None:
+        raise _bad(where, 'a ReduceLROnPlateau scheduler needs the metric it watches: add "monitor": "val_loss"')
+    return cfg
 
 
 def _from_dict(d: dict, where: Any) -> tuple[torch.optim.Optimizer, list[SchedulerConfig]]:

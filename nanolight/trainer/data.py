@@ -51,7 +51,7 @@ def parse_num_batches(kind: str, length: int | None, limit: int | float) -> floa
             raise UsageError(f"limit_{kind}_batches={limit}: a fraction needs a loader with a length; give an int")
         return 0.0 if limit == 0.0 else math.inf
     n = int(length * limit)
-    if n == 0 and limit > 0.0:
+    if n == 0 and limit > 0.0 and length > 0:
         raise UsageError(
             f"limit_{kind}_batches={limit} x {length} batches = 0 batches: use at least {1 / length:.3g} or an int"
         )
@@ -97,9 +97,9 @@ class DataConnector:
                 f"no {kind} data: pass {kind}_dataloaders=... (or a datamodule), or implement {kind}_dataloader()"
             )
         trainer.strategy.barrier(f"{kind}_dataloader()")
-        loaders = list(raw) if isinstance(raw, (list, tuple)) else [raw]
         if isinstance(raw, dict):
             raise UsageError(f"a dict of {kind} dataloaders is not supported: pass one loader or a list")
+        loaders = list(raw) if _is_loader_list(raw) else [raw]
         if kind == "train" and len(loaders) != 1:
             raise UsageError(f"training takes one dataloader, got {len(loaders)}: combine them into one")
         return [self._process(loader, kind) for loader in loaders]
@@ -141,6 +141,16 @@ class DataConnector:
             seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
             sampler = DistributedSampler(loader.dataset, shuffle=isinstance(sampler, RandomSampler), seed=seed, **kwargs)
         return _rebuild(loader, sampler)
+
+
+def _is_loader_list(raw: Any) -> bool:
+    """A list of dataloaders (one per dataloader_idx), not a list of batches used as one loader."""
+    if not isinstance(raw, (list, tuple)) or not raw:
+        return False
+    return all(
+        isinstance(x, DataLoader) or (hasattr(x, "__iter__") and not isinstance(x, (torch.Tensor, dict, list, tuple, str)))
+        for x in raw
+    )
 
 
 def _module_overrides(module: Any, hook: str) -> bool:

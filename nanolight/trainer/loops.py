@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from lightning_utilities.core.rank_zero import rank_zero_info
+from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 
 from nanolight.errors import UsageError
 from nanolight.seed import restore_rng_state
@@ -136,6 +136,8 @@ class FitLoop:
     def run(self) -> None:
         trainer = self.trainer
         self.ensure_train_data()
+        if self.max_batches == 0 and not (0 <= trainer.config.max_steps <= trainer.global_step):
+            rank_zero_warn("the train dataloader has no batches (or limit_train_batches=0): fit stopped without training")
         if self.done or trainer.config.limit_train_batches == 0:
             return
         if trainer.enable_validation and self._validates_epoch():

@@ -155,7 +155,7 @@ def resolve_ckpt_path(trainer: NanoTrainer, ckpt_path: str | Path | None, fn: st
             found = resolve_checkpoint(d / LAST_POINTER)
             if found is not None:
                 return found
-        rank_zero_warn(f'{fn}(ckpt_path="last") but there is no checkpoint under {dirs[0]}: nothing is restored')
+        rank_zero_warn(f'{fn}(ckpt_path="last"): no checkpoint found under {dirs[0]}; nothing is restored')
         return None
     found = resolve_checkpoint(ckpt_path)
     if found is None:

@@ -206,7 +206,7 @@ def test_single_device_step_dir_converts_to_hf(tmp_path: Path, tied: bool) -> No
     )  # fmt: skip
     module = TinyLM(tied)
     trainer.fit(module, train_dataloaders=_loader(0))
-    step = tmp_path / "checkpoints" / f"step-{STEPS}"
+    step = Path(trainer.checkpoint_callback.best_model_path)  # Lightning names it epoch=0-step=3
     assert (step / "model.safetensors").is_file() and (step / "config.json").is_file()
     model = module.model.eval()
     ids = _ids()

@@ -132,9 +132,14 @@ def test_workers_of_a_killed_torchrun_agent_stop(tmp_path: Path, cache_dir: Path
 
 
 def _unshared(rank: int, world: int, root: str) -> str:
+    # Rank 0's relative run directory, broadcast to every rank, read from another working
+    # directory per rank: what a node without the shared filesystem sees.
+    node = Path(root) / f"node{rank}"
+    node.mkdir()
+    os.chdir(node)
     trainer = NanoTrainer(
         use_distributed_sampler=False,  # each rank is given its own data
-        max_steps=1, strategy=Parallel3DStrategy(dp=world), default_root_dir=Path(root) / f"node{rank}",
+        max_steps=1, strategy=Parallel3DStrategy(dp=world), default_root_dir="run",
         logger=False, enable_progress_bar=False,
     )  # fmt: skip
     try:

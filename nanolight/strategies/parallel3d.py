@@ -213,9 +213,11 @@ class Parallel3DStrategy(Strategy):
     def _broadcast_weights(self, module: nn.Module) -> None:
         """A model each rank built itself starts from rank 0's weights on every rank (DDP's rule:
         replicas that were seeded differently must not silently diverge)."""
-        if self._ctx.world_size > 1:
+        ctx = self._ctx
+        if ctx.dp_size > 1:  # replicas of one shard: the ranks of this rank's dp group
+            src = dist.get_global_rank(ctx.dp_group, 0)
             for tensor in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(tensor.data, src=0)  # rank 0 sends its initial weights to every rank
+                dist.broadcast(tensor.data, src=src, group=ctx.dp_group)  # dp rank 0 sends its shard's weights
 
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[Any]:
         """Gradient synchronisation, and ZeRO-1 around the optimizer (`parallel/grads.py`)."""

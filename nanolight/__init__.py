@@ -4,22 +4,53 @@ import nanolight as L                      # a Lightning program ports by renami
 trainer = L.NanoTrainer(max_epochs=3)
 trainer.fit(module, datamodule=dm)          # module: L.NanoModule, dm: L.NanoDataModule
 model = nanolight.load_pretrained("path/to/checkpoint")
+
+The top-level names load on first use (PEP 562), so that ``import nanolight.models`` brings in
+the model and torch only -- not the trainer, its loggers and their dependencies (a GPU box with
+just torch + transformers runs `scripts/bench_gpu.py`).
 """
 
+from __future__ import annotations
+
+import importlib
 import os
+from typing import TYPE_CHECKING, Any
 
-from lightning_utilities.core.rank_zero import rank_zero_only
+try:  # rank-zero helpers print on rank 0 only, even before a strategy knows the rank
+    from lightning_utilities.core.rank_zero import rank_zero_only
 
-if getattr(rank_zero_only, "rank", None) is None:  # the strategy sets it again once it knows
-    rank_zero_only.rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
-
-from nanolight.callbacks import Callback  # noqa: E402
-from nanolight.checkpoint.pretrained import load_pretrained, save_pretrained  # noqa: E402
-from nanolight.module import NanoDataModule, NanoModule  # noqa: E402
-from nanolight.seed import seed_everything  # noqa: E402
-from nanolight.trainer import NanoTrainer  # noqa: E402
+    if getattr(rank_zero_only, "rank", None) is None:  # the strategy sets it again once it knows
+        rank_zero_only.rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+except ImportError:  # the model-only install: nothing here prints through them
+    pass
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "Callback": "nanolight.callbacks",
+    "NanoDataModule": "nanolight.module",
+    "NanoModule": "nanolight.module",
+    "NanoTrainer": "nanolight.trainer",
+    "load_pretrained": "nanolight.checkpoint.pretrained",
+    "save_pretrained": "nanolight.checkpoint.pretrained",
+    "seed_everything": "nanolight.seed",
+}
+
+if TYPE_CHECKING:
+    from nanolight.callbacks import Callback
+    from nanolight.checkpoint.pretrained import load_pretrained, save_pretrained
+    from nanolight.module import NanoDataModule, NanoModule
+    from nanolight.seed import seed_everything
+    from nanolight.trainer import NanoTrainer
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # later lookups skip this hook
+        return value
+    raise AttributeError(f"module 'nanolight' has no attribute {name!r}")
+
 
 __all__ = [
     "Callback",

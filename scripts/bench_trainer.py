@@ -5,20 +5,30 @@ for several repeats so machine noise hits all equally; the median of each is rep
 NanoTrainer's overhead relative to the plain loop (target: under 3%).
 
     python scripts/bench_trainer.py [--steps 200] [--repeats 5] [--width 1024] [--device cpu]
+
+With ``--model <preset>`` (e.g. smollm-tiny) the model is a Llama instead of the MLP: NanoTrainer
+trains the recipe's module from a converted checkpoint, the plain loop trains transformers'
+LlamaForCausalLM from the same Hugging Face checkpoint (`_llama_step.py`); the full step, model
+included, is compared (target: nanolight >= 1.05x).
+
+    python scripts/bench_trainer.py --model smollm-tiny --seq-len 256 --batch 4 --accum 2 --steps 20
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _llama_step.py next to this script
 from nanolight.module import NanoModule
 from nanolight.strategies import SingleDeviceStrategy
 from nanolight.trainer import NanoTrainer
@@ -167,16 +177,30 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    p.add_argument(
+        "--model", default=None, help="a Llama preset (full step vs transformers); default: the MLP"
+    )
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (--model only)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    runners: dict[str, Callable] = {"plain": run_plain, "nanolight": run_nano}
-    lit = lightning_runner()
-    if lit is not None:
-        runners["lightning"] = lit
-    else:
-        print("lightning not installed: skipping the Lightning comparison")
+    with tempfile.TemporaryDirectory() as root:
+        if args.model is not None:
+            from _llama_step import runners as llama_runners
+
+            runners = llama_runners(args, Path(root), rates, now)
+        else:
+            runners = {"plain": run_plain, "nanolight": run_nano}
+            lit = lightning_runner()
+            if lit is not None:
+                runners["lightning"] = lit
+            else:
+                print("lightning not installed: skipping the Lightning comparison")
+        measure(args, device, runners)
+
+
+def measure(args: argparse.Namespace, device: torch.device, runners: dict[str, Callable]) -> None:
     for fn in runners.values():  # warm-up (allocator, kernels, imports)
         fn(argparse.Namespace(**{**vars(args), "steps": 10}), device)
     results: dict[str, list[tuple[float, float]]] = {k: [] for k in runners}
@@ -184,16 +208,19 @@ def main() -> None:
         for name, fn in runners.items():
             results[name].append(fn(args, device))
         print(f"repeat {r + 1}: " + "  ".join(f"{k}={v[-1][0]:.2f}" for k, v in results.items()), flush=True)
+    what = f"{args.model} T={args.seq_len}" if args.model else f"MLP {args.depth}x{args.width}"
     print(
-        f"\n{args.steps} steps x {args.accum} micro-batches of {args.batch}, MLP {args.depth}x{args.width}, "
-        f"{device}, median of {args.repeats}; time vs plain (+ = slower)"
+        f"\n{args.steps} steps x {args.accum} micro-batches of {args.batch}, {what}, "
+        f"{device}, median of {args.repeats}; time vs the first (+ = slower)"
     )
-    base = [statistics.median(v[i] for v in results["plain"]) for i in (0, 1)]
+    first = next(iter(results))
+    base = [statistics.median(v[i] for v in results[first]) for i in (0, 1)]
     for name, vals in results.items():
         wall, cpu = (statistics.median(v[i] for v in vals) for i in (0, 1))
         print(
             f"{name:>10}: wall {wall:8.2f} steps/s {100 * (base[0] / wall - 1):+6.2f}%   "
-            f"cpu-time {cpu:8.2f} steps/s {100 * (base[1] / cpu - 1):+6.2f}%"
+            f"cpu-time {cpu:8.2f} steps/s {100 * (base[1] / cpu - 1):+6.2f}%   "
+            f"ratio {wall / base[0]:.3f} wall, {cpu / base[1]:.3f} cpu-time"
         )
 
 

@@ -174,3 +174,35 @@ def _sgd(rank: int, world: int) -> bool:
 
 def test_zero_wraps_sgd() -> None:
     assert run_distributed(_sgd, 2, timeout=120) == [True, True]
+
+
+def _kernels(rank: int, world: int, kernel: dict, path: str) -> bool:
+    ref = tiny_model()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=1e-6, **kernel)
+    zero = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-6, **kernel), dist.group.WORLD)
+    for key, value in kernel.items():  # the shards step with the kernel the user chose
+        assert zero.inner.defaults[key] == value and all(g[key] == value for g in zero.inner.param_groups)
+    for step in range(3):
+        ids = batches(step, world)
+        ref_opt.zero_grad()
+        torch.stack([ref(x, labels=x) for x in ids]).mean().backward()
+        ref_opt.step()
+        zero.zero_grad()
+        model(ids[rank], labels=ids[rank]).backward()
+        zero.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert_weights_close(p, q, name)
+    # a state saved by the plain for-loop AdamW (a CPU step count) loads into these kernels and steps
+    plain = torch.optim.AdamW(copy.deepcopy(ref).parameters(), lr=LR)
+    plain.load_state_dict(ref_opt.state_dict())
+    zero.load_state_dict(plain.state_dict())
+    zero.zero_grad()
+    model(ids[rank], labels=ids[rank]).backward()
+    zero.step()
+    return True
+
+
+@pytest.mark.parametrize("kernel", [{"foreach": True}, {"fused": True}], ids=["foreach", "fused"])
+def test_zero_steps_with_the_users_kernel(tmp_path: Path, kernel: dict) -> None:
+    assert run_distributed(_kernels, 2, kernel, str(tmp_path), timeout=120) == [True, True]

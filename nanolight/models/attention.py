@@ -38,11 +38,21 @@ def check_attn_implementation(name: str) -> None:
 
 class Documents:
     """Which document each token of packed rows belongs to: `ids` (B, T), equal within a document.
-    The mask and the offsets are built once per forward and shared by every layer."""
+    The mask or the offsets are built once per forward and shared by every layer; `prepare`
+    builds them before the layers run, so a (compiled, recomputed) layer only reads them."""
 
     def __init__(self, ids: torch.Tensor) -> None:
         self.ids = ids
         self._mask: torch.Tensor | None = None
+        self._varlen: tuple[torch.Tensor, int] | None = None
+
+    def prepare(self, implementation: str) -> Documents:
+        """Build what `attend` will read for this implementation; returns self."""
+        if implementation == "flash_attention_2":
+            self.varlen()
+        else:
+            self.mask()
+        return self
 
     def mask(self) -> torch.Tensor:
         """(B, 1, T, T) bool: query i may attend key j (same document, j <= i)."""
@@ -56,12 +66,15 @@ class Documents:
     def varlen(self) -> tuple[torch.Tensor, int]:
         """flash-attn's (cu_seqlens, max_seqlen) over the flattened (B * T) tokens: every document
         of every row is its own sequence."""
+        if self._varlen is not None:
+            return self._varlen
         B, T = self.ids.shape
         starts = torch.ones_like(self.ids, dtype=torch.bool)
         starts[:, 1:] = self.ids[:, 1:] != self.ids[:, :-1]  # a row start is a document start
         first = starts.reshape(-1).nonzero().squeeze(-1)
         cu = torch.cat([first, torch.tensor([B * T], device=first.device)]).to(torch.int32)
-        return cu, int((cu[1:] - cu[:-1]).max())
+        self._varlen = cu, int((cu[1:] - cu[:-1]).max())
+        return self._varlen
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None) -> torch.Tensor:

@@ -17,11 +17,14 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.func import functional_call
 
 from nanolight.models.attention import Documents, attend, check_attn_implementation, flash_attn_available
 from nanolight.models.flops import stage_costs
+from nanolight.models.fused_loss import linear_cross_entropy
 from nanolight.models.llama_config import LlamaConfig
 from nanolight.models.llama_rope import apply_rope, rope_cos_sin, rope_inv_freq
+from nanolight.models.norm import RMSNorm
 
 __all__ = ["LlamaConfig", "LlamaForCausalLM", "causal_lm_loss", "flash_attn_available"]
 
@@ -39,20 +42,6 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX
     )
-
-
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight, normalised in fp32 (bf16 squares lose too much precision)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
 
 
 class CausalSelfAttention(nn.Module):
@@ -78,11 +67,10 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape
         r, hd = self.q_per_kv, self.head_dim
         qkv = self.qkv_proj(x).view(B, T, -1, r + 2, hd)  # (B, T, n_kv_local, r + 2, head_dim)
-        n_kv = qkv.size(2)
-        q = qkv[:, :, :, :r].reshape(B, T, n_kv * r, hd).transpose(1, 2)  # (B, n_heads_local, T, head_dim)
-        k = qkv[:, :, :, r].transpose(1, 2)  # (B, n_kv_local, T, head_dim)
-        v = qkv[:, :, :, r + 1].transpose(1, 2)  # (B, n_kv_local, T, head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = qkv.split((r, 1, 1), dim=3)  # views; backward joins them with one cat
+        q = apply_rope(q, cos, sin).flatten(2, 3)  # (B, T, n_heads_local, head_dim), contiguous
+        k = apply_rope(k.squeeze(3), cos, sin)  # (B, T, n_kv_local, head_dim)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.squeeze(3).transpose(1, 2)  # heads first
         y = attend(q, k, v, self.attn_implementation, documents)  # (B, n_heads_local, T, head_dim)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads_local * head_dim)
         return self.o_proj(y)
@@ -101,9 +89,23 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x).unflatten(-1, (-1, 2))  # (B, T, intermediate_local, 2)
-        gate, up = gate_up.unbind(-1)  # two (B, T, intermediate_local)
+        if torch.compiler.is_compiling() or x.device.type != "cpu":
+            # inductor fuses silu * up reading stride 2; CUDA's kernels read it at full speed
+            gate_up = self.gate_up_proj(x).unflatten(-1, (-1, 2))  # (B, T, intermediate_local, 2)
+            gate, up = gate_up.unbind(-1)  # two (B, T, intermediate_local), stride 2
+        else:
+            gate, up = self._blocked_gate_up(x)
         return self.down_proj(F.silu(gate) * up)
+
+    def _blocked_gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate and up as unit-stride halves: the projection runs once with its weight's rows
+        regrouped [gate_0, gate_1, ..., up_0, up_1, ...] (a weight-sized copy, differentiable).
+        CPU's vectorised silu, its backward and the product need unit stride: on a stride-2 input
+        the MLP ran ~15% slower than transformers' separate gate/up projections. The module is
+        still the one called (`functional_call`), so a tensor-parallel layer keeps its collectives."""
+        w = self.gate_up_proj.weight  # (2 * intermediate_local, H), pairs interleaved
+        blocked = w.view(-1, 2, w.shape[-1]).transpose(0, 1).reshape(w.shape)
+        return functional_call(self.gate_up_proj, {"weight": blocked}, (x,)).chunk(2, dim=-1)
 
 
 class DecoderLayer(nn.Module):
@@ -145,7 +147,9 @@ class LlamaModel(nn.Module):
         `document_ids` (B, T) keep packed documents apart (attention stays inside a document)."""
         x = self.embed_tokens(input_ids) if hidden_states is None else hidden_states  # (B, T, C)
         cos, sin = self.rotary_tables(input_ids.shape, position_ids, x)
-        documents = Documents(document_ids) if document_ids is not None else None
+        documents = None
+        if document_ids is not None:  # built here, once, not inside a (compiled) layer
+            documents = Documents(document_ids).prepare(self.config.attn_implementation)
         for layer in self.layers:
             x = layer(x, cos, sin, documents)
         return x if self.norm is None else self.norm(x)
@@ -153,11 +157,13 @@ class LlamaModel(nn.Module):
     def rotary_tables(
         self, shape: torch.Size, position_ids: torch.Tensor | None, like: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin (B, T, head_dim) for positions 0..T-1 or `position_ids` ((T,) or (B, T))."""
+        """cos/sin (B, T, head_dim) for `position_ids` ((T,) or (B, T)), or (1, T, head_dim) for
+        positions 0..T-1 (shared by every row)."""
         B, T = shape
         if position_ids is None:
-            position_ids = torch.arange(T, device=like.device)
-        position_ids = position_ids.expand(B, T)
+            position_ids = torch.arange(T, device=like.device)[None]
+        elif position_ids.dim() == 1:
+            position_ids = position_ids.expand(B, T)
         c = self.config
         inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, device=like.device)
         return rope_cos_sin(position_ids, inv_freq, like.dtype)
@@ -240,16 +246,18 @@ class LlamaForCausalLM(nn.Module):
         h = self.model(input_ids, position_ids, hidden_states, document_ids)  # (B, T, C)
         if self.lm_head is None:
             return h
-        logits = self.lm_head(h)  # (B, T, V)
         if labels is None:
-            return logits
+            return self.lm_head(h)  # (B, T, V)
         # logits at t predict the token at t+1: shift the labels left (the last position predicts
         # nothing, -100) rather than slicing logits, which would copy the largest activation.
         shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T)
         if document_ids is not None:
             crossing = F.pad(document_ids[:, 1:] != document_ids[:, :-1], (0, 1), value=False)
             shifted = shifted.masked_fill(crossing, IGNORE_INDEX)
-        return self.loss_fn(logits, shifted)
+        if self.loss_fn is causal_lm_loss and type(self.lm_head) is nn.Linear:
+            # the plain head and loss: fused over token chunks, the logits never held (fused_loss.py)
+            return linear_cross_entropy(h, self.lm_head.weight, shifted)
+        return self.loss_fn(self.lm_head(h), shifted)  # e.g. tensor parallelism's vocab-parallel loss
 
     # ------------------------------------------------------------------ initialisation
     def init_param(self, name: str, tensor: torch.Tensor, generator: torch.Generator | None = None) -> None:

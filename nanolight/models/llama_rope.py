@@ -51,9 +51,39 @@ def rope_cos_sin(
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[x1*cos - x2*sin, x2*cos + x1*sin] with half-width tables, each half written in place into
+    one new contiguous tensor: no rotate_half copy, no concatenation, no negation."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty(x.shape, dtype=torch.result_type(x, cos), device=x.device)
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=o2).addcmul_(x1, sin)
+    return out
+
+
+class _Rope(torch.autograd.Function):
+    """A rotation's gradient is the inverse rotation (sin negated): backward is one more `_rotate`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, -sin), None, None
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, n_heads, T, head_dim) by position; cos/sin are (B, T, head_dim)."""
-    cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, head_dim): broadcast over heads
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
+    """Rotate x (B, T, ..., head_dim) -- tokens first, any head dims after -- by position; cos/sin
+    are (B or 1, T, head_dim). Returns a contiguous tensor (heads then merge without a copy)."""
+    half = x.shape[-1] // 2
+    shape = (*cos.shape[:2], *([1] * (x.dim() - 3)), half)  # broadcast over the head dims
+    c, s = cos[..., :half].reshape(shape), sin[..., :half].reshape(shape)  # both halves share them
+    if torch.compiler.is_compiling():
+        x1, x2 = x[..., :half], x[..., half:]  # plain ops: inductor fuses them into one kernel
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    return _Rope.apply(x, c, s)

@@ -9,7 +9,8 @@ Layout: the gradient buckets of `GradReducer` (one flat buffer per bucket, padde
 multiple of dp; buckets never mix param groups) are each split into dp contiguous slices;
 rank r owns slice r of every bucket. A param group's *flat shard* is the concatenation of its
 slices, and the inner optimizer -- the same class as the user's, with the same hyperparameters
--- runs on one fp32 `nn.Parameter` per group holding that shard, with the reduce-scattered
+-- runs on one fp32 `nn.Parameter` per group holding that shard (one flat tensor: the fused and
+foreach kernels the user chose step it in one launch), with the reduce-scattered
 gradient shard as its ``.grad``. Because the inner optimizer is elementwise (AdamW, Adam, SGD;
 not LBFGS/Shampoo-like ones), stepping the slices is exactly stepping the whole model. Padding
 elements have zero weight and zero gradient, so they stay zero. One difference from
@@ -27,6 +28,7 @@ other dp, with or without ZeRO.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Collection, Iterator
 from typing import Any
 
@@ -72,7 +74,9 @@ class ZeroOptimizer:
         inner_groups = [
             {**_hyper(g), "params": [m]} for g, m in zip(self.param_groups, self.master, strict=True)
         ]
-        self.inner = type(optimizer)(inner_groups)  # every group carries all its hyperparameters
+        # every group carries all its hyperparameters; the constructor also gets the user's defaults,
+        # so the shards step with the same kernels (fused / foreach) and flags the user asked for
+        self.inner = type(optimizer)(inner_groups, **_constructor_defaults(optimizer))
         if optimizer.state:  # the user's optimizer already has state (e.g. loaded): shard it
             self.load_state_dict(optimizer.state_dict())
 
@@ -262,9 +266,15 @@ class ZeroOptimizer:
                 continue
             first = next(iter(entries.values()))
             shard: dict[str, Any] = {}
+            inner = self.inner.param_groups[g_idx]
+            on_device = inner.get("fused") or inner.get("capturable")
             for key, value in first.items():
                 if isinstance(value, Tensor) and value.dim() > 0:
                     shard[key] = torch.zeros_like(master, dtype=master.dtype)
+                elif isinstance(value, Tensor) and key == "step" and on_device:
+                    # fused / capturable kernels keep the step count in fp32 on the params' device
+                    # (where torch.optim's own load_state_dict moves it)
+                    shard[key] = value.to(device=master.device, dtype=torch.float32)
                 else:
                     shard[key] = value.clone() if isinstance(value, Tensor) else value
             for bucket in self.reducer.buckets:
@@ -278,6 +288,13 @@ class ZeroOptimizer:
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer(stage=1, dp={self.dp_size}, inner={type(self.inner).__name__})"
+
+
+def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The user's optimizer's defaults that its constructor takes (fused, foreach, capturable,
+    lr, ...); defaults a constructor does not take (AdamW's ``decoupled_weight_decay``) are left out."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:

@@ -20,11 +20,16 @@ from nanolight.parallel.config import ParallelConfig
 from nanolight.pretrain.schema import ConfigError, build_dataclass
 
 Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
+Recompute = Literal["none", "full", "selective"]
 
 
 @dataclass
 class TrainConfig:
-    """Loop sizes. The global batch is micro_batch_size * accumulate_grad_batches * dp."""
+    """Loop sizes. The global batch is micro_batch_size * accumulate_grad_batches * dp.
+
+    Speed (`parallel/recompute.py`, `parallel/compile.py`): `activation_checkpointing` recomputes
+    "full" decoder blocks or their "selective" cheap ops in backward, on every
+    `activation_checkpointing_every`-th block; `compile` runs each decoder block under torch.compile."""
 
     max_steps: int = 320
     max_epochs: int | None = None
@@ -39,6 +44,9 @@ class TrainConfig:
     limit_val_batches: int = 8
     enable_progress_bar: bool = True
     deterministic: bool = False
+    activation_checkpointing: Recompute = "none"
+    activation_checkpointing_every: int = 1
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -50,6 +58,16 @@ class TrainConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        if self.activation_checkpointing_every < 1:
+            raise ValueError(
+                f"trainer.activation_checkpointing_every must be >= 1 (1: every decoder block, 2: every 2nd, "
+                f"...), got {self.activation_checkpointing_every}"
+            )
+        if self.activation_checkpointing == "none" and self.activation_checkpointing_every != 1:
+            raise ValueError(
+                "trainer.activation_checkpointing_every is set but trainer.activation_checkpointing=none; "
+                "add trainer.activation_checkpointing=full (or selective)"
+            )
         if self.val_check_interval is not None and self.val_check_interval < 1:
             raise ValueError("trainer.val_check_interval must be >= 1 (optimizer steps) or null to disable")
 

@@ -43,6 +43,12 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def adamw_kernel(device: torch.device) -> dict[str, bool]:
+    """One kernel launch per step instead of one per tensor: the fused AdamW on CUDA, the
+    multi-tensor (foreach) one elsewhere. ZeRO-1 steps its flat shards with the same kernel."""
+    return {"fused": True} if device.type == "cuda" else {"foreach": True}
+
+
 def load_weights(model: LlamaForCausalLM, path: str) -> None:
     """Copy a nanolight model directory's weights into `model`; another model is an error naming
     the tensors (the same check a resume makes)."""
@@ -125,8 +131,9 @@ class CausalLMPretrain(NanoModule):
     def configure_optimizers(self):
         o = self.optim
         optimizer = torch.optim.AdamW(
-            param_groups(self.model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps
-        )
+            param_groups(self.model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+            **adamw_kernel(next(self.model.parameters()).device),
+        )  # fmt: skip
         schedule = warmup_cosine(o.warmup_steps, self.max_steps, o.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -91,12 +91,19 @@ def build_data(config: PretrainConfig, dp_rank: int = 0, dp_size: int = 1):
 
 
 def build_strategy(config: PretrainConfig) -> Strategy:
-    p, precision = config.parallel, config.trainer.precision
+    p, t = config.parallel, config.trainer
+    speed = dict(
+        activation_checkpointing=t.activation_checkpointing,
+        activation_checkpointing_every=t.activation_checkpointing_every,
+        compile=t.compile,
+    )
     env = detect_environment()  # torchrun/srun, or None under plain python
     if (p.tp, p.pp, p.dp) == (1, 1, 1) and (env is None or env.world_size == 1):
-        return SingleDeviceStrategy(precision=precision)
+        return SingleDeviceStrategy(precision=t.precision, **speed)
     # under torchrun/srun the 3D strategy checks that the world equals tp*pp*dp (or fills dp="auto")
-    return Parallel3DStrategy.from_config(p, precision=precision, pretrained=config.checkpoint.init_from)
+    return Parallel3DStrategy.from_config(
+        p, precision=t.precision, pretrained=config.checkpoint.init_from, **speed
+    )
 
 
 def build_loggers(config: PretrainConfig, root: Path) -> list[Logger]:

@@ -38,6 +38,7 @@ from nanolight.checkpoint.pretrained import model_dir_files, step_dir_meta, stor
 from nanolight.checkpoint.reader import CheckpointReader
 from nanolight.checkpoint.save import save_sharded
 from nanolight.parallel import ParallelConfig, ParallelContext
+from nanolight.parallel.compile import CompiledBlocks, compile_blocks
 from nanolight.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from nanolight.parallel.grads import GradientSync
 from nanolight.parallel.health import Heartbeat, watch, watched
@@ -46,6 +47,7 @@ from nanolight.parallel.launcher import detect_environment, ensure_processes, in
 from nanolight.parallel.layout import ModelLayout, one_process_order, tied_aliases
 from nanolight.parallel.pipeline import PipelineStage, StageP2P, apply_split, build_schedule, plan_split
 from nanolight.parallel.pipeline.schedules import Action, check_micro_batches
+from nanolight.parallel.recompute import apply_activation_checkpointing, check_recompute
 from nanolight.parallel.tensor_parallel.apply import apply_tensor_parallel, shard_dims
 from nanolight.precision import Precision
 from nanolight.strategies.base import Strategy
@@ -56,6 +58,8 @@ class Parallel3DStrategy(Strategy):
 
     `init_seed` seeds the topology-independent init (default: `torch.initial_seed()`, i.e. the
     trainer's `seed`); `pretrained` is a nanolight model directory to start from instead.
+    `activation_checkpointing` / `activation_checkpointing_every` / `compile`: as for
+    `SingleDeviceStrategy`, applied to this rank's blocks after tp and the pipeline split.
     """
 
     def __init__(
@@ -74,8 +78,15 @@ class Parallel3DStrategy(Strategy):
         backend: str | None = None,
         pp_layers_per_stage: list[int] | None = None,
         dp_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        activation_checkpointing: str = "none",
+        activation_checkpointing_every: int = 1,
+        compile: bool = False,
     ) -> None:
         super().__init__(precision)
+        check_recompute(activation_checkpointing, activation_checkpointing_every)
+        self.recompute = (activation_checkpointing, activation_checkpointing_every)
+        self.compile = compile
+        self.compiled: CompiledBlocks | None = None  # set by setup_module when compiling
         self.config = ParallelConfig(tp, pp, dp, zero_stage, pp_schedule, sequence_parallel, timeout_s)
         self.init_seed, self.pretrained = init_seed, pretrained
         self.backend, self.timeout = backend, timedelta(seconds=timeout_s)
@@ -192,6 +203,8 @@ class Parallel3DStrategy(Strategy):
             gen = torch.Generator().manual_seed(seed)
             init_replayed_(model, specs, gen, shard_dims(model), ctx.tp_rank, ctx.tp_size)
         self.precision.convert_module(module)
+        apply_activation_checkpointing(module, *self.recompute)  # after tp and the split, before dp
+        self.compiled = compile_blocks(module, self.is_global_zero) if self.compile else None
         if split is not None:
             p2p = StageP2P(ctx.prev_pp_rank, ctx.next_pp_rank, ctx.device)
             self.stage = PipelineStage(model, ctx.pp_rank, ctx.pp_size, p2p)

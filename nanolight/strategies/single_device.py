@@ -3,23 +3,49 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from nanolight.parallel.compile import CompiledBlocks, compile_blocks
+from nanolight.parallel.recompute import apply_activation_checkpointing, check_recompute
 from nanolight.precision import Precision
 from nanolight.strategies.base import Strategy
 
 
 class SingleDeviceStrategy(Strategy):
-    """Train on ``device`` (default: ``cuda:0`` if available, else CPU)."""
+    """Train on ``device`` (default: ``cuda:0`` if available, else CPU).
 
-    def __init__(self, device: str | torch.device | None = None, precision: str | Precision = "32-true"):
+    `activation_checkpointing` ("none" | "full" | "selective", on every
+    `activation_checkpointing_every`-th decoder block) and `compile` (each decoder block) act on
+    the model's blocks after it is moved and cast: `parallel/recompute.py`, `parallel/compile.py`.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        precision: str | Precision = "32-true",
+        *,
+        activation_checkpointing: str = "none",
+        activation_checkpointing_every: int = 1,
+        compile: bool = False,
+    ):
         super().__init__(precision)
         if device is None:
             device = "cuda:0" if torch.cuda.is_available() else "cpu"
         self._device = torch.device(device)
+        check_recompute(activation_checkpointing, activation_checkpointing_every)
+        self.recompute = (activation_checkpointing, activation_checkpointing_every)
+        self.compile = compile
+        self.compiled: CompiledBlocks | None = None  # set by setup_module when compiling
 
     @property
     def root_device(self) -> torch.device:
         return self._device
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = super().setup_module(module)
+        apply_activation_checkpointing(module, *self.recompute)
+        self.compiled = compile_blocks(module) if self.compile else None
+        return module
 
     def setup_environment(self) -> None:
         super().setup_environment()

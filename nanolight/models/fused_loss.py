@@ -1,0 +1,109 @@
+"""The output head and the cross-entropy in one pass over chunks of tokens (no full logits).
+
+Why: the (tokens, vocab) logits are the largest activation of a small LM (smollm-1.7b at 16k
+tokens per micro-batch: 3.2 GB in fp32), and the plain loss walks them five times -- write the
+log-softmax, zero-fill its gradient, scatter, read both back, write the gradient. Here each chunk
+of tokens computes its logits, its loss and, when training, its gradients at once: the softmax
+minus the one-hot *is* the gradient of the logits, so the chunk's contribution to d hidden and
+d weight is taken right away and its logits are dropped. Only d hidden (tokens x hidden) and
+d weight (the head's size) are kept for backward, which scales them by the incoming gradient.
+A chunk sized to the CPU cache is also faster than the whole tensor (`scripts/bench_model.py`).
+
+Numerics are those of ``F.cross_entropy(logits.float(), labels, ignore_index=-100)``: logits in
+the compute dtype (autocast's, or the inputs'), softmax in fp32, the mean over counted tokens;
+d weight is summed over chunks in fp32. Backward runs once (no `retain_graph` double backward).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+IGNORE_INDEX = -100
+CHUNK_BYTES = {"cpu": 4 << 20, "cuda": 256 << 20}  # fp32 logits per chunk: cache-sized / memory-bounded
+
+
+def chunk_rows(vocab: int, hidden: int, device: torch.device) -> int:
+    """Tokens per chunk: the logits budget of the device, but at least `hidden / 2` rows so that
+    each chunk's update of d weight (vocab x hidden) stays small next to its logits (measured on
+    CPU: 128 rows best at vocab 8192 for hidden 128 and 256; at vocab 49152, hidden 576, ~300)."""
+    budget = CHUNK_BYTES.get(device.type, CHUNK_BYTES["cuda"])
+    return max(budget // (4 * vocab), hidden // 2, 1)
+
+
+def _compute_dtype(*tensors: Tensor) -> torch.dtype:
+    device = tensors[0].device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(tensors[0].dtype, tensors[1].dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """loss = mean CE(hidden @ weight.T, labels); gradients taken during forward (see module doc)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, rows: int) -> Tensor:
+        dtype = _compute_dtype(hidden, weight)
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            valid = labels != IGNORE_INDEX
+            safe = labels.masked_fill(~valid, 0)[:, None]  # (N, 1): an index that exists
+            count = valid.sum()
+            keep_all = valid / count  # (N,): 1/N where the token counts, 0 where it is ignored
+            minus_one = torch.full((min(rows, len(labels)), 1), -1.0, device=hidden.device)
+            d_hidden = torch.empty_like(hidden) if want_h else None
+            d_weight = None
+            loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            for s in range(0, hidden.shape[0], rows):
+                h, keep, idx = (
+                    hidden[s : s + rows].to(dtype),
+                    keep_all[s : s + rows, None],
+                    safe[s : s + rows],
+                )
+                logp = torch.log_softmax((h @ w.t()).float(), dim=-1)  # (n, V), one fused pass
+                loss -= (logp.gather(1, idx) * keep).sum()
+                if not (want_h or want_w):
+                    continue
+                grad = logp.exp_().scatter_add_(1, idx, minus_one[: idx.shape[0]])  # softmax - onehot
+                grad = grad.to(dtype)  # d loss / d logits up to the row weights, applied on the H side
+                if want_h:
+                    d_hidden[s : s + rows] = (grad @ w) * keep
+                if want_w:
+                    hk = h * keep.to(dtype)
+                    if d_weight is None:
+                        d_weight = (grad.t() @ hk).float()  # (V, H)
+                    elif dtype == torch.float32:
+                        d_weight.addmm_(grad.t(), hk)
+                    else:
+                        d_weight += grad.t() @ hk
+        ctx.save_for_backward(d_hidden, d_weight)
+        ctx.weight_dtype, ctx.used = weight.dtype, False
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        if ctx.used:
+            raise RuntimeError(
+                "linear_cross_entropy's backward runs once (its gradients are scaled in place)"
+            )
+        ctx.used = True
+        d_hidden, d_weight = ctx.saved_tensors
+        # the caller's gradient (e.g. 1 / accumulate_grad_batches), applied in place: backward
+        # runs once, and these buffers were made for it
+        dh = d_hidden.mul_(grad_out) if d_hidden is not None else None
+        dw = d_weight.mul_(grad_out).to(ctx.weight_dtype) if d_weight is not None else None
+        return dh, dw, None, None
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, rows: int | None = None) -> Tensor:
+    """Mean cross-entropy of ``hidden @ weight.T`` against `labels` (-100: not counted).
+
+    hidden (..., H), weight (V, H), labels (...) aligned with hidden (already shifted).
+    `rows`: tokens per chunk (default: `chunk_rows`)."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    if rows is None:
+        rows = chunk_rows(weight.shape[0], weight.shape[1], hidden.device)
+    return _LinearCrossEntropy.apply(h, weight, labels.reshape(-1), rows)

@@ -1,0 +1,256 @@
+"""Training throughput on one GPU: nanolight's model vs transformers' LlamaForCausalLM, bf16-mixed.
+
+    python scripts/bench_gpu.py                          # smollm-1.7b and smollm-360m, T=2048 (~7 min, H200)
+    python scripts/bench_gpu.py --device cpu --preset smollm-tiny --seq-len 64 --micro-batch 2 \\
+        --steps 2 --warmup 1 --compile off               # the same code path on a CPU, in seconds
+
+One process, synthetic tokens, the recipe's model and optimizer (AdamW with the recipe's
+hyperparameters and decay groups, fused on CUDA / foreach on CPU; clipping at 1.0) in the same
+plain loop for both models, no host synchronisation inside the timed steps. nanolight runs with
+compile off/on (each decoder block, `parallel/compile.py`) x activation checkpointing
+none/selective/full (`parallel/recompute.py`); transformers runs with SDPA (flash-attn when
+installed, for both) eager and with each decoder layer compiled -- the same per-block compile.
+Both models start from the same weights (nanolight's init, converted), and their first losses
+are printed side by side.
+
+The micro-batch is the largest power of two up to --micro-batch at which transformers eager
+(full logits, nothing recomputed: the most memory) fits; every run of a model uses it. Printed
+per run: tokens/s, MFU (`models/flops.py`: 6N + 12 L H Q T per token, over the dense bf16 peak:
+989 TFLOP/s for H100/H200, or --peak-tflops), peak memory, step time; then nanolight/transformers
+ratios on the same shapes. Imports only torch, transformers and nanolight's model-side modules
+(no hydra, omegaconf, wandb, datasets or lightning-utilities): a bare GPU box runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a source checkout, not installed
+from nanolight.checkpoint.hf import nanolight_to_hf_state_dict  # noqa: E402
+from nanolight.models import LlamaConfig, LlamaForCausalLM, flash_attn_available, flops_per_token  # noqa: E402
+from nanolight.parallel.compile import compile_blocks  # noqa: E402
+from nanolight.parallel.recompute import apply_activation_checkpointing  # noqa: E402
+
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, no sparsity
+DEFAULT_MICRO_BATCH = {"smollm-1.7b": 8, "smollm-360m": 16}
+# the recipe's optimizer (nanolight/pretrain/config.py OptimConfig and module.py; a test checks they agree)
+LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 4e-3, (0.9, 0.95), 1e-8, 0.1, 1.0
+
+
+@dataclass
+class Result:
+    model: str
+    impl: str
+    compiled: bool
+    recompute: str
+    micro_batch: int
+    tokens_s: float | None = None
+    mfu: float | None = None
+    peak_gib: float | None = None
+    step_ms: float | None = None
+    first_loss: float | None = None
+    status: str = "ok"
+
+
+def optimizer(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, **kernel)
+
+
+def nanolight_model(config: LlamaConfig, device: torch.device) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    with torch.device(device):
+        return LlamaForCausalLM(config).train()
+
+
+def transformers_model(config: LlamaConfig, device: torch.device) -> torch.nn.Module:
+    import transformers
+
+    hf_config = transformers.LlamaConfig(**config.to_hf_dict(), use_cache=False)
+    hf_config._attn_implementation = config.attn_implementation
+    weights = nanolight_to_hf_state_dict(config, nanolight_model(config, device).state_dict())
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(hf_config)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    return model.train()
+
+
+def build(impl: str, config: LlamaConfig, device: torch.device, compiled: bool, recompute: str):
+    if impl == "transformers":
+        model = transformers_model(config, device)
+        if compiled:
+            for layer in model.model.layers:  # per decoder layer, as nanolight compiles its blocks
+                layer.compile()
+        return model, lambda ids: model(input_ids=ids, labels=ids).loss
+    model = nanolight_model(config, device)
+    apply_activation_checkpointing(model, recompute)
+    if compiled:
+        compile_blocks(model)
+    return model, lambda ids: model(ids, labels=ids)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(args: argparse.Namespace, r: Result, config: LlamaConfig, device: torch.device) -> Result:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model, loss_of = build(r.impl, config, device, r.compiled, r.recompute)
+    opt = optimizer(model, device)
+    g = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (r.micro_batch, args.seq_len), device=device, generator=g)
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16-mixed" else nullcontext()
+    )
+    losses, times = [], []
+    for i in range(args.warmup + args.steps):
+        sync(device)
+        t0 = time.perf_counter()
+        with autocast:
+            loss = loss_of(ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        sync(device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    step = statistics.median(times)
+    r.step_ms, r.tokens_s = 1e3 * step, r.micro_batch * args.seq_len / step
+    r.first_loss = float(losses[0])
+    if args.peak is not None:
+        r.mfu = flops_per_token(config, args.seq_len) * r.tokens_s / args.peak
+    if device.type == "cuda":
+        r.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+    return r
+
+
+def release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err)
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
+    """(impl, compiled, recompute) in the order they run: the peers first, compiled before eager."""
+    compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    runs = [("transformers", c, "none") for c in compiles]
+    runs += [("nanolight", c, ac) for c in sorted(compiles, reverse=True) for ac in args.recompute]
+    return runs
+
+
+def bench_model(args: argparse.Namespace, preset: str, device: torch.device, deadline: float) -> list[Result]:
+    config = LlamaConfig.preset(preset, attn_implementation=args.attn)
+    mb = args.micro_batch or DEFAULT_MICRO_BATCH.get(preset, 2)
+    results: list[Result] = []
+    for impl, compiled, recompute in plan(args):
+        r = Result(preset, impl, compiled, recompute, mb)
+        if time.perf_counter() > deadline:
+            r.status = "skipped (time limit)"
+        else:
+            while True:
+                oom = False
+                try:
+                    r = run(args, r, config, device)
+                except RuntimeError as err:
+                    if not is_oom(err):
+                        raise
+                    oom = True  # handled below, once the exception (and its frames' tensors) is gone
+                release(device)
+                if not oom:
+                    break
+                if results or r.micro_batch == 1:  # the first run of a model fixes its micro-batch
+                    r.status = "out of memory"
+                    break
+                r.micro_batch //= 2
+                mb = r.micro_batch
+        results.append(r)
+        print(row(r), flush=True)
+    return results
+
+
+def row(r: Result) -> str:
+    def f(v, spec):
+        return format(v, spec) if v is not None else "-"
+
+    return (
+        f"{r.model:<12} {r.impl:<13} {'on' if r.compiled else 'off':<7} {r.recompute:<9} {r.micro_batch:>3} "
+        f"{f(r.tokens_s, ',.0f'):>10} {f(r.mfu and 100 * r.mfu, '.1f'):>6} {f(r.peak_gib, '.1f'):>7} "
+        f"{f(r.step_ms, '.0f'):>8} {f(r.first_loss, '.4f'):>8}  {r.status}"
+    )
+
+
+def ratios(results: list[Result]) -> None:
+    ok = [r for r in results if r.tokens_s]
+    for preset in dict.fromkeys(r.model for r in ok):
+        mine = [r for r in ok if r.model == preset]
+        peers = {r.compiled: r for r in mine if r.impl == "transformers"}
+        ours = [r for r in mine if r.impl == "nanolight"]
+        for compiled, peer in peers.items():
+            same = next((r for r in ours if r.compiled == compiled and r.recompute == "none"), None)
+            if same:
+                print(f"{preset}: nanolight/transformers, compile {'on' if compiled else 'off'}, "
+                      f"nothing recomputed: {same.tokens_s / peer.tokens_s:.3f}")  # fmt: skip
+        if ours:
+            best = max(ours, key=lambda r: r.tokens_s)
+            mfu = f", MFU {100 * best.mfu:.1f}%" if best.mfu else ""
+            print(f"{preset}: best nanolight: compile {'on' if best.compiled else 'off'}, recompute "
+                  f"{best.recompute}: {best.tokens_s:,.0f} tokens/s{mfu}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> list[Result]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", action="append", help="repeatable (default: smollm-1.7b, smollm-360m)")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=None, help="upper bound (default per preset)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    p.add_argument("--compile", choices=["off", "on", "both"], default="both")
+    p.add_argument("--recompute", default="none,selective,full", help="activation checkpointing modes")
+    p.add_argument("--attn", choices=["auto", "sdpa", "flash_attention_2"], default="auto")
+    p.add_argument("--precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed")
+    p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: by GPU name)")
+    p.add_argument("--time-limit", type=float, default=450.0, help="seconds; later runs are skipped")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    args.recompute = args.recompute.split(",")
+    presets = args.preset or ["smollm-1.7b", "smollm-360m"]
+    if args.attn == "auto":
+        args.attn = "flash_attention_2" if device.type == "cuda" and flash_attn_available() else "sdpa"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    args.peak = 1e12 * args.peak_tflops if args.peak_tflops else next(
+        (v for k, v in PEAK_BF16.items() if k in name), None
+    )  # fmt: skip
+    print(f"{name}, torch {torch.__version__}, {args.precision}, attn={args.attn}, T={args.seq_len}, "
+          f"{args.steps} timed steps (median), peak {args.peak / 1e12 if args.peak else '-'} TFLOP/s")  # fmt: skip
+    print(f"{'model':<12} {'impl':<13} {'compile':<7} {'recompute':<9} {'mb':>3} {'tokens/s':>10} "
+          f"{'MFU%':>6} {'peakGiB':>7} {'step ms':>8} {'loss0':>8}")  # fmt: skip
+    deadline = time.perf_counter() + args.time_limit
+    results = [r for preset in presets for r in bench_model(args, preset, device, deadline)]
+    ratios(results)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The model's eager fast paths against the plain formulas they replace (same numbers).
+
+The fused head + loss (`models/fused_loss.py`) against ``F.cross_entropy`` on full logits, the
+RoPE and RMSNorm autograd Functions against the plain-op versions (which `torch.compile` uses),
+and the CPU MLP's regrouped projection against the stride-2 unbinding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanolight.models import LlamaConfig
+from nanolight.models.fused_loss import linear_cross_entropy
+from nanolight.models.llama import SwiGLU
+from nanolight.models.llama_rope import _Rope, rope_cos_sin, rope_inv_freq
+from nanolight.models.norm import RMSNorm, _rms_plain
+
+
+def _grads(fn, *tensors):
+    for t in tensors:
+        t.grad = None
+    out = fn()
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))  # the same each call
+    out.backward(upstream if out.dim() else None)
+    return out.detach(), [t.grad.clone() for t in tensors]
+
+
+@pytest.mark.parametrize("rows", [3, 16, None])
+def test_fused_head_loss_matches_cross_entropy(rows):
+    torch.manual_seed(0)
+    h = torch.randn(2, 8, 16, requires_grad=True)
+    w = (0.1 * torch.randn(50, 16)).requires_grad_()
+    labels = torch.randint(0, 50, (2, 8))
+    labels[0, :3] = -100  # ignored tokens count neither in the mean nor in the gradient
+    ref, (gh, gw) = _grads(lambda: F.cross_entropy((h @ w.t()).flatten(0, 1), labels.flatten()), h, w)
+    out, (fh, fw) = _grads(lambda: 3.0 * linear_cross_entropy(h, w, labels, rows), h, w)
+    torch.testing.assert_close(out, 3.0 * ref)
+    torch.testing.assert_close(fh, 3.0 * gh)
+    torch.testing.assert_close(fw, 3.0 * gw)
+
+
+def test_fused_head_loss_under_bf16_autocast_and_no_grad():
+    torch.manual_seed(0)
+    h = torch.randn(12, 32, requires_grad=True)
+    w = (0.1 * torch.randn(40, 32)).requires_grad_()
+    labels = torch.randint(0, 40, (12,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, (gh, gw) = _grads(lambda: F.cross_entropy((h @ w.t()).float(), labels), h, w)
+        out, (fh, fw) = _grads(lambda: linear_cross_entropy(h, w, labels, 5), h, w)
+    assert out.dtype == torch.float32 and fh.dtype == h.dtype and fw.dtype == w.dtype
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(fh, gh, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(fw, gw, rtol=2e-2, atol=2e-3)
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(h, w, labels, 5), F.cross_entropy(h @ w.t(), labels))
+
+
+def test_rope_function_matches_plain_rotation():
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 3, 2, 16, requires_grad=True)  # (B, T, n_kv, r, head_dim)
+    cos, sin = rope_cos_sin(torch.arange(7)[None], rope_inv_freq(16, 1e4, None), x.dtype)
+    c, s = cos[..., :8].reshape(1, 7, 1, 1, 8), sin[..., :8].reshape(1, 7, 1, 1, 8)
+
+    def plain():
+        x1, x2 = x[..., :8], x[..., 8:]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+    ref, (g_ref,) = _grads(plain, x)
+    out, (g_out,) = _grads(lambda: _Rope.apply(x, c, s), x)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(g_out, g_ref)
+
+
+def test_rmsnorm_function_matches_plain_formula():
+    torch.manual_seed(0)
+    norm = RMSNorm(32, 1e-5)
+    with torch.no_grad():
+        norm.weight.mul_(torch.rand(32) + 0.5)
+    x = torch.randn(3, 5, 32, requires_grad=True)
+    ref, g_ref = _grads(lambda: _rms_plain(x, norm.weight, norm.eps), x, norm.weight)
+    out, g_out = _grads(lambda: norm(x), x, norm.weight)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(g_out, g_ref, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_cpu_mlp_regrouped_projection_matches_stride_two_unbinding():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=10, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4
+    )
+    mlp = SwiGLU(cfg)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(2, 5, 32, requires_grad=True)
+
+    def stride_two():
+        gate, up = mlp.gate_up_proj(x).unflatten(-1, (-1, 2)).unbind(-1)
+        return mlp.down_proj(F.silu(gate) * up)
+
+    params = (x, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+    ref, g_ref = _grads(stride_two, *params)
+    out, g_out = _grads(lambda: mlp(x), *params)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(g_out, g_ref, strict=True):
+        torch.testing.assert_close(a, b)

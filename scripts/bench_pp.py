@@ -36,24 +36,24 @@ from nanolight.parallel import ParallelContext  # noqa: E402
 from nanolight.parallel.init import init_replayed_, param_specs  # noqa: E402
 from nanolight.parallel.pipeline import (  # noqa: E402
     FORWARD,
+    PipelineSplit,
     PipelineStage,
-    StageP2P,
     apply_split,
     bubble_fraction,
-    build_schedule,
     plan_split,
 )
 
 
-def build_stage(cfg: LlamaConfig, ctx: ParallelContext, seed: int) -> LlamaForCausalLM:
+def build_stage(cfg: LlamaConfig, ctx: ParallelContext, seed: int) -> tuple[LlamaForCausalLM, PipelineSplit]:
     """This rank's stage of the model, initialised like the single-device model."""
     with torch.device("meta"):
         lm = LlamaForCausalLM(cfg)
     specs = param_specs(lm)
-    apply_split(lm, plan_split(lm, ctx.pp_size), ctx.pp_rank)
+    split = plan_split(lm, ctx.pp_size)
+    apply_split(lm, split, ctx.pp_rank)
     lm.to_empty(device="cpu")
     init_replayed_(lm, specs, torch.Generator().manual_seed(seed), {})
-    return lm
+    return lm, split
 
 
 class TorchStage(nn.Module):
@@ -77,7 +77,7 @@ def torch_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def run_schedule(stage: PipelineStage, ids: torch.Tensor) -> torch.Tensor:
     """What the trainer does with the strategy's schedule, minus the hooks."""
     m, losses = len(ids), {}
-    for kind, i in build_schedule("1f1b", m, stage.pp_size, stage.pp_rank):
+    for kind, i in stage.start_step("1f1b", m):
         if kind == FORWARD:
             with stage.micro_batch(i):
                 losses[i] = stage.model(ids[i], labels=ids[i])
@@ -128,8 +128,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict
     )
 
     # ---- nanolight 1F1B
-    ours = build_stage(cfg, ctx, seed=1)
-    pipe = PipelineStage(ours, ctx.pp_rank, world, StageP2P(ctx.prev_pp_rank, ctx.next_pp_rank, ctx.device))
+    ours, split = build_stage(cfg, ctx, seed=1)
+    pipe = PipelineStage.of(ours, split, ctx)
     losses: list[float] = []
 
     def ours_step() -> None:
@@ -140,7 +140,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict
     from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
     from torch.distributed.pipelining import Schedule1F1B
 
-    theirs = build_stage(cfg, ctx, seed=1)
+    theirs, _ = build_stage(cfg, ctx, seed=1)
     first, last = ctx.is_first_stage, ctx.is_last_stage
     stage = TorchPipelineStage(TorchStage(theirs, first), ctx.pp_rank, world, torch.device("cpu"))
     schedule = Schedule1F1B(stage, n_microbatches=args.micro_batches, loss_fn=torch_loss)

@@ -259,9 +259,3 @@ def test_live_activations(schedule: str) -> None:
         assert live == {0: 4, 1: 3, 2: 2, 3: 1}
     else:
         assert all(n == 2 * MICRO for n in live.values())
-
-
-def test_pp2_interleaved_v2_tied_matches_single_process() -> None:
-    out = _check(tp=1, pp=2, schedule="interleaved_1f1b", tied=True, virtual=2)
-    # chunk activations alive at once: the schedule's warm-up + 1 (of m*v = 8 per rank)
-    assert [r["max_live"] for r in out] == [5, 3]

@@ -70,6 +70,7 @@ class StageP2P:
         self._pending: list[tuple[Any, torch.Tensor]] = []  # (send work, tensor kept alive until done)
         self.metadata_messages = 0  # handshakes sent + received: stays constant once warm
         self.recv_wait_s = 0.0  # time blocked in receives: this stage's share of the bubble
+        self.send_wait_s = 0.0  # time blocked at the end of a step until the last sends are received
 
     # ---- receives ---------------------------------------------------------------------------
     def recv_forward(self, key: Hashable) -> Recv:
@@ -150,7 +151,7 @@ class StageP2P:
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
-        self.recv_wait_s += time.perf_counter() - start  # the drain: idle time as much as a receive
+        self.send_wait_s += time.perf_counter() - start
 
 
 def _encode(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

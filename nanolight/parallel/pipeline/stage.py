@@ -36,11 +36,13 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
+from torch import nn
 
 from nanolight.parallel.pipeline.chunks import StageChunks
 from nanolight.parallel.pipeline.p2p import StageP2P
 from nanolight.parallel.pipeline.runner import Placeholder, StepRun
 from nanolight.parallel.pipeline.schedules import Action, stage_schedule, trainer_schedule
+from nanolight.parallel.pipeline.split import PipelineSplit
 
 
 class PipelineStage:
@@ -65,12 +67,13 @@ class PipelineStage:
     @classmethod
     def of(
         cls,
-        model: Any,
-        split: Any,
+        model: nn.Module,
+        split: PipelineSplit,
         ctx: Any,
         compute_context: Callable[[], AbstractContextManager] = nullcontext,
     ) -> PipelineStage:
-        """This rank's stage of `model` cut by `split`, talking to its ring neighbours in `ctx`."""
+        """This rank's stage of `model` cut by `split`, talking to its ring neighbours in `ctx`
+        (a `ParallelContext`)."""
         p2p = StageP2P(*ctx.pp_ring, ctx.device, ctx.pp_p2p_groups)
         return cls(StageChunks(model, split, ctx.pp_rank), p2p, compute_context)
 

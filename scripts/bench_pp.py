@@ -1,25 +1,31 @@
-"""Benchmark nanolight's 1F1B pipeline against PyTorch's `torch.distributed.pipelining.Schedule1F1B`.
+"""Benchmark nanolight's pipeline schedules against PyTorch's `torch.distributed.pipelining`.
 
-Both run the same Llama model, the same stage split (nanolight's `balanced_layer_split`), the
-same micro-batches, in one gloo run on CPU (one thread per rank), one after the other:
+Four runs of the same Llama model, the same micro-batches, in one gloo run on CPU (one thread
+per rank), their timed steps alternating so that machine noise hits all alike:
 
-    python scripts/bench_pp.py --pp 2 --micro-batches 8
-    python scripts/bench_pp.py --pp 4 --micro-batches 8 --layers 8     # needs >= 4 free cores
+    nanolight 1F1B            vs  torch Schedule1F1B              (p stages: nanolight's split)
+    nanolight interleaved     vs  torch ScheduleInterleaved1F1B   (p*v chunks: nanolight's split)
 
-Reported: the step time of each (max over ranks, median over the timed steps), their ratio,
-and the bubble -- nanolight measures it directly as the time each stage spends blocked in
-receives divided by the step time; for PyTorch it is estimated as 1 - (nanolight's busy time
-per stage) / (PyTorch's step time), the compute being identical -- next to the ideal
-(p-1)/(m+p-1). Gradients only (no optimizer step): the schedules are what is compared.
+    python scripts/bench_pp.py --pp 2 --micro-batches 8 --virtual 2
+    python scripts/bench_pp.py --pp 4 --micro-batches 8 --layers 16     # needs >= 4 free cores
+
+Reported: each run's step time (max over ranks, median over the timed steps), the ratios, and
+nanolight's bubble, measured directly -- the time each rank spends blocked in receives divided by
+the step time, mean over ranks (the end-of-step wait for the last sends is shown apart) -- next to
+the ideal (p-1)/(v*m+p-1). PyTorch's bubble is estimated as 1 - (nanolight's busy time) / (its step
+time), the compute being identical. Gradients only (no optimizer step): the schedules are what
+is compared.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -36,28 +42,27 @@ from nanolight.parallel import ParallelContext  # noqa: E402
 from nanolight.parallel.init import init_replayed_, param_specs  # noqa: E402
 from nanolight.parallel.pipeline import (  # noqa: E402
     FORWARD,
+    PipelineSplit,
     PipelineStage,
-    StageP2P,
     apply_split,
     bubble_fraction,
-    build_schedule,
     plan_split,
 )
 
 
-def build_stage(cfg: LlamaConfig, ctx: ParallelContext, seed: int) -> LlamaForCausalLM:
-    """This rank's stage of the model, initialised like the single-device model."""
+def build(cfg: LlamaConfig, split: PipelineSplit, stage: int, seed: int) -> LlamaForCausalLM:
+    """Stage `stage` of `split` (meta, then materialised), initialised like the single-device model."""
     with torch.device("meta"):
         lm = LlamaForCausalLM(cfg)
     specs = param_specs(lm)
-    apply_split(lm, plan_split(lm, ctx.pp_size), ctx.pp_rank)
+    apply_split(lm, split, stage)
     lm.to_empty(device="cpu")
     init_replayed_(lm, specs, torch.Generator().manual_seed(seed), {})
     return lm
 
 
 class TorchStage(nn.Module):
-    """The same stage as a plain activation -> activation module, for torch's PipelineStage."""
+    """One chunk as a plain activation -> activation module, for torch's PipelineStage."""
 
     def __init__(self, lm: nn.Module, first: bool) -> None:
         super().__init__()
@@ -67,17 +72,17 @@ class TorchStage(nn.Module):
         if self.first:
             return self.lm(x)  # token ids -> (B, T, C)
         ids = torch.zeros(x.shape[:2], dtype=torch.long)  # the model reads positions from its shape
-        return self.lm(ids, hidden_states=x)  # (B, T, C), or the logits (B, T, V) on the last stage
+        return self.lm(ids, hidden_states=x)  # (B, T, C), or the logits (B, T, V) in the last chunk
 
 
 def torch_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return causal_lm_loss(logits, F.pad(labels[:, 1:], (0, 1), value=-100))
 
 
-def run_schedule(stage: PipelineStage, ids: torch.Tensor) -> torch.Tensor:
+def run_schedule(stage: PipelineStage, schedule: str, ids: torch.Tensor) -> torch.Tensor:
     """What the trainer does with the strategy's schedule, minus the hooks."""
     m, losses = len(ids), {}
-    for kind, i in build_schedule("1f1b", m, stage.pp_size, stage.pp_rank):
+    for kind, i in stage.start_step(schedule, m):
         if kind == FORWARD:
             with stage.micro_batch(i):
                 losses[i] = stage.model(ids[i], labels=ids[i])
@@ -88,17 +93,66 @@ def run_schedule(stage: PipelineStage, ids: torch.Tensor) -> torch.Tensor:
     return torch.stack([losses[i] for i in range(m)]).mean()
 
 
-def _timed(fn, steps: int, warmup: int) -> list[float]:
-    times = []
-    for s in range(warmup + steps):
-        dist.barrier()  # every rank starts the step together
-        start = time.perf_counter()
-        fn()
-        t = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # ranks agree on the slowest rank's step time
-        if s >= warmup:
-            times.append(t.item())
-    return times
+def _timed(fn: Callable[[], None]) -> float:
+    dist.barrier()  # every rank starts the step together
+    start = time.perf_counter()
+    fn()
+    t = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # ranks agree on the slowest rank's step time
+    return t.item()
+
+
+def nanolight_run(cfg: LlamaConfig, ctx: ParallelContext, schedule: str, virtual: int, ids: torch.Tensor):
+    split = plan_split(_meta(cfg), ctx.pp_size, virtual=virtual)
+    lm = build(cfg, split, ctx.pp_rank, seed=1)
+    stage = PipelineStage.of(lm, split, ctx)
+    losses: list[float] = []
+
+    def step() -> None:
+        lm.zero_grad(set_to_none=True)
+        losses.append(run_schedule(stage, schedule, ids).item())
+
+    return step, stage, losses
+
+
+def torch_run(cfg: LlamaConfig, ctx: ParallelContext, virtual: int, ids: torch.Tensor):
+    """torch's Schedule1F1B (v = 1) or ScheduleInterleaved1F1B on nanolight's split into p*v chunks."""
+    from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
+
+    p, m = ctx.pp_size, len(ids)
+    chunked = dataclasses.replace(plan_split(_meta(cfg), p, virtual=virtual), virtual=1)  # p*v stages
+    chunks = [c * p + ctx.pp_rank for c in range(virtual)]
+    models = [build(cfg, chunked, g, seed=1) for g in chunks]
+    stages = [
+        TorchPipelineStage(TorchStage(lm, g == 0), g, p * virtual, torch.device("cpu"))
+        for lm, g in zip(models, chunks, strict=True)
+    ]
+    if virtual == 1:
+        schedule = Schedule1F1B(stages[0], n_microbatches=m, loss_fn=torch_loss)
+    else:
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=torch_loss)
+    full = ids.reshape(-1, ids.shape[-1])  # torch splits the batch into micro-batches itself
+    losses: list[float] = []
+
+    def step() -> None:
+        for lm in models:
+            lm.zero_grad(set_to_none=True)
+        if ctx.is_first_stage:
+            schedule.step(full)
+        elif ctx.is_last_stage:
+            step_losses: list[torch.Tensor] = []
+            schedule.step(target=full, losses=step_losses, return_outputs=False)
+            losses.append(torch.stack(step_losses).mean().item())
+        else:
+            schedule.step()
+
+    return step, losses
+
+
+def _meta(cfg: LlamaConfig) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
@@ -120,62 +174,36 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict
         max_position_embeddings=args.seq,
     )
     ctx = ParallelContext(tp=1, pp=world, dp=1)
-    ids = torch.randint(
-        0,
-        cfg.vocab_size,
-        (args.micro_batches, args.batch, args.seq),
-        generator=torch.Generator().manual_seed(0),
-    )
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (args.micro_batches, args.batch, args.seq), generator=gen)
+    ours_1, stage_1, loss_1 = nanolight_run(cfg, ctx, "1f1b", 1, ids)
+    ours_v, stage_v, loss_v = nanolight_run(cfg, ctx, "interleaved_1f1b", args.virtual, ids)
+    torch_1, tloss_1 = torch_run(cfg, ctx, 1, ids)
+    torch_v, tloss_v = torch_run(cfg, ctx, args.virtual, ids)
+    runs = {"ours_1": ours_1, "torch_1": torch_1, "ours_v": ours_v, "torch_v": torch_v}
 
-    # ---- nanolight 1F1B
-    ours = build_stage(cfg, ctx, seed=1)
-    pipe = PipelineStage(ours, ctx.pp_rank, world, StageP2P(ctx.prev_pp_rank, ctx.next_pp_rank, ctx.device))
-    losses: list[float] = []
+    for _ in range(args.warmup):  # metadata handshakes, shape inference, allocator
+        for fn in runs.values():
+            _timed(fn)
+    for stage in (stage_1, stage_v):
+        stage.p2p.recv_wait_s = stage.p2p.send_wait_s = 0.0
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.steps):  # alternate: noise hits every run alike
+        for name, fn in runs.items():
+            times[name].append(_timed(fn))
+    medians = {name: statistics.median(t) for name, t in times.items()}
 
-    def ours_step() -> None:
-        ours.zero_grad(set_to_none=True)
-        losses.append(run_schedule(pipe, ids).item())
-
-    # ---- torch.distributed.pipelining Schedule1F1B on an identical copy
-    from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
-    from torch.distributed.pipelining import Schedule1F1B
-
-    theirs = build_stage(cfg, ctx, seed=1)
-    first, last = ctx.is_first_stage, ctx.is_last_stage
-    stage = TorchPipelineStage(TorchStage(theirs, first), ctx.pp_rank, world, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, n_microbatches=args.micro_batches, loss_fn=torch_loss)
-    full = ids.reshape(-1, args.seq)  # torch splits the batch into micro-batches itself
-    torch_losses: list[float] = []
-
-    def torch_step() -> None:
-        theirs.zero_grad(set_to_none=True)
-        if first:
-            schedule.step(full)
-        elif last:
-            step_losses: list[torch.Tensor] = []
-            schedule.step(target=full, losses=step_losses, return_outputs=False)
-            torch_losses.append(torch.stack(step_losses).mean().item())
-        else:
-            schedule.step()
-
-    # Warm up both, then alternate their timed steps so machine noise hits both alike.
-    _timed(ours_step, 0, args.warmup)  # warm-up: metadata handshake, allocator
-    _timed(torch_step, 0, args.warmup)
-    pipe.p2p.recv_wait_s = 0.0
-    ours_times, torch_times = [], []
-    for _ in range(args.steps):
-        ours_times += _timed(ours_step, 1, 0)
-        torch_times += _timed(torch_step, 1, 0)
-    waits = pipe.p2p.recv_wait_s / args.steps  # this stage's idle time per step
-
-    wait = torch.tensor([waits, statistics.median(ours_times)], dtype=torch.float64)
-    gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
-    dist.all_gather(gathered, wait)  # every stage shares its receive wait and step time
+    mine = []
+    for stage, name in ((stage_1, "ours_1"), (stage_v, "ours_v")):
+        p2p = stage.p2p
+        mine += [p2p.recv_wait_s / args.steps / medians[name], p2p.send_wait_s / args.steps / medians[name]]
+    gathered = [torch.zeros(4, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64))  # every rank's wait fractions
     if rank == world - 1:
-        out["loss_ours"], out["loss_torch"] = losses[0], torch_losses[0]
+        out["losses"] = [loss_1[0], loss_v[0], tloss_1[0], tloss_v[0]]
     if rank == 0:
-        out["ours"], out["torch"] = statistics.median(ours_times), statistics.median(torch_times)
-        out["waits"] = [g[0].item() for g in gathered]
+        out["medians"] = medians
+        out["waits"] = [g.tolist() for g in gathered]
     dist.destroy_process_group()
 
 
@@ -184,13 +212,14 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--virtual", type=int, default=2)
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
 
@@ -202,21 +231,26 @@ def main() -> None:
     out = mp.Manager().dict()
     mp.spawn(worker, args=(args.pp, port, args, out), nprocs=args.pp, join=True)
 
-    p, m = args.pp, args.micro_batches
-    ours, theirs, waits = out["ours"], out["torch"], out["waits"]
-    busy = ours - statistics.mean(waits)
-    print(
-        f"pp={p} micro-batches={m} layers={args.layers} hidden={args.hidden} seq={args.seq} batch={args.batch}"
-    )
-    print(f"first-step loss: nanolight {out['loss_ours']:.6f}  torch {out['loss_torch']:.6f}")
-    print(f"step time: nanolight 1F1B {ours * 1e3:.1f} ms   torch Schedule1F1B {theirs * 1e3:.1f} ms")
-    print(f"ratio nanolight / torch: {ours / theirs:.3f}")
-    print(f"ideal bubble (p-1)/(m+p-1): {bubble_fraction(m, p):.3f}")
-    print(
-        f"measured bubble, nanolight (recv wait / step, mean over stages): {statistics.mean(waits) / ours:.3f}"
-        f"  per stage {[round(w / ours, 3) for w in waits]}"
-    )
-    print(f"estimated bubble, torch (1 - nanolight busy / torch step): {1 - busy / theirs:.3f}")
+    p, v, m = args.pp, args.virtual, args.micro_batches
+    t, waits = out["medians"], out["waits"]
+    print(f"pp={p} virtual={v} micro-batches={m} layers={args.layers} hidden={args.hidden} seq={args.seq} "
+          f"batch={args.batch} vocab={args.vocab}, {args.steps} timed steps")  # fmt: skip
+    print("first-step loss: nanolight 1F1B {:.6f}  interleaved {:.6f}  torch 1F1B {:.6f}  interleaved {:.6f}".format(
+        *out["losses"]))  # fmt: skip
+    print(f"step time (ms): nanolight 1F1B {t['ours_1'] * 1e3:.1f}  torch Schedule1F1B {t['torch_1'] * 1e3:.1f}  "
+          f"nanolight interleaved {t['ours_v'] * 1e3:.1f}  torch ScheduleInterleaved1F1B {t['torch_v'] * 1e3:.1f}")  # fmt: skip
+    print(f"speed-up nanolight 1F1B over torch 1F1B:                {t['torch_1'] / t['ours_1']:.3f}")
+    print(f"speed-up nanolight interleaved over torch interleaved:  {t['torch_v'] / t['ours_v']:.3f}")
+    print(f"speed-up nanolight interleaved over nanolight 1F1B:     {t['ours_1'] / t['ours_v']:.3f}")
+    for col, name, vv in ((0, "1F1B", 1), (2, "interleaved", v)):
+        recv = [w[col] for w in waits]
+        drain = [w[col + 1] for w in waits]
+        key = "ours_1" if vv == 1 else "ours_v"
+        busy = t[key] * (1 - statistics.mean(recv) - statistics.mean(drain))
+        torch_key = "torch_1" if vv == 1 else "torch_v"
+        print(f"{name}: bubble ideal (p-1)/(v*m+p-1) {bubble_fraction(m, p, vv):.3f}; measured (receive wait / "
+              f"step, mean over ranks) {statistics.mean(recv):.3f}, per rank {[round(x, 3) for x in recv]}, "
+              f"end-of-step send wait {statistics.mean(drain):.3f}; torch estimated {1 - busy / t[torch_key]:.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -47,15 +47,22 @@ def _trainer(strategy: object, steps: int) -> NanoTrainer:
     )  # fmt: skip
 
 
-def _save_worker(rank: int, world: int, tp: int, pp: int, zero: int, root: str) -> None:
-    strategy = Parallel3DStrategy(tp=tp, pp=pp, dp=world // (tp * pp), zero_stage=zero)
+def _strategy(world: int, tp: int, pp: int, zero: int, virtual: int) -> Parallel3DStrategy:
+    """2 micro-batches a step: interleaved with v > 1, AFAB at pp=4 (1F1B would need 4)."""
+    schedule = "interleaved_1f1b" if virtual > 1 else "afab" if pp > 2 else "1f1b"
+    dp = world // (tp * pp)
+    return Parallel3DStrategy(tp=tp, pp=pp, dp=dp, zero_stage=zero, pp_schedule=schedule, pp_virtual=virtual)
+
+
+def _save_worker(rank: int, world: int, tp: int, pp: int, zero: int, virtual: int, root: str) -> None:
+    strategy = _strategy(world, tp, pp, zero, virtual)
     trainer = _trainer(strategy, STEPS)
     trainer.fit(TinyLM(), train_dataloaders=_loader())  # dp ranks see the same batches: fine here
     trainer.save_checkpoint(Path(root) / "ckpt", update_last=False)
 
 
-def _load_worker(rank: int, world: int, tp: int, pp: int, zero: int, root: str) -> None:
-    strategy = Parallel3DStrategy(tp=tp, pp=pp, dp=world // (tp * pp), zero_stage=zero)
+def _load_worker(rank: int, world: int, tp: int, pp: int, zero: int, virtual: int, root: str) -> None:
+    strategy = _strategy(world, tp, pp, zero, virtual)
     trainer = _trainer(strategy, STEPS)  # max_steps reached: fit restores and stops at once
     trainer.fit(TinyLM(), train_dataloaders=_loader(), ckpt_path=str(Path(root) / "ckpt"))
     assert trainer.global_step == STEPS
@@ -81,11 +88,12 @@ def _assert_same(ref: dict, got: dict) -> None:
                 assert torch.equal(value, g["state"][idx][key]), (idx, key)
 
 
-def _roundtrip(root: Path, src: tuple[int, int, int, int], dst: tuple[int, int, int, int]) -> dict:
-    tp, pp, dp, zero = src
-    run_distributed(_save_worker, tp * pp * dp, tp, pp, zero, str(root), timeout=300, pg_timeout=90)
-    tp2, pp2, dp2, zero2 = dst
-    run_distributed(_load_worker, tp2 * pp2 * dp2, tp2, pp2, zero2, str(root), timeout=300, pg_timeout=90)
+def _roundtrip(root: Path, src: tuple[int, ...], dst: tuple[int, ...]) -> dict:
+    """(tp, pp, dp, zero[, pp_virtual]) -> another layout."""
+    tp, pp, dp, zero, v = (*src, 1)[:5]
+    run_distributed(_save_worker, tp * pp * dp, tp, pp, zero, v, str(root), timeout=300, pg_timeout=90)
+    tp2, pp2, dp2, zero2, v2 = (*dst, 1)[:5]
+    run_distributed(_load_worker, tp2 * pp2 * dp2, tp2, pp2, zero2, v2, str(root), timeout=300, pg_timeout=90)
     ref = _one_process(root / "ckpt")
     _assert_same(ref, _one_process(root / f"again-{tp2}-{pp2}-{zero2}"))
     return ref
@@ -134,3 +142,23 @@ def test_dp4_zero1_resumes_at_tp2_pp2_without_zero(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_pp2_dp2_zero1_resumes_at_dp4_zero1(tmp_path: Path) -> None:
     _roundtrip(tmp_path, (1, 2, 2, 1), (1, 1, 4, 1))
+
+
+def test_pp2_v2_resumes_at_pp4(tmp_path: Path) -> None:
+    """Rank 0 of (pp=2, v=2) holds layers 0 and 2: each lands on its own rank at pp=4."""
+    _roundtrip(tmp_path, (1, 2, 1, 0, 2), (1, 4, 1, 0))
+    tensors = json.loads((tmp_path / "ckpt" / "index.json").read_text())["tensors"]
+    stage = {
+        i: tensors[f"model/model.model.layers.{i}.mlp.down_proj.weight"]["shards"][0]["pp"] for i in range(4)
+    }
+    assert stage == {0: 0, 1: 1, 2: 0, 3: 1}  # chunk g on rank g mod p
+
+
+@pytest.mark.slow
+def test_pp4_resumes_at_pp2_v2(tmp_path: Path) -> None:
+    _roundtrip(tmp_path, (1, 4, 1, 0), (1, 2, 1, 0, 2))
+
+
+@pytest.mark.slow
+def test_pp2_v2_dp2_zero1_resumes_at_one_process(tmp_path: Path) -> None:
+    _roundtrip(tmp_path, (1, 2, 2, 1, 2), (1, 1, 1, 0))

@@ -93,6 +93,10 @@ def test_context_world_mismatch_message() -> None:
         ({"dp": "all"}, "or 'auto'"),
         ({"zero_stage": 3}, "zero_stage=3 is not supported"),
         ({"pp_schedule": "gpipe"}, "pp_schedule='gpipe' is unknown"),
+        ({"pp_virtual": 0}, "pp_virtual=0 must be a positive integer"),
+        ({"pp": 2, "pp_virtual": 2}, "pp_virtual=2 .* needs \\+parallel.pp_schedule=interleaved_1f1b"),
+        ({"pp": 2, "pp_schedule": "interleaved_1f1b"}, "pp=2, pp_virtual=1; set e.g."),
+        ({"pp_schedule": "interleaved_1f1b", "pp_virtual": 2}, "got pp=1, pp_virtual=2"),
     ],
 )
 def test_config_rejects_bad_values(kwargs: dict, match: str) -> None:

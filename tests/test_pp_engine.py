@@ -108,11 +108,14 @@ def _pp_worker(
     zero: int,
     sp: bool,
     root: str,
+    virtual: int,
+    layers: int,
 ) -> dict:
-    cfg = pp_config(tied)
+    cfg = pp_config(tied, layers)
     strategy = Parallel3DStrategy(
-        tp=tp, pp=pp, dp=dp, zero_stage=zero, pp_schedule=schedule, sequence_parallel=sp, init_seed=SEED
-    )
+        tp=tp, pp=pp, dp=dp, zero_stage=zero, pp_schedule=schedule, sequence_parallel=sp, init_seed=SEED,
+        pp_virtual=virtual,
+    )  # fmt: skip
     seen = Observe(cfg)
     trainer = NanoTrainer(
         use_distributed_sampler=False,  # each rank is given its own data
@@ -164,17 +167,26 @@ def _check_stage_init(module: Wrapper, cfg: LlamaConfig, ctx: object) -> bool:
 
 
 def _check(
-    tp: int, pp: int, schedule: str, tied: bool, dp: int = 1, zero: int = 0, sp: bool = False
+    tp: int,
+    pp: int,
+    schedule: str,
+    tied: bool,
+    dp: int = 1,
+    zero: int = 0,
+    sp: bool = False,
+    virtual: int = 1,
+    layers: int = 4,
 ) -> list[dict]:
     import tempfile
 
-    cfg = pp_config(tied)
+    cfg = pp_config(tied, layers)
     ref_losses, ref_state = reference_run(cfg)
     world = tp * pp * dp
     with tempfile.TemporaryDirectory() as root:
         out = run_distributed(
-            _pp_worker, world, tp, pp, schedule, tied, dp, zero, sp, root, timeout=240, pg_timeout=60
-        )
+            _pp_worker, world, tp, pp, schedule, tied, dp, zero, sp, root, virtual, layers, timeout=240,
+            pg_timeout=60,
+        )  # fmt: skip
     assert all(r["init_ok"] for r in out)
     for r in out:  # every rank sees the true loss of every step
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
@@ -187,7 +199,9 @@ def _check(
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     for r in out:  # each forward is called exactly once per micro-batch
         assert sorted(r["forwards"]) == list(range(MICRO))
-        assert r["metadata"] <= 1 + (r["pp_rank"] not in (0, pp - 1))  # one handshake per channel
+        # one handshake per channel and virtual stage boundary: v sends and v receives per rank
+        # (virtual stage 0 receives nothing, the last one sends nothing)
+        assert r["metadata"] <= 2 * virtual - (r["pp_rank"] in (0, pp - 1))
     if tied:  # the two copies of the tied embedding stayed identical
         first = [r for r in out if r["pp_rank"] == 0]
         last = [r for r in out if r["pp_rank"] == pp - 1]

@@ -19,7 +19,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "afab"])
+@pytest.mark.parametrize("schedule", ["1f1b", "afab", "interleaved_1f1b"])
 def test_recipe_pp2_matches_single_process(
     tmp_path: Path, cache_dir: Path, schedule: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -34,7 +34,8 @@ def test_recipe_pp2_matches_single_process(
     ]
     single, pp2 = tmp_path / "single", tmp_path / "pp2"
     recipe(single, cache_dir, *steps)
-    recipe(pp2, cache_dir, *steps, "+parallel.pp=2", f"+parallel.pp_schedule={schedule}")
+    virtual = ["+parallel.pp_virtual=2"] if schedule == "interleaved_1f1b" else []
+    recipe(pp2, cache_dir, *steps, "+parallel.pp=2", f"+parallel.pp_schedule={schedule}", *virtual)
     ref, got = losses(single), losses(pp2)
     assert sorted(got) == list(range(4))  # Lightning logs step k at k - 1
     for step in ref:
@@ -51,3 +52,12 @@ def test_recipe_rejects_bad_pipeline_layouts() -> None:
     with pytest.raises(ConfigError, match="trainer.accumulate_grad_batches >= 2"):
         check_layout(few)
     check_layout(PretrainConfig(parallel=ParallelConfig(pp=2, pp_schedule="afab")))  # afab: fine
+    interleaved = {"pp": 2, "pp_schedule": "interleaved_1f1b"}
+    deep = PretrainConfig(parallel=ParallelConfig(**interleaved, pp_virtual=4))  # 8 chunks, 4 layers
+    with pytest.raises(ConfigError, match=r"pp\*pp_virtual = 8 decoder layers.*choose pp_virtual <= 2"):
+        check_layout(deep)
+    odd = PretrainConfig(
+        parallel=ParallelConfig(**interleaved, pp_virtual=2), trainer=TrainConfig(accumulate_grad_batches=3)
+    )
+    with pytest.raises(ConfigError, match=r"multiple of\s+pp=2 .*accumulate_grad_batches=2 or 4"):
+        check_layout(odd)

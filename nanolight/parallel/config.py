@@ -17,7 +17,11 @@ from typing import Any
 
 from nanolight.errors import UsageError
 
-PP_SCHEDULES = ("1f1b", "afab")  # one-forward-one-backward, all-forward-all-backward
+PP_SCHEDULES = (
+    "1f1b",
+    "afab",
+    "interleaved_1f1b",
+)  # 1F1B, all-forward-all-backward, 1F1B over virtual stages
 ZERO_STAGES = (0, 1)
 
 
@@ -36,6 +40,7 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"
     sequence_parallel: bool = False
     timeout_s: int = 600  # how long a rank waits for its peers (joining, or any collective)
+    pp_virtual: int = 1  # chunks (virtual stages) per pipeline rank: interleaved_1f1b only
 
     def __post_init__(self) -> None:
         self.validate()
@@ -61,7 +66,24 @@ class ParallelConfig:
         if self.pp_schedule not in PP_SCHEDULES:
             raise UsageError(
                 f"parallel.pp_schedule={self.pp_schedule!r} is unknown; choose one of {PP_SCHEDULES} "
-                "('1f1b' = one-forward-one-backward, 'afab' = all-forward-all-backward)"
+                "('1f1b' = one-forward-one-backward, 'afab' = all-forward-all-backward, "
+                "'interleaved_1f1b' = 1F1B over +parallel.pp_virtual chunks per rank)"
+            )
+        v = self.pp_virtual
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UsageError(
+                f"parallel.pp_virtual={v!r} must be a positive integer, e.g. +parallel.pp_virtual=2"
+            )
+        if self.pp_schedule == "interleaved_1f1b" and (v < 2 or self.pp < 2):
+            raise UsageError(
+                f"pp_schedule='interleaved_1f1b' gives each of pp >= 2 ranks pp_virtual >= 2 chunks of layers, got "
+                f"pp={self.pp}, pp_virtual={v}; set e.g. +parallel.pp=2 +parallel.pp_virtual=2 (or use "
+                "pp_schedule='1f1b')"
+            )
+        if v > 1 and self.pp_schedule != "interleaved_1f1b":
+            raise UsageError(
+                f"parallel.pp_virtual={v} (chunks per pipeline rank) needs +parallel.pp_schedule=interleaved_1f1b, "
+                f"not {self.pp_schedule!r}"
             )
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int) or self.timeout_s < 1:
             raise UsageError(

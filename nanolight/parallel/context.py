@@ -82,6 +82,11 @@ class ParallelContext:
         self.tp_group = self._new_groups("tp", timeout)
         self.pp_group = self._new_groups("pp", timeout)
         self.dp_group = self._new_groups("dp", timeout)
+        # The pipeline's two point-to-point streams (activations forward, gradients backward), one
+        # group each so that each is one FIFO per direction (`pipeline/p2p.py`); none without pp.
+        self.pp_p2p_groups = (
+            (self._new_groups("pp", timeout), self._new_groups("pp", timeout)) if pp > 1 else (None, None)
+        )
         self.tp_ranks = self.mesh[self.dp_rank, self.pp_rank, :].tolist()
         self.pp_ranks = self.mesh[self.dp_rank, :, self.tp_rank].tolist()
         self.dp_ranks = self.mesh[:, self.pp_rank, self.tp_rank].tolist()
@@ -111,6 +116,13 @@ class ParallelContext:
                 if self.global_rank in ranks:
                     mine = group
         return mine
+
+    @property
+    def pp_ring(self) -> tuple[int, int]:
+        """Global ranks of the stages before/after this one round the ring of stages (rank 0's
+        previous is the last stage): with virtual stages the last rank feeds rank 0's next chunk."""
+        p, r = self.pp_size, self.pp_rank
+        return self.pp_ranks[(r - 1) % p], self.pp_ranks[(r + 1) % p]
 
     # Pipeline neighbours: global ranks of the stages before/after this one (same dp, tp rank).
     @property

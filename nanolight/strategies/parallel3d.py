@@ -11,10 +11,9 @@ processes. It says *what* happens, in the documented order; the parallel core sa
    records the `ModelLayout` every later concern reads.
 3. `setup_optimizers`: `GradientSync` (`parallel/grads.py`) -- the dp reduction in buckets or
    ZeRO-1 around the optimizer, the partial-gradient sums, the global norm and clipping.
-4. Each step the trainer walks `micro_batch_schedule` (1F1B / all-forward-all-backward under pp);
-   `forward_context` tells the pipeline stage which micro-batch runs, `backward` back-propagates
-   through it (receive, backward, send) and lets the dp reduction run in the last backward only;
-   `reduce` takes a metric from the last stage, which owns the loss, and averages it over dp.
+4. Each step the trainer walks `micro_batch_schedule` (pp: the projection of the stage's list);
+   `forward_context` / `backward` hand the stage a model call / a loss; it runs its chunks where the
+   list puts them. `reduce` takes a metric from the last stage and averages it over dp.
 5. Checkpoints are per-rank shards plus one index, written and resharded by `checkpoint/`.
 Collectives run under `parallel/health.py`'s watch: a silent peer is named.
 """
@@ -45,7 +44,7 @@ from nanolight.parallel.health import Heartbeat, watch, watched
 from nanolight.parallel.init import init_replayed_, param_specs
 from nanolight.parallel.launcher import detect_environment, ensure_processes, init_distributed
 from nanolight.parallel.layout import ModelLayout, one_process_order, tied_aliases
-from nanolight.parallel.pipeline import PipelineStage, StageP2P, apply_split, build_schedule, plan_split
+from nanolight.parallel.pipeline import PipelineStage, apply_split, plan_split
 from nanolight.parallel.pipeline.schedules import Action, check_micro_batches
 from nanolight.parallel.recompute import apply_activation_checkpointing, check_recompute
 from nanolight.parallel.tensor_parallel.apply import apply_tensor_parallel, shard_dims
@@ -81,17 +80,19 @@ class Parallel3DStrategy(Strategy):
         activation_checkpointing: str = "none",
         activation_checkpointing_every: int = 1,
         compile: bool = False,
+        pp_virtual: int = 1,
     ) -> None:
         super().__init__(precision)
         check_recompute(activation_checkpointing, activation_checkpointing_every)
         self.recompute = (activation_checkpointing, activation_checkpointing_every)
         self.compile = compile
         self.compiled: CompiledBlocks | None = None  # set by setup_module when compiling
-        self.config = ParallelConfig(tp, pp, dp, zero_stage, pp_schedule, sequence_parallel, timeout_s)
+        degrees = (tp, pp, dp, zero_stage, pp_schedule, sequence_parallel, timeout_s, pp_virtual)
+        self.config = ParallelConfig(*degrees)
         self.init_seed, self.pretrained = init_seed, pretrained
         self.backend, self.timeout = backend, timedelta(seconds=timeout_s)
         self.heartbeat: Heartbeat | None = None  # this rank's, and the way to tell who stopped
-        self.pp_layers_per_stage = pp_layers_per_stage  # None: balanced by the model's stage costs
+        self.pp_layers_per_stage = pp_layers_per_stage  # per virtual stage; None: balanced by cost
         self.dp_bucket_bytes = dp_bucket_bytes
         self._ctx: ParallelContext | None = None
         self.stage: PipelineStage | None = None  # pp > 1: this rank's pipeline stage
@@ -184,7 +185,8 @@ class Parallel3DStrategy(Strategy):
         full_shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
         aliases, specs = tied_aliases(module), param_specs(model)
         on_meta = any(p.is_meta for p in module.parameters())  # built on meta: initialised here
-        split = plan_split(model, ctx.pp_size, self.pp_layers_per_stage) if ctx.pp_size > 1 else None
+        pp = ctx.pp_size
+        split = plan_split(model, pp, self.pp_layers_per_stage, cfg.pp_virtual) if pp > 1 else None
         apply_tensor_parallel(model, model.tp_plan, ctx.tp_group, cfg.sequence_parallel)
         if split is not None:
             apply_split(model, split, ctx.pp_rank)  # drop other stages' modules before allocating
@@ -206,8 +208,7 @@ class Parallel3DStrategy(Strategy):
         apply_activation_checkpointing(module, *self.recompute)  # after tp and the split, before dp
         self.compiled = compile_blocks(module, self.is_global_zero) if self.compile else None
         if split is not None:
-            p2p = StageP2P(ctx.prev_pp_rank, ctx.next_pp_rank, ctx.device)
-            self.stage = PipelineStage(model, ctx.pp_rank, ctx.pp_size, p2p)
+            self.stage = PipelineStage.of(model, split, ctx, compute_context=self.autocast)
         self._model_meta = step_dir_meta(module, self.pretrained)
         if not on_meta:
             self._broadcast_weights(module)
@@ -246,14 +247,13 @@ class Parallel3DStrategy(Strategy):
         if self.stage is None:
             return super().micro_batch_schedule(n)
         check_micro_batches(self._ctx.pp_size, self.config.pp_schedule, n)
-        return build_schedule(self.config.pp_schedule, n, self._ctx.pp_size, self._ctx.pp_rank)
+        # the stage runs the chunk-level list (the dp reduction in each chunk's last backward)
+        return self.stage.start_step(self.config.pp_schedule, n, self.grads.require_sync)
 
     def forward_context(self, i: int) -> AbstractContextManager:
         stack = ExitStack()
         if self.stage is not None:
-            stack.enter_context(
-                watch(f"the forward of micro-batch {i} (the pipeline's activation exchange)", self.heartbeat)
-            )
+            stack.enter_context(watch(f"the forward of micro-batch {i} (pipeline exchanges)", self.heartbeat))
             stack.enter_context(self.stage.micro_batch(i))  # which micro-batch the model call belongs to
         stack.enter_context(self.autocast())
         return stack
@@ -261,10 +261,10 @@ class Parallel3DStrategy(Strategy):
     @watched("a backward (the pipeline's gradient exchange, or the dp reduction)")
     def backward(self, loss: torch.Tensor) -> None:
         i, n = self._micro_batch
-        self.grads.require_sync(i == n - 1)  # every schedule back-propagates micro-batch n-1 last
         if self.stage is not None:
-            self.stage.backward(i, loss)  # receive d loss/d output, backward, send d loss/d input
+            self.stage.backward(i, loss)  # the stage's chunk backwards (receive, backward, send) run on
         else:
+            self.grads.require_sync(i == n - 1)  # the dp reduction runs in the last backward only
             loss.backward()
 
     @watched("the gradient synchronisation over tp / pp / dp")

@@ -1,6 +1,7 @@
 """Pipeline parallelism: split by module name (`split.py`), schedules as data (`schedules.py`),
-point-to-point exchange (`p2p.py`) and one rank's stage (`stage.py`)."""
+point-to-point exchange (`p2p.py`), a rank's chunks (`chunks.py`) and its stage (`stage.py`)."""
 
+from nanolight.parallel.pipeline.chunks import StageChunks
 from nanolight.parallel.pipeline.p2p import StageP2P
 from nanolight.parallel.pipeline.schedules import (
     BACKWARD,
@@ -9,9 +10,12 @@ from nanolight.parallel.pipeline.schedules import (
     bubble_fraction,
     build_schedule,
     check_micro_batches,
+    interleaved_1f1b,
     max_in_flight,
     one_by_one,
     one_forward_one_backward,
+    stage_schedule,
+    trainer_schedule,
 )
 from nanolight.parallel.pipeline.split import (
     PipelineSplit,
@@ -28,6 +32,7 @@ __all__ = [
     "FORWARD",
     "PipelineSplit",
     "PipelineStage",
+    "StageChunks",
     "StageLayers",
     "StageP2P",
     "all_forward_all_backward",
@@ -37,8 +42,11 @@ __all__ = [
     "build_schedule",
     "check_micro_batches",
     "check_pipeline_layout",
+    "interleaved_1f1b",
     "max_in_flight",
     "one_by_one",
     "one_forward_one_backward",
     "plan_split",
+    "stage_schedule",
+    "trainer_schedule",
 ]

@@ -1,27 +1,37 @@
-"""Point-to-point exchange between neighbouring pipeline stages.
+"""Point-to-point exchange between neighbouring pipeline stages, overlapped with compute.
 
-Four operations, each between this rank and the same tp (and dp) coordinate of a neighbour:
+Two streams, each between this rank and the same tp (and dp) coordinate of a ring neighbour
+(with virtual stages the last rank's chunk c feeds rank 0's chunk c+1, so the ring closes):
 
-    send_forward   this stage -> next stage   the activation (stage output) of a micro-batch
-    recv_forward   prev stage -> this stage   that activation, as this stage's input
-    send_backward  this stage -> prev stage   d loss / d (this stage's input)
-    recv_backward  next stage -> this stage   d loss / d (this stage's output)
+    forward stream    virtual stage g -> g+1   the activation (g's output, g+1's input)
+    backward stream   virtual stage g+1 -> g   d loss / d (that activation)
 
-Shapes and dtypes are known up front: a stage's activation shape depends only on the
-micro-batch's `input_ids` shape (every stage sees the batch), so it is cached per input shape
-(the `key`). The first time a key is seen, the sender sends a small metadata tensor ahead of
-the activation; afterwards no metadata moves. A gradient always has the shape and dtype of the
-activation it belongs to, so gradients never need metadata.
+Each stream has its own process group (`ParallelContext.pp_p2p_groups`), so each stream and
+direction is one FIFO on gloo and NCCL alike (NCCL ignores tags, which therefore could not keep
+two streams apart): the k-th tensor a rank sends on it is the k-th its neighbour receives. The
+schedules list both ends in the same order (`tests/test_pp_schedules.py` checks it).
 
-Sends are asynchronous (`isend`): with blocking sends, 1F1B deadlocks at the warm-up/steady
-boundary, where stage s sends activation k while stage s+1 first sends gradient 0 back.
-Receives block (the data is needed now). Pending sends are waited for at the end of the step.
+Shapes and dtypes are known up front: an activation's shape depends only on the micro-batch's
+`input_ids` shape (every stage sees the batch), so it is cached per input shape and stage
+boundary (the `key`). The first time a key is seen, the sender sends a small metadata tensor
+ahead of the activation; afterwards no metadata moves. A gradient always has the shape and
+dtype of the activation it belongs to, so gradients never need metadata.
+
+Overlap. A receive is a `Recv`: the stage posts it (``irecv``) as soon as it knows the shape --
+before computing the action ahead of the one that needs it -- and waits for it only when the
+tensor is needed, so the transfer runs during that compute (gloo moves a tensor only once the
+receive is posted). Sends are asynchronous; `exchange` issues a send together with the receives
+posted after it, batched (``batch_isend_irecv``) per stream. Waiting for a send could block
+until the peer posts its receive, so sends are waited for only at the end of the step
+(`finish`): with them all outstanding, no stage ever waits for anything but a tensor it needs,
+and the schedules' dependency order, which has no cycle, is the only order of waits.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,69 +39,119 @@ import torch.distributed as dist
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 META_LEN = 8  # [ndim, dtype code, *shape] padded: activations have at most 6 dims
+FORWARD_STREAM, BACKWARD_STREAM = 0, 1
+
+
+@dataclass
+class Recv:
+    """One receive: from `src` on `stream`, for `key`; `work` is set once it is posted."""
+
+    stream: int
+    src: int
+    key: Hashable
+    tensor: torch.Tensor | None = None
+    work: Any = None
 
 
 class StageP2P:
-    """Sends/receives activations and gradients to `prev_rank` / `next_rank` (global ranks)."""
+    """Sends/receives activations and gradients to `prev_rank` / `next_rank` (global ranks) over
+    `groups` = (forward stream group, backward stream group); None: the default group."""
 
-    def __init__(self, prev_rank: int | None, next_rank: int | None, device: torch.device) -> None:
-        self.prev_rank, self.next_rank, self.device = prev_rank, next_rank, device
+    def __init__(
+        self,
+        prev_rank: int | None,
+        next_rank: int | None,
+        device: torch.device,
+        groups: tuple[Any, Any] = (None, None),
+    ) -> None:
+        self.prev_rank, self.next_rank, self.device, self.groups = prev_rank, next_rank, device, groups
         self._in_meta: dict[Hashable, tuple[torch.Size, torch.dtype]] = {}  # what prev sends us
         self._out_meta: dict[Hashable, tuple[torch.Size, torch.dtype]] = {}  # what we send next
-        self._pending: list[tuple[Any, torch.Tensor]] = []  # (work, tensor kept alive until done)
+        self._pending: list[tuple[Any, torch.Tensor]] = []  # (send work, tensor kept alive until done)
         self.metadata_messages = 0  # handshakes sent + received: stays constant once warm
         self.recv_wait_s = 0.0  # time blocked in receives: this stage's share of the bubble
+        self.send_wait_s = 0.0  # time blocked at the end of a step until the last sends are received
 
-    # ---- activations (forward) ------------------------------------------------------------
-    def send_forward(self, x: torch.Tensor, key: Hashable) -> None:
+    # ---- receives ---------------------------------------------------------------------------
+    def recv_forward(self, key: Hashable) -> Recv:
+        """The activation `key` from the previous stage (not posted yet: see `exchange`)."""
+        assert self.prev_rank is not None
+        return Recv(FORWARD_STREAM, self.prev_rank, key)
+
+    def recv_backward(self, key: Hashable) -> Recv:
+        """d loss / d (our activation `key`) from the next stage (not posted yet)."""
+        assert self.next_rank is not None
+        return Recv(BACKWARD_STREAM, self.next_rank, key)
+
+    def postable(self, recv: Recv) -> bool:
+        """The receive's shape is known, so it can be posted without a handshake."""
+        meta = self._in_meta if recv.stream == FORWARD_STREAM else self._out_meta
+        return recv.work is not None or recv.key in meta
+
+    def wait(self, recv: Recv) -> torch.Tensor:
+        """The received tensor: posts the receive first if it is not (learning an activation's
+        shape from the sender's metadata the first time), then blocks until it has arrived."""
+        start = time.perf_counter()
+        if recv.work is None:
+            if not self.postable(recv):  # first activation of this key: the sender sent metadata first
+                meta = torch.empty(META_LEN, dtype=torch.int64, device=self.device)
+                # metadata <- previous stage, on the forward stream, just ahead of its activation
+                dist.recv(meta, src=recv.src, group=self.groups[FORWARD_STREAM])
+                self._in_meta[recv.key] = _decode(meta)
+                self.metadata_messages += 1
+            self.exchange([], [recv])
+        recv.work.wait()  # blocks until the neighbour's matching send has arrived
+        self.recv_wait_s += time.perf_counter() - start
+        return recv.tensor
+
+    # ---- sends --------------------------------------------------------------------------------
+    def send_forward(self, x: torch.Tensor, key: Hashable) -> list[tuple[int, int, torch.Tensor]]:
+        """The sends of activation `key` to the next stage (with its metadata the first time),
+        for `exchange`."""
         assert self.next_rank is not None
         x = x.detach().contiguous()
+        sends = []
         if key not in self._out_meta:
             self._out_meta[key] = (x.shape, x.dtype)
-            self._isend(_encode(x.shape, x.dtype, self.device), self.next_rank)  # metadata -> next stage
+            sends.append((FORWARD_STREAM, self.next_rank, _encode(x.shape, x.dtype, self.device)))
             self.metadata_messages += 1
-        self._isend(x, self.next_rank)  # this stage's output -> next stage's input
+        return sends + [(FORWARD_STREAM, self.next_rank, x)]
 
-    def recv_forward(self, key: Hashable) -> torch.Tensor:
-        assert self.prev_rank is not None
-        if key not in self._in_meta:
-            meta = torch.empty(META_LEN, dtype=torch.int64, device=self.device)
-            dist.recv(meta, src=self.prev_rank)  # metadata <- prev stage (first time only)
-            self._in_meta[key] = _decode(meta)
-            self.metadata_messages += 1
-        shape, dtype = self._in_meta[key]
-        x = torch.empty(shape, dtype=dtype, device=self.device)
-        self._recv(x, self.prev_rank)  # prev stage's output -> our input
-        return x
-
-    # ---- gradients (backward) -------------------------------------------------------------
-    def send_backward(self, grad: torch.Tensor | None, key: Hashable) -> None:
+    def send_backward(self, grad: torch.Tensor | None, key: Hashable) -> list[tuple[int, int, torch.Tensor]]:
+        """The send of d loss / d (the input `key` we received) to the previous stage."""
         assert self.prev_rank is not None
         shape, dtype = self._in_meta[key]
         grad = torch.zeros(shape, dtype=dtype, device=self.device) if grad is None else grad
-        self._isend(grad.detach().to(dtype).contiguous(), self.prev_rank)  # d loss/d input -> prev
+        return [(BACKWARD_STREAM, self.prev_rank, grad.detach().to(dtype).contiguous())]
 
-    def recv_backward(self, key: Hashable) -> torch.Tensor:
-        assert self.next_rank is not None
-        shape, dtype = self._out_meta[key]
-        grad = torch.empty(shape, dtype=dtype, device=self.device)
-        self._recv(grad, self.next_rank)  # d loss/d our output <- next stage
-        return grad
+    def exchange(self, sends: list[tuple[int, int, torch.Tensor]], recvs: list[Recv]) -> None:
+        """Issue `sends` and post `recvs` (each must be `postable`), one batch per stream."""
+        for stream in (FORWARD_STREAM, BACKWARD_STREAM):
+            group = self.groups[stream]
+            ops = [dist.P2POp(dist.isend, t, dst, group) for s, dst, t in sends if s == stream]
+            mine = [r for r in recvs if r.stream == stream]
+            for r in mine:
+                shape, dtype = (self._in_meta if stream == FORWARD_STREAM else self._out_meta)[r.key]
+                r.tensor = torch.empty(shape, dtype=dtype, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, r.tensor, r.src, group))
+            if not ops:
+                continue
+            # this stage's sends to / receives from its ring neighbours on this stream, as one batch
+            works = dist.batch_isend_irecv(ops)
+            if len(works) != len(ops):  # a coalescing backend (NCCL): the batch completes as one
+                works = works * len(ops)
+            n_sends = len(ops) - len(mine)
+            self._pending += [(w, op.tensor) for w, op in zip(works[:n_sends], ops[:n_sends], strict=True)]
+            for r, w in zip(mine, works[n_sends:], strict=True):
+                r.work = w
 
-    # ---- bookkeeping ------------------------------------------------------------------------
-    def _recv(self, tensor: torch.Tensor, src: int) -> None:
-        start = time.perf_counter()
-        dist.recv(tensor, src=src)  # blocks until the neighbour's matching send arrives
-        self.recv_wait_s += time.perf_counter() - start
-
-    def _isend(self, tensor: torch.Tensor, dst: int) -> None:
-        self._pending.append((dist.isend(tensor, dst=dst), tensor))
-
-    def wait(self) -> None:
+    def finish(self) -> None:
         """Block until every send issued so far has completed (end of a step / forward-only pass)."""
+        start = time.perf_counter()
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
+        self.send_wait_s += time.perf_counter() - start
 
 
 def _encode(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,15 +1,28 @@
 """Pipeline schedules: the order in which one stage runs forwards (F) and backwards (B).
 
-A schedule is plain data -- a list of (`FORWARD` | `BACKWARD`, micro-batch index) -- built per
-stage, so it can be printed, tested and reasoned about without processes. The trainer walks it
-(the strategy hands it over); the point-to-point exchanges inside F and B make the stages wait
-for each other, so the per-stage lists together form the pipeline. Without pipeline parallelism
-the schedule is `one_by_one`: plain gradient accumulation.
+A schedule is plain data, built per stage, so it can be printed, tested and reasoned about
+without processes. It comes at two levels:
 
-With p stages and m micro-batches both schedules leave the same idle "bubble" of
+    stage level    (F | B, micro-batch i, local chunk c)   what the stage (`stage.py`) runs
+    trainer level  (F | B, micro-batch i)                  what the trainer walks
+
+Without virtual stages every rank holds one chunk (c = 0) and the two levels are the same list.
+With interleaved 1F1B a rank holds v chunks, the stage list holds v forwards and v backwards
+per micro-batch, and the trainer's list is its projection (`trainer_schedule`): micro-batch
+i's FORWARD stands where its first chunk forward does (that is where the stage needs the
+arguments the user's ``training_step`` passes to the model), its BACKWARD where its first
+chunk backward does (where the stage needs the loss to back-propagate). The point-to-point
+exchanges make the stages wait for each other, so the per-stage lists together form the
+pipeline. Without pipeline parallelism the schedule is `one_by_one`: plain gradient accumulation.
+
+With p stages and m micro-batches AFAB and 1F1B leave the same idle "bubble" of
 (p-1)/(m+p-1) of the step; they differ in memory. All-forward-all-backward (GPipe) keeps the
 activations of all m micro-batches alive on every stage; 1F1B starts each micro-batch's
 backward as soon as possible, so stage s never holds more than p-s (<= p) of them.
+Interleaved 1F1B (Megatron-LM's virtual pipeline) gives each rank v non-adjacent chunks of
+layers (chunk c of rank r is virtual stage c*p + r): a micro-batch goes round the ring of ranks
+v times, each pass 1/v of the work, so the fill and drain shrink to (p-1)/(v*m+p-1) of the step,
+for v times as many messages and a few more live activations (`max_in_flight`).
 """
 
 from __future__ import annotations
@@ -17,8 +30,9 @@ from __future__ import annotations
 from nanolight.errors import UsageError
 
 FORWARD, BACKWARD = "F", "B"
-Action = tuple[str, int]
-SCHEDULES = ("1f1b", "afab")
+Action = tuple[str, int]  # trainer level: (kind, micro-batch)
+ChunkAction = tuple[str, int, int]  # stage level: (kind, micro-batch, local chunk)
+SCHEDULES = ("1f1b", "afab", "interleaved_1f1b")
 
 
 def one_by_one(num_micro_batches: int) -> list[Action]:
@@ -58,36 +72,102 @@ def one_forward_one_backward(num_micro_batches: int, pp_size: int, pp_rank: int)
     return schedule
 
 
+def interleaved_1f1b(num_micro_batches: int, pp_size: int, pp_rank: int, virtual: int) -> list[ChunkAction]:
+    """Interleaved 1F1B (Megatron-LM's schedule for virtual pipeline stages), rank `pp_rank`'s list.
+
+    The rank's m*v chunk forwards run in a fixed order: micro-batches in groups of p; within a
+    group, chunk 0 for the p micro-batches, then chunk 1 for the same p, ... (their output comes
+    back round the ring of p ranks just as the rank gets to them); the backwards run in the same
+    order with the chunks reversed. 1F1B is then applied to these m*v units of work. Needs m to
+    be a multiple of p (`check_micro_batches`).
+    """
+    m, p, v = num_micro_batches, pp_size, virtual
+    total = m * v  # this rank's chunk forwards in the step (and as many backwards)
+
+    def unit(k: int, kind: str) -> ChunkAction:
+        """The rank's k-th chunk forward (or backward): which micro-batch, which chunk."""
+        group, within = divmod(k, p * v)
+        step, lane = divmod(within, p)
+        return kind, group * p + lane, step if kind == FORWARD else v - 1 - step
+
+    # Warm-up: forwards only. (v-1)*p of them let the first micro-batch reach this rank's last
+    # chunk; 2*(p-r-1) more keep rank r busy until the first gradient comes back from downstream.
+    num_warmup = min(total, 2 * (p - pp_rank - 1) + (v - 1) * p)
+    schedule = [unit(k, FORWARD) for k in range(num_warmup)]
+    # Steady state: the next chunk forward, then the oldest chunk backward in flight.
+    for k in range(total - num_warmup):
+        schedule += [unit(num_warmup + k, FORWARD), unit(k, BACKWARD)]
+    # Cool-down: no forwards left; the chunk backwards still in flight, oldest first.
+    schedule += [unit(k, BACKWARD) for k in range(total - num_warmup, total)]
+    return schedule
+
+
 def check_micro_batches(pp: int, schedule: str, micro_batches: int) -> None:
-    """1F1B needs at least pp micro-batches per step to reach its steady phase; say so clearly."""
-    if pp > 1 and schedule == "1f1b" and micro_batches < pp:
+    """1F1B needs at least pp micro-batches per step to reach its steady phase; interleaved
+    1F1B runs them in groups of pp. Say so clearly."""
+    m = micro_batches
+    if pp > 1 and schedule == "1f1b" and m < pp:
         raise UsageError(
             f"the 1F1B schedule needs at least pp={pp} micro-batches per optimizer step, got "
-            f"accumulate_grad_batches={micro_batches}: with fewer, stages idle most of the step "
-            f"(bubble (p-1)/(m+p-1) = {(pp - 1) / (micro_batches + pp - 1):.0%}). Set "
+            f"accumulate_grad_batches={m}: with fewer, stages idle most of the step "
+            f"(bubble (p-1)/(m+p-1) = {(pp - 1) / (m + pp - 1):.0%}). Set "
             f"trainer.accumulate_grad_batches >= {pp} (4*pp or more keeps the bubble small) or "
             "use pp_schedule='afab'"
         )
+    if pp > 1 and schedule == "interleaved_1f1b" and (m < pp or m % pp != 0):
+        lower = m // pp * pp
+        fix = f"{lower} or {lower + pp}" if lower >= pp else f"{pp}"
+        raise UsageError(
+            f"the interleaved 1F1B schedule needs the micro-batches per optimizer step to be a multiple of "
+            f"pp={pp} (they go through each rank's chunks in groups of pp), got "
+            f"accumulate_grad_batches={m}; set trainer.accumulate_grad_batches={fix}"
+        )
 
 
-def build_schedule(name: str, num_micro_batches: int, pp_size: int, pp_rank: int) -> list[Action]:
-    """Stage `pp_rank`'s actions for one step (`check_micro_batches` says whether m suits p)."""
+def stage_schedule(
+    name: str, num_micro_batches: int, pp_size: int, pp_rank: int, virtual: int = 1
+) -> list[ChunkAction]:
+    """Stage `pp_rank`'s chunk-level actions for one step (`check_micro_batches` says whether m suits p)."""
+    if name == "interleaved_1f1b":
+        return interleaved_1f1b(num_micro_batches, pp_size, pp_rank, virtual)
+    if virtual != 1:
+        raise UsageError(f"pp_virtual={virtual} needs pp_schedule='interleaved_1f1b', not {name!r}")
     if name == "1f1b":
-        return one_forward_one_backward(num_micro_batches, pp_size, pp_rank)
-    if name == "afab":
-        return all_forward_all_backward(num_micro_batches)
-    raise UsageError(f"unknown pipeline schedule {name!r}; choose one of {SCHEDULES}")
+        actions = one_forward_one_backward(num_micro_batches, pp_size, pp_rank)
+    elif name == "afab":
+        actions = all_forward_all_backward(num_micro_batches)
+    else:
+        raise UsageError(f"unknown pipeline schedule {name!r}; choose one of {SCHEDULES}")
+    return [(kind, i, 0) for kind, i in actions]
 
 
-def max_in_flight(schedule: list[Action]) -> int:
-    """Most micro-batches forwarded but not yet backwarded at once (activations kept alive)."""
+def trainer_schedule(actions: list[ChunkAction], virtual: int = 1) -> list[Action]:
+    """What the trainer walks: micro-batch i's FORWARD where its first chunk forward (chunk 0)
+    is, its BACKWARD where its first chunk backward (chunk v-1) is (see the module docstring)."""
+    return [
+        (kind, i)
+        for kind, i, c in actions
+        if (kind == FORWARD and c == 0) or (kind == BACKWARD and c == virtual - 1)
+    ]
+
+
+def build_schedule(
+    name: str, num_micro_batches: int, pp_size: int, pp_rank: int, virtual: int = 1
+) -> list[Action]:
+    """Stage `pp_rank`'s trainer-level actions for one step."""
+    return trainer_schedule(stage_schedule(name, num_micro_batches, pp_size, pp_rank, virtual), virtual)
+
+
+def max_in_flight(schedule: list[Action] | list[ChunkAction]) -> int:
+    """Most forwards not yet backwarded at once (activations kept alive): micro-batches for a
+    trainer-level list, chunk activations (each 1/v of the rank's layers) for a stage-level one."""
     live = peak = 0
-    for kind, _ in schedule:
+    for kind, *_ in schedule:
         live += 1 if kind == FORWARD else -1
         peak = max(peak, live)
     return peak
 
 
-def bubble_fraction(num_micro_batches: int, pp_size: int) -> float:
-    """Ideal idle fraction of a step for equal-cost stages: (p-1)/(m+p-1)."""
-    return (pp_size - 1) / (num_micro_batches + pp_size - 1)
+def bubble_fraction(num_micro_batches: int, pp_size: int, virtual: int = 1) -> float:
+    """Ideal idle fraction of a step for equal-cost stages: (p-1)/(v*m+p-1)."""
+    return (pp_size - 1) / (virtual * num_micro_batches + pp_size - 1)

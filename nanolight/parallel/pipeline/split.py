@@ -4,8 +4,13 @@ The model declares its pipeline plan as data (`LlamaForCausalLM.pp_plan`), as it
 tensor-parallel plan; nothing here knows Llama:
 
     "first":  modules only the first stage runs           (the embedding)
-    "layers": the repeated blocks, split into contiguous runs, one run per stage
+    "layers": the repeated blocks, split into contiguous runs, one run per virtual stage
     "last":   modules only the last stage runs            (final norm, output head)
+
+With v virtual stages per rank (interleaved 1F1B) the blocks are cut into p*v runs ("chunks");
+chunk g is virtual stage g and lives on rank g mod p, so rank r holds the v non-adjacent runs
+r, r+p, r+2p, ... (`PipelineSplit.chunks`); the first modules go with chunk 0 (rank 0), the
+last with chunk p*v-1 (rank p-1). `chunks.py` runs one chunk at a time.
 
 A "first" module whose parameter is tied to a "last" module's (the embedding that *is*
 ``lm_head.weight``) is kept on the last stage too: it costs no memory there and keeps the
@@ -40,12 +45,19 @@ class StageLayers(nn.ModuleDict):
         return iter(self.values())
 
 
-def check_pipeline_layout(pp: int, num_layers: int) -> None:
-    """Raise ValueError with a fix-it message if the model cannot be cut into `pp` stages."""
+def check_pipeline_layout(pp: int, num_layers: int, virtual: int = 1) -> None:
+    """Raise ValueError with a fix-it message if the model cannot be cut into `pp` stages (of
+    `virtual` chunks each)."""
     if pp > num_layers:
         raise UsageError(
             f"pipeline parallelism pp={pp} is larger than the model's num_hidden_layers={num_layers}: "
             f"every stage needs at least one decoder layer; choose pp <= {num_layers}"
+        )
+    if pp * virtual > num_layers:
+        raise UsageError(
+            f"pp={pp} stages of pp_virtual={virtual} chunks need pp*pp_virtual = {pp * virtual} decoder "
+            f"layers, but the model has num_hidden_layers={num_layers}: every virtual stage needs at "
+            f"least one; choose pp_virtual <= {num_layers // pp}"
         )
 
 
@@ -105,19 +117,24 @@ class PipelineSplit:
     first: tuple[str, ...]
     layers: str
     last: tuple[str, ...]
-    ranges: tuple[range, ...]
+    ranges: tuple[range, ...]  # layers of each virtual stage (chunk): p*v contiguous runs
     shared: frozenset[str]  # "first" modules the last stage keeps too (tied to a "last" module)
+    virtual: int = 1  # chunks per rank
 
     @property
     def pp_size(self) -> int:
-        return len(self.ranges)
+        return len(self.ranges) // self.virtual
+
+    def chunks(self, stage: int) -> list[int]:
+        """The virtual stages (global chunk indices) rank `stage` holds, in order: stage, stage+p, ..."""
+        return list(range(stage, len(self.ranges), self.pp_size))
 
     def holders(self, key: str) -> tuple[int, ...]:
         """The stages holding parameter/state-dict key `key` (a name inside the split model)."""
         last = self.pp_size - 1
         if key.startswith(self.layers + "."):
             index = int(key[len(self.layers) + 1 :].split(".", 1)[0])
-            return tuple(s for s, r in enumerate(self.ranges) if index in r)
+            return tuple(g % self.pp_size for g, r in enumerate(self.ranges) if index in r)
         if _under(key, self.first):
             return (0, last) if _under(key, tuple(self.shared)) and last > 0 else (0,)
         if _under(key, self.last):
@@ -134,18 +151,22 @@ def _under(key: str, modules: tuple[str, ...]) -> bool:
     return any(key == m or key.startswith(m + ".") for m in modules)
 
 
-def plan_split(model: nn.Module, pp: int, layers_per_stage: Sequence[int] | None = None) -> PipelineSplit:
-    """The split of `model` (declaring ``pp_plan``) into `pp` stages, balanced by its costs."""
+def plan_split(
+    model: nn.Module, pp: int, layers_per_stage: Sequence[int] | None = None, virtual: int = 1
+) -> PipelineSplit:
+    """The split of `model` (declaring ``pp_plan``) into `pp` stages of `virtual` chunks each,
+    balanced by its costs; `layers_per_stage` lists the layers of each of the pp*virtual chunks."""
     plan = getattr(model, "pp_plan", None)
     if not isinstance(plan, dict):
         raise TypeError(f"{type(model).__name__} declares no `pp_plan`; pipeline parallelism needs one")
     first, last = tuple(plan.get("first", ())), tuple(plan.get("last", ()))
     num_layers = len(model.get_submodule(plan["layers"]))
+    check_pipeline_layout(pp, num_layers, virtual)
     costs = model.pipeline_costs() if hasattr(model, "pipeline_costs") else (1.0, 0.0, 0.0)
-    ranges = balanced_layer_split(num_layers, pp, *costs, layers_per_stage=layers_per_stage)
+    ranges = balanced_layer_split(num_layers, pp * virtual, *costs, layers_per_stage=layers_per_stage)
     tied = _tied_keys(model)
     shared = frozenset(m for m in first if any(_under(a, (m,)) and _under(b, last) for a, b in tied))
-    return PipelineSplit(first, plan["layers"], last, tuple(ranges), shared)
+    return PipelineSplit(first, plan["layers"], last, tuple(ranges), shared, virtual)
 
 
 def _tied_keys(model: nn.Module) -> list[tuple[str, str]]:
@@ -163,7 +184,8 @@ def _tied_keys(model: nn.Module) -> list[tuple[str, str]]:
 def apply_split(model: nn.Module, split: PipelineSplit, stage: int) -> None:
     """Drop from `model` (ideally on meta) every module that `stage` does not hold."""
     blocks = model.get_submodule(split.layers)
-    model.set_submodule(split.layers, StageLayers({str(i): blocks[i] for i in split.ranges[stage]}))
+    held = sorted(i for g in split.chunks(stage) for i in split.ranges[g])
+    model.set_submodule(split.layers, StageLayers({str(i): blocks[i] for i in held}))
     for name in split.first + split.last:
         if not split.keeps(stage, name):
             parent, _, attr = name.rpartition(".")

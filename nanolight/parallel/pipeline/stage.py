@@ -1,141 +1,153 @@
 """`PipelineStage`: one rank's slice of a model, called exactly like the whole model.
 
-The user's `training_step` keeps calling ``self.model(input_ids, labels=labels)``. After the split
-(`split.py`) the model holds only this stage's modules, and its own forward skips the absent ones
-(it takes ``hidden_states=`` in place of its embedding's output and returns its last hidden state
-when it has no head). The stage wraps that forward on the instance (module names, hooks and
-``state_dict`` keys are untouched) and adds the exchange with the neighbours:
+The user's `training_step` keeps calling ``self.model(input_ids, labels=labels)`` once per
+micro-batch. After the split (`split.py`) the model holds only this rank's modules, and its own
+forward skips the absent ones (it takes ``hidden_states=`` in place of its embedding's output and
+returns its last hidden state when it has no head). The stage wraps that forward on the instance
+(module names, hooks and ``state_dict`` keys are untouched); a rank holds one chunk of layers, or
+v of them under interleaving (`chunks.py`).
 
-    first stage   forward(input_ids)                        -> send the activation to the next stage
-    middle stage  receive -> forward(..., hidden_states=x)  -> send it on
-    last stage    receive -> forward(..., hidden_states=x)  -> the model's own loss (or logits)
+How the trainer's walk of the schedule drives it. The strategy hands each step's stage-level
+list (`schedules.stage_schedule`: chunk forwards and backwards) to `start_step` and the trainer
+walks its projection (one FORWARD and one BACKWARD per micro-batch). Inside the trainer's
+FORWARD i, the model call gives the stage micro-batch i's arguments; in its BACKWARD i,
+`backward` gives it the loss to back-propagate. After each input the stage runs its list as far
+as the inputs allow (`runner.StepRun`): with one chunk per rank that is exactly micro-batch i's
+forward or backward; with v chunks it is also other micro-batches' chunks, where the interleaved
+schedule places them. So the user's training_step and Lightning's hooks run once per micro-batch,
+in the trainer's order, while the chunks run in the schedule's.
 
-A non-last stage returns a *placeholder* loss: a zero scalar that is differentiable with respect
-to the stage's output. The user logs it and returns it like a real loss; when the strategy later
-back-propagates it (`backward`), the placeholder's backward hands autograd the gradient the next
-stage sent for this output. The true loss reaches the metrics through `Strategy.reduce`, which
-takes it from the last stage.
+What the model call returns: the real loss on the rank holding the last virtual stage when that
+chunk ran inside the call (always with one chunk per rank), else a placeholder that the loss and
+`self.log` pass through; under interleaving the last rank's placeholder takes the loss's value
+before anything reads it (see `runner.py`). training_step must therefore return (and may log)
+the model's loss unchanged there: arithmetic on it inside training_step would see the zero. The
+first step checks that and says so.
 
-Which micro-batch a forward belongs to is set by the strategy around the user's training_step
-(`micro_batch`); outside a schedule (validation, inference) each call is a plain forward
-through the pipeline: receive, compute, send, return (a placeholder on non-last stages).
+Outside a schedule (validation, inference) each call is a plain forward through the pipeline:
+every chunk in turn -- receive, compute, send -- returning the last virtual stage's output (a
+placeholder on the other ranks).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
+from nanolight.parallel.pipeline.chunks import StageChunks
 from nanolight.parallel.pipeline.p2p import StageP2P
-
-
-class _GradSlot:
-    """Where `backward` puts the gradient received for one micro-batch's stage output."""
-
-    grad: torch.Tensor | None = None
-
-
-class _Placeholder(torch.autograd.Function):
-    """Zero scalar standing in for the loss on a non-last stage; its backward returns the
-    gradient of the real loss w.r.t. this stage's output, received from the next stage."""
-
-    @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, slot: _GradSlot) -> torch.Tensor:
-        ctx.slot = slot
-        return torch.zeros((), dtype=torch.float32, device=output.device)
-
-    @staticmethod
-    def backward(ctx: Any, _grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        # The 1/n scaling is already inside the received gradient (the last stage
-        # back-propagated loss/n), so it is not applied twice.
-        grad, ctx.slot.grad = ctx.slot.grad, None
-        if grad is None:
-            raise RuntimeError(
-                "pipeline placeholder loss was back-propagated outside the pipeline schedule; under "
-                "pipeline parallelism the trainer drives backward (do not call loss.backward() yourself)"
-            )
-        return grad, None
-
-
-@dataclass
-class _InFlight:
-    """One micro-batch between its forward and its backward on this stage."""
-
-    key: Hashable
-    stage_input: torch.Tensor | None  # received activation (a leaf), None on the first stage
-    slot: _GradSlot
+from nanolight.parallel.pipeline.runner import Placeholder, StepRun
+from nanolight.parallel.pipeline.schedules import Action, stage_schedule, trainer_schedule
+from nanolight.parallel.pipeline.split import PipelineSplit
 
 
 class PipelineStage:
-    """Runs this rank's stage of a split model (see `split.py`) and talks to its neighbours."""
+    """Runs this rank's chunks of a split model (`chunks`) and talks to its neighbours (`p2p`);
+    every chunk forward runs inside `compute_context()` (autocast), wherever the schedule puts it."""
 
-    def __init__(self, model: nn.Module, pp_rank: int, pp_size: int, p2p: StageP2P) -> None:
-        self.model, self.p2p = model, p2p
-        self.pp_rank, self.pp_size = pp_rank, pp_size
-        self.is_first, self.is_last = pp_rank == 0, pp_rank == pp_size - 1
-        self.current: int | None = None  # micro-batch index during its forward in the schedule
-        self.in_flight: dict[int, _InFlight] = {}
-        self.max_in_flight = 0  # most micro-batches alive at once during the current/last step
-        self._forward = type(model).forward.__get__(model)  # the model's own, stage-skipping forward
-        model.forward = self.forward  # instance attribute: nn.Module.__call__ (and its hooks) run it
+    def __init__(
+        self,
+        chunks: StageChunks,
+        p2p: StageP2P,
+        compute_context: Callable[[], AbstractContextManager] = nullcontext,
+    ) -> None:
+        self.chunks, self.p2p, self.model = chunks, p2p, chunks.model
+        self.pp_rank, self.pp_size = chunks.pp_rank, chunks.pp_size
+        self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
+        self.compute_context = compute_context
+        self.current: int | None = None  # micro-batch index during its training_step in the schedule
+        self.steps = 0
+        self.run = StepRun([], 1, chunks, p2p, lambda last: None, compute_context, False)
+        self.model.forward = self.forward  # instance attribute: nn.Module.__call__ (and its hooks) run it
+
+    @classmethod
+    def of(
+        cls,
+        model: nn.Module,
+        split: PipelineSplit,
+        ctx: Any,
+        compute_context: Callable[[], AbstractContextManager] = nullcontext,
+    ) -> PipelineStage:
+        """This rank's stage of `model` cut by `split`, talking to its ring neighbours in `ctx`
+        (a `ParallelContext`)."""
+        p2p = StageP2P(*ctx.pp_ring, ctx.device, ctx.pp_p2p_groups)
+        return cls(StageChunks(model, split, ctx.pp_rank), p2p, compute_context)
+
+    @property
+    def max_in_flight(self) -> int:
+        """Most chunk activations alive at once during the current/last step."""
+        return self.run.max_in_flight
+
+    # ---- the trainer's inputs -----------------------------------------------------------------
+    def start_step(
+        self, schedule: str, n: int, before_backward: Callable[[bool], None] = lambda last: None
+    ) -> list[Action]:
+        """A new step of `schedule` over `n` micro-batches: the stage keeps its chunk-level list
+        and returns the projection the trainer walks. `before_backward(last)` is told before
+        every chunk backward whether it is that chunk's last of the step (the dp reduction)."""
+        v = len(self.chunks.virtual_stages)
+        actions = stage_schedule(schedule, n, self.pp_size, self.pp_rank, v)
+        check = self.steps == 0  # the first step checks what training_step returned
+        self.run = StepRun(actions, n, self.chunks, self.p2p, before_backward, self.compute_context, check)
+        self.steps += 1
+        return trainer_schedule(actions, v)
 
     @contextmanager
     def micro_batch(self, i: int) -> Iterator[None]:
         """Around the user's training_step for micro-batch `i` of the schedule."""
-        if i == 0:  # every schedule starts a step with micro-batch 0's forward
-            self.max_in_flight = 0
         self.current = i
         try:
             yield
         finally:
             self.current = None
-
-    def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        key = tuple(input_ids.shape)  # the activation shape follows from it
-        stage_input = None
-        if not self.is_first:
-            stage_input = self.p2p.recv_forward(key)  # (B, T, C) from the previous stage
-            if torch.is_grad_enabled():
-                stage_input.requires_grad_()  # a leaf: its .grad is what we send back
-            kwargs["hidden_states"] = stage_input
-        out = self._forward(input_ids, *args, **kwargs)
-        slot = _GradSlot()  # filled with d loss/d out by `backward` (unused on the last stage)
-        if not self.is_last:
-            self.p2p.send_forward(out, key)  # (B, T, C) to the next stage
-            out = _Placeholder.apply(out, slot)
-        i = self.current
-        if i is None:  # a plain forward (validation / inference): nothing stays in flight
-            self.p2p.wait()
-            return out
-        if i in self.in_flight:
-            raise RuntimeError(
-                f"training_step called the pipelined model twice for micro-batch {i}; under pipeline "
-                "parallelism call self.model(...) exactly once per training_step"
-            )
-        self.in_flight[i] = _InFlight(key, stage_input, slot)
-        self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
-        return out
-
-    def backward(self, i: int, loss: torch.Tensor) -> None:
-        """Backward of micro-batch `i`: receive d loss/d output, back-propagate, send d loss/d input."""
-        if i not in self.in_flight:
+        if not self.run.called(i):
             raise RuntimeError(
                 f"micro-batch {i} never went through the pipelined model; under pipeline parallelism "
                 "training_step must call self.model(input_ids, labels=...) once"
             )
-        flight = self.in_flight.pop(i)
-        if not self.is_last:
-            flight.slot.grad = self.p2p.recv_backward(flight.key)  # d loss/d output <- next stage
-        loss.backward()
-        if not self.is_first:
-            grad = flight.stage_input.grad if flight.stage_input is not None else None
-            self.p2p.send_backward(grad, flight.key)  # d loss/d input -> previous stage
+
+    def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        i = self.current
+        if i is None:  # a plain forward (validation / inference): nothing stays in flight
+            return self._plain_forward(input_ids, args, kwargs)
+        if self.run.called(i):
+            raise RuntimeError(
+                f"training_step called the pipelined model twice for micro-batch {i}; under pipeline "
+                "parallelism call self.model(...) exactly once per training_step"
+            )
+        return self.run.call(i, input_ids, args, kwargs)
+
+    def backward(self, i: int, loss: torch.Tensor) -> None:
+        """The trainer back-propagates `loss` (micro-batch `i`'s loss / n)."""
+        if not self.run.called(i):
+            raise RuntimeError(
+                f"micro-batch {i} never went through the pipelined model; under pipeline parallelism "
+                "training_step must call self.model(input_ids, labels=...) once"
+            )
+        self.run.backward(i, loss)
 
     def finish(self) -> None:
-        """End of a step: wait until every activation/gradient this stage sent was received."""
-        self.p2p.wait()
+        """End of a step: run what is left, wait until every tensor this stage sent was received."""
+        self.run.finish()
+        self.p2p.finish()
+
+    # ---- outside a schedule -------------------------------------------------------------------
+    def _plain_forward(self, input_ids: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        key, out, last = tuple(input_ids.shape), None, self.chunks.num_chunks - 1
+        for c, g in enumerate(self.chunks.virtual_stages):
+            kw = dict(kwargs)
+            if g > 0:  # (B, T, C) from the previous virtual stage
+                kw["hidden_states"] = self.p2p.wait(self.p2p.recv_forward((key, g)))
+            out = self.chunks.forward(c, input_ids, args, kw)
+            if g < last:  # on to the next virtual stage
+                self.p2p.exchange(self.p2p.send_forward(out, (key, g + 1)), [])
+        self.p2p.finish()
+        return (
+            out
+            if self.chunks.is_last(len(self.chunks.virtual_stages) - 1)
+            else Placeholder.make(input_ids.device)
+        )

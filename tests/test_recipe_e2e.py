@@ -55,8 +55,9 @@ def recipe(run_dir: Path, cache: Path, *overrides: str, timeout: float = 300) ->
 
 
 def losses(run_dir: Path) -> dict[int, float]:
+    """train/loss by optimizer step (1, 2, ...): Lightning writes step k's training row at k - 1."""
     with open(run_dir / "metrics.csv") as f:
-        return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
+        return {int(r["step"]) + 1: float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
 
 
 def test_recipe_runs_and_resumes_exactly(tmp_path: Path, cache_dir: Path) -> None:
@@ -69,8 +70,8 @@ def test_recipe_runs_and_resumes_exactly(tmp_path: Path, cache_dir: Path) -> Non
     assert (full / "checkpoints" / "step-6" / "model.safetensors").is_file()
     assert list((full / "wandb").glob("offline-run-*/run-*.wandb")), "no offline wandb run written"
     ref = losses(full)
-    assert sorted(ref) == list(range(12))  # Lightning logs step k at k - 1
-    assert ref[11] < ref[0] - 1.0, ref  # clearly learning (ln(8192) ~ 9 at init)
+    assert sorted(ref) == list(range(1, 13))
+    assert ref[12] < ref[1] - 1.0, ref  # clearly learning (ln(8192) ~ 9 at init)
     with open(full / "metrics.csv") as f:
         assert any(r.get("val/loss") for r in csv.DictReader(f))
 
@@ -93,6 +94,6 @@ def test_recipe_runs_and_resumes_exactly(tmp_path: Path, cache_dir: Path) -> Non
     (resumed / "checkpoints" / "last").write_text("step-6\n")
     recipe(resumed, cache_dir, "trainer.max_steps=12", "checkpoint.every_n_steps=6", "checkpoint.resume=last")
     got = losses(resumed)
-    assert sorted(got) == list(range(6, 12))  # steps 7..12
+    assert sorted(got) == list(range(7, 13))
     for step, value in got.items():
         assert value == pytest.approx(ref[step], rel=1e-6, abs=0), (step, value, ref[step])

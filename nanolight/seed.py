@@ -15,7 +15,6 @@ import numpy as np
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_info
 
-
 MAX_SEED = 2**32 - 1
 
 

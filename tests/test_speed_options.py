@@ -22,8 +22,8 @@ def test_recipe_keys_reach_the_strategy() -> None:
     config = _config(activation_checkpointing="selective", activation_checkpointing_every=2, compile=True)
     strategy = build_strategy(config)
     assert isinstance(strategy, SingleDeviceStrategy)
-    assert strategy.recompute == ("selective", 2) and strategy.compile is True
-    assert build_strategy(_config()).recompute == ("none", 1)
+    assert strategy.blocks.recompute == ("selective", 2) and strategy.blocks.compile is True
+    assert build_strategy(_config()).blocks.recompute == ("none", 1)
 
 
 @pytest.mark.parametrize(

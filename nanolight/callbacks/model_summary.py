@@ -35,7 +35,7 @@ def summary_table(module: nn.Module, max_depth: int = 1) -> str:
         rows.append((str(i), name, type(sub).__name__, _human(_count(sub)[0]), "train" if sub.training else "eval"))
     widths = [max(len(r[c]) for r in rows) for c in range(5)]
     line = "-" * (sum(widths) + 3 * 4 + 2)
-    fmt = "  | ".join("{:<%d}" % w for w in widths)
+    fmt = "  | ".join(f"{{:<{w}}}" for w in widths)
     out = [fmt.format(*rows[0]), line, *(fmt.format(*r) for r in rows[1:]), line]
     total, trainable = _count(module)
     size_mb = sum(p.numel() * p.element_size() for p in module.parameters()) / 1e6

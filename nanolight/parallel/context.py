@@ -152,6 +152,31 @@ class ParallelContext:
 
         return DeviceMesh(self.device.type, self.mesh, mesh_dim_names=MESH_DIMS)
 
+    # ---- the collectives a strategy asks for by name ---------------------------------------
+    def reduce_metric(
+        self, tensor: torch.Tensor, op: str = "mean", from_last_stage: bool = False
+    ) -> torch.Tensor:
+        """One metric, the same on every rank: the last pipeline stage's value (`from_last_stage`:
+        only it computed the loss), combined over dp ("mean" | "sum" | "max" | "min")."""
+        out = tensor.detach().float().clone().to(self.device)
+        if from_last_stage and self.pp_size > 1:
+            # the last stage sends its value to every stage of its pipeline
+            dist.broadcast(out, src=self.pp_ranks[-1], group=self.pp_group)
+        if self.dp_size > 1:  # tp ranks already hold identical metrics
+            # dp replicas combine their metric: summed (a mean divides after), or max / min
+            reduce_op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}.get(op, dist.ReduceOp.SUM)
+            dist.all_reduce(out, op=reduce_op, group=self.dp_group)
+            out = out / self.dp_size if op == "mean" else out
+        return out
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if `flag` is True on any rank."""
+        if self.world_size == 1:
+            return flag
+        box = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)  # every rank sends its 0/1 flag, all get the max
+        return bool(box.item())
+
     def __repr__(self) -> str:
         return (
             f"ParallelContext(rank={self.global_rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "

@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 from nanolight.checkpoint.load import load_model, load_optimizers, trainer_state

@@ -5,8 +5,8 @@ processes. It says *what* happens, in the documented order; the parallel core sa
    `parallel/launcher.py`), join the world, build the `ParallelContext`.
 2. `configure_model` runs on the meta device, so no rank ever holds the full model. `setup_module`
    then: records the full model (shapes, tied names, init order), applies the model's `tp_plan`
-   (`parallel/tensor_parallel/`), cuts its `pp_plan` stage out (`parallel/pipeline/split.py`),
-   materialises this rank's shards and initialises them topology-independently
+   (`parallel/tensor_parallel/`), cuts its `pp_plan` chunks out (`parallel/pipeline/split.py`),
+   materialises this rank's shards (all three: `parallel/shard.py`) and initialises them topology-independently
    (`parallel/init.py`) or loads them from a pretrained directory (`checkpoint/load.py`), and
    records the `ModelLayout` every later concern reads.
 3. `setup_optimizers`: `GradientSync` (`parallel/grads.py`) -- the dp reduction in buckets or
@@ -37,17 +37,18 @@ from nanolight.checkpoint.pretrained import model_dir_files, step_dir_meta, stor
 from nanolight.checkpoint.reader import CheckpointReader
 from nanolight.checkpoint.save import save_sharded
 from nanolight.parallel import ParallelConfig, ParallelContext
-from nanolight.parallel.compile import CompiledBlocks, compile_blocks
+from nanolight.parallel.block_options import BlockOptions
+from nanolight.parallel.compile import CompiledBlocks
 from nanolight.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from nanolight.parallel.grads import GradientSync
 from nanolight.parallel.health import Heartbeat, watch, watched
-from nanolight.parallel.init import init_replayed_, param_specs
+from nanolight.parallel.init import init_replayed_
 from nanolight.parallel.launcher import detect_environment, ensure_processes, init_distributed
-from nanolight.parallel.layout import ModelLayout, one_process_order, tied_aliases
-from nanolight.parallel.pipeline import PipelineStage, apply_split, plan_split
+from nanolight.parallel.layout import one_process_order
+from nanolight.parallel.pipeline import PipelineStage
 from nanolight.parallel.pipeline.schedules import Action, check_micro_batches
-from nanolight.parallel.recompute import apply_activation_checkpointing, check_recompute
-from nanolight.parallel.tensor_parallel.apply import apply_tensor_parallel, shard_dims
+from nanolight.parallel.shard import broadcast_replicas, find_plan_model, replicated_layout, shard_model
+from nanolight.parallel.tensor_parallel.apply import shard_dims
 from nanolight.precision import Precision
 from nanolight.strategies.base import Strategy
 
@@ -83,9 +84,7 @@ class Parallel3DStrategy(Strategy):
         pp_virtual: int = 1,
     ) -> None:
         super().__init__(precision)
-        check_recompute(activation_checkpointing, activation_checkpointing_every)
-        self.recompute = (activation_checkpointing, activation_checkpointing_every)
-        self.compile = compile
+        self.blocks = BlockOptions(activation_checkpointing, activation_checkpointing_every, compile)
         self.compiled: CompiledBlocks | None = None  # set by setup_module when compiling
         degrees = (tp, pp, dp, zero_stage, pp_schedule, sequence_parallel, timeout_s, pp_virtual)
         self.config = ParallelConfig(*degrees)
@@ -97,8 +96,8 @@ class Parallel3DStrategy(Strategy):
         self._ctx: ParallelContext | None = None
         self.stage: PipelineStage | None = None  # pp > 1: this rank's pipeline stage
         self.grads: GradientSync | None = None  # built by setup_optimizers
-        self._model_meta: dict[str, Any] | None = None
-        self._local_rank = 0
+        self._model_meta: dict[str, Any] | None = None  # config / generation files: set by setup_module
+        self._local_rank = 0  # set by setup_environment
 
     @classmethod
     def from_config(cls, config: ParallelConfig, **kwargs: Any) -> Parallel3DStrategy:
@@ -148,19 +147,15 @@ class Parallel3DStrategy(Strategy):
     @property
     def topology(self) -> dict[str, Any]:
         ctx, cfg = self._ctx, self.config
-        return {
-            "tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size, "world_size": ctx.world_size,
-            "zero_stage": cfg.zero_stage, "sequence_parallel": cfg.sequence_parallel,
-        }  # fmt: skip
+        return {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size, "world_size": ctx.world_size,
+                "zero_stage": cfg.zero_stage, "sequence_parallel": cfg.sequence_parallel}  # fmt: skip
 
     # ---- lifecycle -----------------------------------------------------------------------
     def setup_environment(self) -> None:
         if self._ctx is None:
             cfg, env = self.config, detect_environment()
-            # under plain python, dp="auto" means one replica: the world is what tp*pp need
-            world = (
-                env.world_size if env is not None else cfg.tp * cfg.pp * (1 if cfg.dp == "auto" else cfg.dp)
-            )
+            replicas = 1 if cfg.dp == "auto" else cfg.dp  # plain python: dp="auto" is one replica
+            world = env.world_size if env is not None else cfg.tp * cfg.pp * replicas
             dp = cfg.resolve_dp(world)  # world must be tp*pp*dp: a clear error, before anything starts
             env = ensure_processes(world)  # plain python, world > 1: re-launches and never returns
             self._local_rank = env.local_rank
@@ -175,63 +170,34 @@ class Parallel3DStrategy(Strategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         ctx, cfg = self._ctx, self.config
-        model, prefix = _find_plan_model(module, required=cfg.tp * cfg.pp > 1)
-        if model is None:  # any nn.Module under plain data parallelism
-            return self._setup_replicated(module)
-        if getattr(model, "config", None) is not None:
-            c = model.config
-            cfg.check_model(c.num_attention_heads, c.num_key_value_heads, c.vocab_size)
-        # the unsharded, unsplit model: what a checkpoint's global tensors and the init replay match
-        full_shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-        aliases, specs = tied_aliases(module), param_specs(model)
-        on_meta = any(p.is_meta for p in module.parameters())  # built on meta: initialised here
-        pp = ctx.pp_size
-        split = plan_split(model, pp, self.pp_layers_per_stage, cfg.pp_virtual) if pp > 1 else None
-        apply_tensor_parallel(model, model.tp_plan, ctx.tp_group, cfg.sequence_parallel)
-        if split is not None:
-            apply_split(model, split, ctx.pp_rank)  # drop other stages' modules before allocating
-        if on_meta:
-            module.to_empty(device=self.root_device)
-            model.tie_weights()  # to_empty made new Parameter objects
-        else:  # built materialised: apply_tensor_parallel already copied each rank's slice
-            module.to(self.root_device)
+        model, prefix = find_plan_model(module, required=cfg.tp * cfg.pp > 1)
         self.module = module
-        self.layout = ModelLayout.sharded(module, full_shapes, aliases, ctx, split, prefix)
+        if model is None:  # any nn.Module under plain data parallelism: every rank holds it whole
+            module.to(self.root_device)
+            self.layout, self._model_meta = (
+                replicated_layout(module, ctx),
+                step_dir_meta(module, self.pretrained),
+            )
+            self.precision.convert_module(module)
+            broadcast_replicas(module, ctx)
+            return module
+        sharded = shard_model(module, model, prefix, ctx, cfg, self.root_device, self.pp_layers_per_stage)
+        self.layout = sharded.layout
         if self.pretrained is not None:  # this rank's slices of a model directory (the model's keys)
             reader = CheckpointReader.open(self.pretrained, verify="model/")
             load_model(reader, module, self.layout, prefix, stored_model_prefix(self.pretrained))
-        elif on_meta:  # rank 0's seed for all (each process's own initial seed differs)
+        elif sharded.on_meta:  # rank 0's seed for all (each process's own initial seed differs)
             seed = self.broadcast(self.init_seed if self.init_seed is not None else torch.initial_seed())
             gen = torch.Generator().manual_seed(seed)
-            init_replayed_(model, specs, gen, shard_dims(model), ctx.tp_rank, ctx.tp_size)
+            init_replayed_(model, sharded.specs, gen, shard_dims(model), ctx.tp_rank, ctx.tp_size)
         self.precision.convert_module(module)
-        apply_activation_checkpointing(module, *self.recompute)  # after tp and the split, before dp
-        self.compiled = compile_blocks(module, self.is_global_zero) if self.compile else None
-        if split is not None:
-            self.stage = PipelineStage.of(model, split, ctx, compute_context=self.autocast)
+        self.compiled = self.blocks.apply(module, self.is_global_zero)  # after tp and the split, before dp
+        if sharded.split is not None:
+            self.stage = PipelineStage.of(model, sharded.split, ctx, compute_context=self.autocast)
         self._model_meta = step_dir_meta(module, self.pretrained)
-        if not on_meta:
-            self._broadcast_weights(module)
+        if not sharded.on_meta:
+            broadcast_replicas(module, ctx)  # each rank built (and sliced) its own
         return module
-
-    def _setup_replicated(self, module: nn.Module) -> nn.Module:
-        """dp alone, a model without a tp/pp plan: every rank holds it whole."""
-        module.to(self.root_device)
-        shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-        self.module, self._model_meta = module, step_dir_meta(module, self.pretrained)
-        self.layout = ModelLayout.sharded(module, shapes, tied_aliases(module), self._ctx, None, "")
-        self.precision.convert_module(module)
-        self._broadcast_weights(module)
-        return module
-
-    def _broadcast_weights(self, module: nn.Module) -> None:
-        """A model each rank built itself starts from rank 0's weights on every rank (DDP's rule:
-        replicas that were seeded differently must not silently diverge)."""
-        ctx = self._ctx
-        if ctx.dp_size > 1:  # replicas of one shard: the ranks of this rank's dp group
-            src = dist.get_global_rank(ctx.dp_group, 0)
-            for tensor in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(tensor.data, src=src, group=ctx.dp_group)  # dp rank 0 sends its shard's weights
 
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[Any]:
         """Gradient synchronisation, and ZeRO-1 around the optimizer (`parallel/grads.py`)."""
@@ -282,7 +248,7 @@ class Parallel3DStrategy(Strategy):
 
     @watched("loading a checkpoint")
     def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
-        return super().load_checkpoint(path, load_optimizer)
+        return super().load_checkpoint(path, load_optimizer)  # the same reader, under the watch
 
     @watched("the global gradient norm (summed over tp / pp / dp)")
     def clip_gradients(self, max_norm: float | None, optimizer: Any = None) -> torch.Tensor:
@@ -294,17 +260,7 @@ class Parallel3DStrategy(Strategy):
     # ---- collectives ---------------------------------------------------------------------
     @watched("the loss/metric reduction (from the last pipeline stage, over dp)")
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        ctx = self._ctx
-        out = tensor.detach().float().clone().to(self.root_device)
-        if self.stage is not None:  # only the last stage computed the loss: its value for all
-            # the last stage sends its value to every stage of its pipeline
-            dist.broadcast(out, src=ctx.pp_ranks[-1], group=ctx.pp_group)
-        if ctx.dp_size > 1:  # tp ranks already hold identical metrics
-            # dp replicas combine their metric: summed (a mean divides after), or max / min
-            reduce_op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}.get(op, dist.ReduceOp.SUM)
-            dist.all_reduce(out, op=reduce_op, group=ctx.dp_group)
-            out = out / ctx.dp_size if op == "mean" else out
-        return out
+        return self._ctx.reduce_metric(tensor, op, from_last_stage=self.stage is not None)
 
     @watched("a barrier")
     def barrier(self, name: str | None = None) -> None:
@@ -321,11 +277,7 @@ class Parallel3DStrategy(Strategy):
 
     @watched("the pre-emption check (all-reduce of a flag)")
     def any_rank(self, flag: bool) -> bool:
-        if self._ctx is None or self._ctx.world_size == 1:
-            return flag  # one process: no collective (the trainer asks this every step)
-        box = torch.tensor([int(flag)], dtype=torch.int32, device=self.root_device)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX)  # every rank sends its 0/1 flag, all get the max
-        return bool(box.item())
+        return flag if self._ctx is None else self._ctx.any_rank(flag)  # one process: no collective
 
     # ---- checkpoints: per-rank shards + index ------------------------------------------------
     @watched("a checkpoint save")
@@ -346,16 +298,3 @@ class Parallel3DStrategy(Strategy):
         if self.stage is None:
             return local
         return one_process_order(self.optimizers, local, list(self.layout.full_shapes), self._ctx.pp_group)
-
-
-def _find_plan_model(module: nn.Module, required: bool) -> tuple[nn.Module | None, str]:
-    """The (first) submodule that declares a tensor-parallel plan, and its state-dict key prefix."""
-    for name, sub in module.named_modules():
-        if isinstance(getattr(sub, "tp_plan", None), dict):
-            return sub, f"{name}." if name else ""
-    if not required:
-        return None, ""
-    raise TypeError(
-        f"Parallel3DStrategy found no model with a `tp_plan` inside {type(module).__name__}; build one "
-        "(e.g. nanolight.models.LlamaForCausalLM) in configure_model()"
-    )

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanolight.parallel.compile import CompiledBlocks, compile_blocks
-from nanolight.parallel.recompute import apply_activation_checkpointing, check_recompute
+from nanolight.parallel.block_options import BlockOptions
+from nanolight.parallel.compile import CompiledBlocks
 from nanolight.precision import Precision
 from nanolight.strategies.base import Strategy
 
@@ -16,7 +16,7 @@ class SingleDeviceStrategy(Strategy):
 
     `activation_checkpointing` ("none" | "full" | "selective", on every
     `activation_checkpointing_every`-th decoder block) and `compile` (each decoder block) act on
-    the model's blocks after it is moved and cast: `parallel/recompute.py`, `parallel/compile.py`.
+    the model's blocks after it is moved and cast (`parallel/block_options.py`).
     """
 
     def __init__(
@@ -32,9 +32,7 @@ class SingleDeviceStrategy(Strategy):
         if device is None:
             device = "cuda:0" if torch.cuda.is_available() else "cpu"
         self._device = torch.device(device)
-        check_recompute(activation_checkpointing, activation_checkpointing_every)
-        self.recompute = (activation_checkpointing, activation_checkpointing_every)
-        self.compile = compile
+        self.blocks = BlockOptions(activation_checkpointing, activation_checkpointing_every, compile)
         self.compiled: CompiledBlocks | None = None  # set by setup_module when compiling
 
     @property
@@ -43,8 +41,7 @@ class SingleDeviceStrategy(Strategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = super().setup_module(module)
-        apply_activation_checkpointing(module, *self.recompute)
-        self.compiled = compile_blocks(module) if self.compile else None
+        self.compiled = self.blocks.apply(module)
         return module
 
     def setup_environment(self) -> None:

@@ -146,8 +146,9 @@ class TrainerProperties:
     @property
     def enable_validation(self: NanoTrainer) -> bool:
         """Fit validates: a validation_step, a validation source and ``limit_val_batches`` > 0."""
-        from nanolight.module.module import NanoModule
         from lightning_utilities.core.overrides import is_overridden
+
+        from nanolight.module.module import NanoModule
 
         module = self.lightning_module
         return (

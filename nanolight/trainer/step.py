@@ -92,7 +92,7 @@ class AutomaticStep:
             if pos < last_forward:
                 self._forward(i, first)
                 continue
-            closure = _Closure(lambda: self._finish(actions[pos + 1 :], n, first))
+            closure = _Closure(lambda rest=actions[pos + 1 :]: self._finish(rest, n, first))
             opt = trainer.nano_optimizers[0]
             trainer.call_module_hook("optimizer_step", epoch, first + i, opt, closure)
             if not closure.ran:

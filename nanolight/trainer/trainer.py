@@ -4,7 +4,8 @@ over a `Strategy` that owns every question of parallel layout (the trainer has n
 Its parts, each in its own file: `config.py` (the loop options), `connect.py` (accelerator /
 devices -> strategy), `data.py` (where loaders come from), `loops.py` (fit), `step.py` /
 `manual.py` (one step), `evaluation.py` (validate / test / predict), `metrics.py` +
-`results.py` (``self.log``), `log_rows.py` (rows for the loggers), `optimization.py`
+`results.py` (``self.log``), `log_rows.py` (rows for the loggers), `lifecycle.py` (one
+call: setup, the stage, teardown), `optimization.py`
 (backward, optimizer steps, clipping, schedulers), `hooks.py` (calling hooks), `state.py` (the
 trainer's part of a checkpoint), `properties.py` (what users read), `preemption.py` (SIGTERM).
 """
@@ -12,35 +13,33 @@ trainer's part of a checkpoint), `properties.py` (what users read), `preemption.
 from __future__ import annotations
 
 import os
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning_utilities.core.rank_zero import rank_zero_info
 
 from nanolight.callbacks.base import Callback
 from nanolight.checkpoint.atomic import LAST_POINTER, resolve_checkpoint, write_last_pointer
 from nanolight.checkpoint.files import CheckpointError, with_hint
 from nanolight.errors import UsageError
 from nanolight.module import NanoDataModule, NanoModule
-from nanolight.seed import seed_everything
-from nanolight.trainer.builders import build_callbacks, build_loggers, check_module, set_determinism
+from nanolight.trainer.builders import build_callbacks, build_loggers
 from nanolight.trainer.config import TrainerConfig, unsupported_args
 from nanolight.trainer.connect import resolve_strategy
 from nanolight.trainer.data import DataConnector
 from nanolight.trainer.evaluation import run_evaluation, run_predict
-from nanolight.trainer.hooks import HookCaller, merge_model_callbacks
+from nanolight.trainer.hooks import HookCaller
+from nanolight.trainer.lifecycle import RunLifecycle, print_results
 from nanolight.trainer.log_rows import LogRows
 from nanolight.trainer.loops import FitLoop
 from nanolight.trainer.metrics import MetricStore
 from nanolight.trainer.optimization import Optimization
 from nanolight.trainer.preemption import Preemption
 from nanolight.trainer.properties import TrainerProperties, TrainerState
-from nanolight.trainer.state import build_state, resolve_ckpt_path, restore_state, restore_training_state
+from nanolight.trainer.state import build_state
 
 
-class NanoTrainer(TrainerProperties, HookCaller, Optimization, LogRows):
+class NanoTrainer(TrainerProperties, RunLifecycle, HookCaller, Optimization, LogRows):
     """Lightning-style trainer: ``NanoTrainer(max_epochs=3).fit(module, datamodule=dm)``.
     `seed` (nanolight) seeds everything at the start of every call."""
 
@@ -94,7 +93,12 @@ class NanoTrainer(TrainerProperties, HookCaller, Optimization, LogRows):
                                   "enable_model_summary": enable_model_summary}.items() if v]  # fmt: skip
             if on:
                 raise UsageError(f"barebones=True turns off {on}: drop them or barebones")
-            logger, enable_checkpointing, enable_progress_bar, enable_model_summary = False, False, False, False
+            logger, enable_checkpointing, enable_progress_bar, enable_model_summary = (
+                False,
+                False,
+                False,
+                False,
+            )
             log_every_n_steps = 0
         self.config = TrainerConfig(
             max_steps, max_epochs, min_steps, min_epochs, max_time, accumulate_grad_batches,
@@ -105,7 +109,10 @@ class NanoTrainer(TrainerProperties, HookCaller, Optimization, LogRows):
         )  # fmt: skip
         self.barebones, self.seed, self.inference_mode = barebones, seed, inference_mode
         self.deterministic, self.benchmark, self.detect_anomaly = deterministic, benchmark, detect_anomaly
-        self.use_distributed_sampler, self.enable_autolog_hparams = use_distributed_sampler, enable_autolog_hparams
+        self.use_distributed_sampler, self.enable_autolog_hparams = (
+            use_distributed_sampler,
+            enable_autolog_hparams,
+        )
         self.default_root_dir = str(default_root_dir or os.getcwd())
         self.strategy = resolve_strategy(strategy, accelerator, devices, num_nodes, precision)
         self.num_nodes, self.num_devices = num_nodes, self.strategy.world_size // max(num_nodes, 1)
@@ -187,7 +194,7 @@ class NanoTrainer(TrainerProperties, HookCaller, Optimization, LogRows):
             self.state.stage = fn
             out.append(run_evaluation(self, kind, self.data.request(kind)))
             if verbose and self.is_global_zero:
-                _print_results(fn, out[0])
+                print_results(fn, out[0])
 
         self._run(fn, model, ckpt_path, stage, model_given=self._model_given)
         return out[0]
@@ -202,108 +209,10 @@ class NanoTrainer(TrainerProperties, HookCaller, Optimization, LogRows):
                 raise UsageError(f"{fn}() needs a model: pass {fn}(model, ...) or call fit(model) first")
         return model, datamodule, dataloaders
 
-    def _fit_stage(self) -> None:
-        with ExitStack() as stack:
-            if self.detect_anomaly:
-                stack.enter_context(torch.autograd.set_detect_anomaly(True))
-            self.call_hook("on_fit_start")
-            if self.enable_validation and self.config.num_sanity_val_steps != 0 and not self.fit_loop.restarting:
-                self._sanity_check()
-            self.state.stage = "train"
-            self.fit_loop.run()
-            self.call_hook("on_fit_end")
-
-    def _sanity_check(self) -> None:
-        """A short validation before training, its RNG use undone and its metrics not kept."""
-        from nanolight.seed import capture_rng_state, restore_rng_state
-
-        rng = capture_rng_state()
-        self.state.stage = "sanity_check"
-        self.call_hook("on_sanity_check_start")
-        run_evaluation(self, "val", self.fit_loop.ensure_val_data(), sanity=True)
-        self.call_hook("on_sanity_check_end")
-        self.metrics.reset()
-        restore_rng_state(rng)
-
-    def _run(self, fn: str, module: NanoModule, ckpt_path: Any, stage: Any, model_given: bool = True) -> None:
-        check_module(module, fn, self.strategy)
-        self.state.fn, self.state.stage, self.state.status = fn, None, "running"
-        self.lightning_module, module.trainer, self.datamodule = module, self, self.data.datamodule
-        self.should_stop, self._hook_targets, self._eval_rows = False, {}, {}
-        self.callbacks = merge_model_callbacks(self._base_callbacks, self.call_module_hook("configure_callbacks"))
-        self.metrics.reset()
-        self.metrics.active = self.metrics.train
-        with set_determinism(self.deterministic, self.benchmark):
-            try:
-                self._setup(fn, module, ckpt_path, model_given)
-                stage()
-                self.state.status = "finished"
-                for lg in self.loggers if self.is_global_zero else []:
-                    lg.finalize("success")
-                self.call_setup_hook("teardown", fn)
-            except BaseException as exc:
-                self.state.status = "interrupted"
-                self.call_hook("on_exception", exc)
-                for lg in self.loggers if self.is_global_zero else []:
-                    lg.finalize("failed")
-                raise
-            finally:
-                self.state.stage = None
-                self.strategy.teardown()
-
-    def _setup(self, fn: str, module: NanoModule, ckpt_path: Any, model_given: bool) -> None:
-        strategy = self.strategy
-        strategy.setup_environment()
-        if self.logger is not None:  # every rank agrees on rank 0's (new) log directory
-            self._log_dir = strategy.broadcast(self.logger.log_dir if self.is_global_zero else None)
-        if self.seed is not None:
-            seed_everything(self.seed, verbose=False)
-        self._prepare_data()
-        self.call_setup_hook("setup", fn)
-        with strategy.model_init_context():  # every call, as Lightning (it must be idempotent)
-            self.call_module_hook("configure_model")
-        if strategy.module is not module:  # parallelised once per trainer
-            strategy.setup_module(module)
-        self.metrics.always_sync = strategy.pipelined  # only the last pipeline stage has the loss
-        if fn == "fit":
-            self.setup_optimization(module)
-        path = resolve_ckpt_path(self, ckpt_path, fn, model_given)
-        self.ckpt_path = str(path) if path is not None else None
-        if path is not None:
-            rank_zero_info(f"Restoring from checkpoint {path}")
-            state = restore_state(self, path)
-            if fn == "fit":
-                restore_training_state(self, path, state)
-        self._log_hyperparams(module)
-
-    def _prepare_data(self) -> None:
-        """``prepare_data`` on local rank 0 of each node (or global rank 0), the others wait."""
-        module, dm = self.lightning_module, self.datamodule
-        per_node = getattr(dm if dm is not None else module, "prepare_data_per_node", True)
-        if (self.local_rank if per_node else self.global_rank) == 0:
-            self.call_datamodule_hook("prepare_data")
-            self.call_module_hook("prepare_data")
-        self.strategy.barrier("prepare_data")
-
-    def _log_hyperparams(self, module: NanoModule) -> None:
-        """The module's and datamodule's saved hparams to every logger (rank 0), when there are any."""
-        if not (self.enable_autolog_hparams and self.is_global_zero and self.loggers):
-            return
-        params: dict[str, Any] = {}
-        for owner in (self.datamodule, module):
-            if owner is not None and owner.logs_hyperparameters:
-                clash = sorted(k for k in owner.hparams_initial if k in params and params[k] != owner.hparams_initial[k])
-                if clash:
-                    raise UsageError(f"the module and datamodule save different values for the hparams {clash}")
-                params.update(owner.hparams_initial)
-        if not params:
-            return
-        for lg in self.loggers:
-            lg.log_hyperparams(params)
-            lg.save()
-
     # ---- checkpoints -------------------------------------------------------------------
-    def save_checkpoint(self, filepath: str | Path, weights_only: bool = False, update_last: bool = True) -> None:
+    def save_checkpoint(
+        self, filepath: str | Path, weights_only: bool = False, update_last: bool = True
+    ) -> None:
         """Save a checkpoint directory at `filepath` (all ranks call this) and move the ``last``
         pointer next to it (nanolight: a pointer file, where Lightning copies ``last.ckpt``)."""
         path = Path(filepath)
@@ -321,13 +230,3 @@ class NanoTrainer(TrainerProperties, HookCaller, Optimization, LogRows):
         """``print`` on global rank zero only."""
         if self.is_global_zero:
             print(*args, **kwargs)
-
-
-def _print_results(fn: str, results: list[dict[str, float]]) -> None:
-    for i, metrics in enumerate(results):
-        if not metrics:
-            continue
-        width = max(len(k) for k in metrics)
-        title = f"{fn.capitalize()} metric" + (f" (dataloader {i})" if len(results) > 1 else "")
-        print(f"{title:<{width}}  value\n" + "\n".join(f"{k:<{width}}  {v:.6g}" for k, v in sorted(metrics.items())))
-

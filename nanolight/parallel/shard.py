@@ -1,0 +1,90 @@
+"""Cutting a model built whole (or on the meta device) into this rank's part, in the documented
+order: record the full model (shapes, tied names, init order), apply its `tp_plan`, cut its
+pipeline chunks out, materialise what is left. What happens to the shards next (init replay,
+pretrained load, recompute, compile) is the strategy's sequence; the layout every later concern
+reads (`ModelLayout`) is made here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nanolight.parallel.config import ParallelConfig
+from nanolight.parallel.context import ParallelContext
+from nanolight.parallel.init import param_specs
+from nanolight.parallel.layout import ModelLayout, tied_aliases
+from nanolight.parallel.pipeline import PipelineSplit, apply_split, plan_split
+from nanolight.parallel.tensor_parallel.apply import apply_tensor_parallel
+
+
+@dataclass
+class ShardedModel:
+    layout: ModelLayout
+    split: PipelineSplit | None  # None without pipeline parallelism
+    on_meta: bool  # built on the meta device: its shards still need their initial values
+    specs: list[tuple[str, tuple[int, ...]]]  # the unsplit model's init order (what `init_replayed_` replays)
+
+
+def find_plan_model(module: nn.Module, required: bool) -> tuple[nn.Module | None, str]:
+    """The (first) submodule that declares a tensor-parallel plan, and its state-dict key prefix."""
+    for name, sub in module.named_modules():
+        if isinstance(getattr(sub, "tp_plan", None), dict):
+            return sub, f"{name}." if name else ""
+    if not required:
+        return None, ""
+    raise TypeError(
+        f"Parallel3DStrategy found no model with a `tp_plan` inside {type(module).__name__}; build one "
+        "(e.g. nanolight.models.LlamaForCausalLM) in configure_model()"
+    )
+
+
+def shard_model(
+    module: nn.Module,
+    model: nn.Module,
+    prefix: str,
+    ctx: ParallelContext,
+    cfg: ParallelConfig,
+    device: torch.device,
+    layers_per_stage: list[int] | None = None,
+) -> ShardedModel:
+    """This rank's tp slices of its pipeline chunks of `model` (inside `module`, at `prefix`),
+    on `device`."""
+    if getattr(model, "config", None) is not None:
+        c = model.config
+        cfg.check_model(c.num_attention_heads, c.num_key_value_heads, c.vocab_size)
+    # the unsharded, unsplit model: what a checkpoint's global tensors and the init replay match
+    full_shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    aliases, specs = tied_aliases(module), param_specs(model)
+    on_meta = any(p.is_meta for p in module.parameters())
+    pp = ctx.pp_size
+    split = plan_split(model, pp, layers_per_stage, cfg.pp_virtual) if pp > 1 else None
+    apply_tensor_parallel(model, model.tp_plan, ctx.tp_group, cfg.sequence_parallel)
+    if split is not None:
+        apply_split(model, split, ctx.pp_rank)  # drop other stages' modules before allocating
+    if on_meta:
+        module.to_empty(device=device)
+        model.tie_weights()  # to_empty made new Parameter objects
+    else:  # built materialised: apply_tensor_parallel already copied each rank's slice
+        module.to(device)
+    layout = ModelLayout.sharded(module, full_shapes, aliases, ctx, split, prefix)
+    return ShardedModel(layout, split, on_meta, specs)
+
+
+def replicated_layout(module: nn.Module, ctx: ParallelContext) -> ModelLayout:
+    """dp alone, a model without a tp/pp plan: every rank holds it whole."""
+    shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    return ModelLayout.sharded(module, shapes, tied_aliases(module), ctx, None, "")
+
+
+def broadcast_replicas(module: nn.Module, ctx: ParallelContext) -> None:
+    """A model each rank built itself starts from its dp rank 0's weights (DDP's rule: replicas
+    that were seeded differently must not silently diverge)."""
+    if ctx.dp_size == 1:
+        return
+    src = dist.get_global_rank(ctx.dp_group, 0)
+    for tensor in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(tensor.data, src=src, group=ctx.dp_group)  # dp rank 0 sends its shard's weights

@@ -1,4 +1,4 @@
-"""Five ordinary Lightning 2.6 programs, ported by the renames alone, behave as Lightning itself
+"""Six ordinary Lightning 2.6 programs, ported by the renames alone, behave as Lightning itself
 did: the same logged keys at the same steps with the same values (1e-4), the same
 callback/logged metrics, the same best checkpoint, the same hook order and the same final weights.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from lightning_compare import PROGRAMS, differences, fixture, port, run_ported
 
-PROGRAM_NAMES = ["classifier", "regression_resume", "gan_manual", "flags_plateau", "hook_order"]
+PROGRAM_NAMES = ["classifier", "regression_resume", "gan_manual", "flags_plateau", "hook_order", "trainer_args"]
 
 
 def _without_last_pointer(observed: object, want: object) -> None:

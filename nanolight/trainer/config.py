@@ -19,13 +19,19 @@ UNSUPPORTED = {
 }
 
 
+# Lightning's default for each: a program that spells the default out asks for nothing missing
+UNSUPPORTED_DEFAULTS: dict[str, Any] = {"profiler": None, "plugins": None, "sync_batchnorm": False, "model_registry": None}
+
+
 def unsupported_args(kwargs: dict[str, Any]) -> None:
-    """Raise for a Lightning argument nanolight does not take, or an unknown one."""
-    for key in kwargs:
-        if key in UNSUPPORTED:
+    """Raise for a Lightning argument nanolight does not take (unless at Lightning's default:
+    ``sync_batchnorm=False`` asks for nothing), or an unknown one."""
+    for key, value in kwargs.items():
+        if key in UNSUPPORTED and value is not UNSUPPORTED_DEFAULTS[key]:
             raise UsageError(f"NanoTrainer({key}=...) is a Lightning argument nanolight does not support: {UNSUPPORTED[key]}")
-    if kwargs:
-        raise TypeError(f"NanoTrainer got unexpected arguments {sorted(kwargs)}")
+    unknown = sorted(k for k in kwargs if k not in UNSUPPORTED)
+    if unknown:
+        raise TypeError(f"NanoTrainer got unexpected arguments {unknown}")
 
 
 def parse_max_time(value: Any) -> float | None:

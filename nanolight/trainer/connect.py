@@ -103,3 +103,16 @@ def resolve_strategy(strategy: Any, accelerator: str, devices: Any, num_nodes: i
         return SingleDeviceStrategy(device=device, **kwargs)
     backend = "nccl" if device_type == "cuda" else "gloo"
     return Parallel3DStrategy(dp=world, backend=backend, **kwargs)
+
+
+def planned_processes(strategy: Strategy) -> int:
+    """How many processes `strategy` runs, known before it starts them (it reports a world of 1
+    until then): what ``trainer.num_devices`` x ``num_nodes`` is from construction on, as
+    Lightning's ``len(trainer.device_ids)`` is for ``devices=N``."""
+    if strategy.world_size > 1 or not isinstance(strategy, Parallel3DStrategy):
+        return strategy.world_size
+    cfg = strategy.config
+    if cfg.dp == "auto":
+        env = detect_environment()
+        return env.world_size if env is not None else cfg.tp * cfg.pp
+    return cfg.tp * cfg.pp * int(cfg.dp)

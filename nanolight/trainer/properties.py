@@ -132,6 +132,13 @@ class TrainerProperties:
         return cbs[0] if cbs else None
 
     @property
+    def train_dataloader(self: NanoTrainer) -> Any:
+        """The loader fit trains on, as processed (under data parallelism with its injected
+        DistributedSampler); None until fit asks for it. Lightning's ``trainer.train_dataloader``:
+        ported programs read it to inspect the sampler or the dataset."""
+        return self.fit_loop.train_loader
+
+    @property
     def optimizers(self: NanoTrainer) -> list[Any]:
         return self.strategy.optimizers
 

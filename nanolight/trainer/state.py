@@ -92,8 +92,9 @@ def restore_state(trainer: NanoTrainer, path: Path) -> dict[str, Any]:
 def restore_training_state(trainer: NanoTrainer, path: Path, state: dict[str, Any]) -> None:
     if state.get("weights_only"):
         raise UsageError(
-            f"checkpoint {path} holds only weights (ModelCheckpoint(save_weights_only=True)): it cannot "
-            "resume training. Start a new fit from its weights (Module.load_from_checkpoint), or resume "
+            f"checkpoint {path} holds only weights (saved with save_checkpoint(weights_only=True) or "
+            "ModelCheckpoint(save_weights_only=True)): no optimizer, LR scheduler or loop state to resume "
+            "training from. Start a new fit from its weights (Module.load_from_checkpoint), or resume "
             "from a full checkpoint"
         )
     with _naming_an_intact_one(path):

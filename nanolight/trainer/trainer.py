@@ -25,7 +25,7 @@ from nanolight.errors import UsageError
 from nanolight.module import NanoDataModule, NanoModule
 from nanolight.trainer.builders import build_callbacks, build_loggers
 from nanolight.trainer.config import TrainerConfig, unsupported_args
-from nanolight.trainer.connect import resolve_strategy
+from nanolight.trainer.connect import planned_processes, resolve_strategy
 from nanolight.trainer.data import DataConnector
 from nanolight.trainer.evaluation import run_evaluation, run_predict
 from nanolight.trainer.hooks import HookCaller
@@ -115,7 +115,7 @@ class NanoTrainer(TrainerProperties, RunLifecycle, HookCaller, Optimization, Log
         )
         self.default_root_dir = str(default_root_dir or os.getcwd())
         self.strategy = resolve_strategy(strategy, accelerator, devices, num_nodes, precision)
-        self.num_nodes, self.num_devices = num_nodes, self.strategy.world_size // max(num_nodes, 1)
+        self.num_nodes, self.num_devices = num_nodes, planned_processes(self.strategy) // max(num_nodes, 1)
         fast = bool(self.config.fast_dev_run)
         self._base_callbacks = build_callbacks(
             callbacks, enable_checkpointing is not False, enable_progress_bar is not False,

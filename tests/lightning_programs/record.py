@@ -25,7 +25,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 FIXTURES = HERE.parent / "fixtures" / "lightning"
-PROGRAMS = ["classifier", "regression_resume", "gan_manual", "flags_plateau", "hook_order"]
+PROGRAMS = ["classifier", "regression_resume", "gan_manual", "flags_plateau", "hook_order", "trainer_args"]
 
 
 def run_once(program: str) -> dict[str, Any]:

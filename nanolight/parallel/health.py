@@ -86,7 +86,11 @@ class Heartbeat:
         return ", ".join(f"rank {r} stopped answering (no heartbeat for {ages[r]:.0f} s)" for r in silent)
 
     def close(self) -> None:
+        """Stop beating and wait for the thread, so its store connection is closed before the
+        process groups (and rank 0's store) are torn down at exit."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval + 5)
 
 
 def watched(what: str) -> Callable[[F], F]:

@@ -72,11 +72,11 @@ class Strategy:
 
     @property
     def world_size(self) -> int:
-        return 1
+        return self.parallel_context.world_size if self.parallel_context is not None else 1
 
     @property
     def global_rank(self) -> int:
-        return 0
+        return self.parallel_context.global_rank if self.parallel_context is not None else 0
 
     @property
     def is_global_zero(self) -> bool:
@@ -86,7 +86,7 @@ class Strategy:
     @property
     def data_parallel_size(self) -> int:
         """Number of data-parallel replicas: tokens/step = local tokens x this (ThroughputMonitor)."""
-        return 1
+        return self.parallel_context.dp_size if self.parallel_context is not None else 1
 
     @property
     def local_rank(self) -> int:

@@ -116,18 +116,6 @@ class Parallel3DStrategy(Strategy):
         return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
     @property
-    def world_size(self) -> int:
-        return self._ctx.world_size if self._ctx is not None else 1
-
-    @property
-    def global_rank(self) -> int:
-        return self._ctx.global_rank if self._ctx is not None else 0
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self._ctx.dp_size if self._ctx is not None else 1
-
-    @property
     def local_rank(self) -> int:
         return self._local_rank
 
@@ -161,8 +149,13 @@ class Parallel3DStrategy(Strategy):
             self._local_rank = env.local_rank
             self.heartbeat = init_distributed(env, self.backend, self.timeout)
             self._ctx = ParallelContext(cfg.tp, cfg.pp, dp, timeout=self.timeout)
-            atexit.register(self._ctx.destroy)
+            atexit.register(self._shutdown)
         super().setup_environment()
+
+    def _shutdown(self) -> None:  # at exit: the heartbeat first (it talks to rank 0's store), then the groups
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+        self._ctx.destroy()
 
     def init_device(self) -> torch.device | None:
         # the full model is never materialised on one rank (dp alone replicates it anyway)

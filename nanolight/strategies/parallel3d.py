@@ -271,13 +271,13 @@ class Parallel3DStrategy(Strategy):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._ctx is None:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)  # rank `src` sends obj to every rank
+        box = [obj]  # rank `src` sends obj to every rank, pickled on the host (no device sync)
+        dist.broadcast_object_list(box, src=src, group=self._ctx.host_group)
         return box[0]
 
-    @watched("the pre-emption check (all-reduce of a flag)")
-    def any_rank(self, flag: bool) -> bool:
-        return flag if self._ctx is None else self._ctx.any_rank(flag)  # one process: no collective
+    def start_max(self, value: int) -> Any:  # one process: Agreed, no collective; else on the host
+        watched_ = lambda: watch("the pre-emption flags (a host all-reduce)", self.heartbeat)  # noqa: E731
+        return super().start_max(value) if self._ctx is None else self._ctx.start_max(value, watched_)
 
     # ---- checkpoints: per-rank shards + index ------------------------------------------------
     @watched("a checkpoint save")

@@ -50,5 +50,6 @@ class PendingMax:
         if self.value is None:
             with self.guard():
                 self.work.wait()
+            self.work = None  # let go of gloo's work object (and its hold on the box) at once
             self.value = int(self.box.numpy()[0])  # a host tensor: no device sync
         return self.value

@@ -102,6 +102,7 @@ def _fit_dp2(rank: int, world: int, root: str, signal_at: int | None) -> dict[st
         "step": trainer.global_step, "preempted_by": trainer.preempted_by,
         "counts": {k: counter.counts[k] for k in counter.counts}, "where": dict(counter.where),
         "last": (Path(root) / "checkpoints" / "last").read_text().strip(),
+        "drained": trainer.preemption._pending is None,  # no agreement left in flight after fit
     }  # fmt: skip
 
 
@@ -112,6 +113,7 @@ def test_dp2_no_host_sync_outside_logging_steps(tmp_path: Path) -> None:
         quiet = {s: rank["counts"].get(s, 0) for s in QUIET}
         assert sum(quiet.values()) == 0, {s: rank["where"].get(s) for s in QUIET}
         assert all(rank["counts"].get(s, 0) > 0 for s in LOGGING), rank["counts"]
+        assert rank["drained"]
 
 
 def _agree(rank: int, world: int) -> list[int]:
@@ -135,6 +137,14 @@ def test_dp2_signal_on_one_rank_stops_both_at_the_same_step(tmp_path: Path) -> N
     assert out[0]["last"] == f"step-{at + 1}"
     saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert saved == ["last", f"step-{at + 1}"], saved  # one checkpoint (keep_last_n=1 pruned none)
+
+
+def test_dp2_signal_in_the_last_step_is_still_agreed(tmp_path: Path) -> None:
+    """The last step's agreement is waited for when the loop ends: both ranks see the signal, the
+    final step is saved once, nothing is left in flight."""
+    out = run_distributed(_fit_dp2, 2, str(tmp_path), STEPS, timeout=240)
+    assert [(r["step"], r["preempted_by"], r["drained"]) for r in out] == [(STEPS, "SIGTERM", True)] * 2
+    assert out[0]["last"] == f"step-{STEPS}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

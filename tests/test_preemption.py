@@ -3,7 +3,7 @@ checkpoint and return from ``fit`` (exit 0), and ``ckpt_path="last"`` continues 
 
 In-process runs send the signal to themselves from ``training_step``; the recipe runs signal the
 plain-python launcher (which passes it on to its ranks) or a single rank (the ranks agree on
-stopping through ``Strategy.any_rank``)."""
+stopping through ``Strategy.start_max``, read one step later)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,20 @@
-"""`NaNGuard`: never apply an update computed from a non-finite loss or gradient."""
+"""`NaNGuard`: never apply an update computed from a non-finite loss or gradient.
+
+The price, and why it is paid every step: skipping an update is the host's decision (the
+optimizer and scheduler step are not called), so the host must know *before* the update whether
+this step's values are finite -- one host sync per step, of one device bool (the loss and the
+grad norm checked together on the device). A check on logging steps only would be free on the
+others but would let a non-finite update through to the weights, which no later skip repairs;
+a device-side skip would need a copy of the weights and optimizer state to restore. So the guard
+is opt-in (the recipe does not install it) and its one read per step is the whole cost; the
+values themselves are read only on a bad step, for the warning.
+"""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
+import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from nanolight.callbacks.base import Callback
@@ -30,16 +40,15 @@ class NaNGuard(Callback):
         if optimizer is not trainer.optimizers[0] or trainer.skip_optimizer_step:
             return
         step = trainer.global_step + 1  # the step being taken (global_step counts finished ones)
-        bad: str | None = None
-        loss = float(trainer.step_loss) if trainer.step_loss is not None else 0.0
-        if not math.isfinite(loss):
-            bad = f"train/loss={loss}"
-        elif self.check_grads:
-            norm = float(trainer.strategy.clip_gradients(None))
-            if not math.isfinite(norm):
-                bad = f"grad_norm={norm}"
-        if bad is None:
+        loss = trainer.step_loss
+        norm = trainer.strategy.clip_gradients(None) if self.check_grads else None  # same on every rank
+        checked = [v.detach().float().reshape(()) for v in (loss, norm) if v is not None]
+        if not checked or bool(torch.isfinite(torch.stack(checked)).all()):  # the one host sync
             return
+        if loss is not None and not torch.isfinite(loss):  # a bad step: read the values to name them
+            bad = f"train/loss={float(loss)}"
+        else:
+            bad = f"grad_norm={float(norm)}"
         trainer.skip_optimizer_step = True
         self.skipped_steps.append(step)
         stop = self.action == "stop" or (

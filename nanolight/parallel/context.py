@@ -12,12 +12,15 @@ column across pipeline stages, and a dp group the ranks holding the same model s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from nanolight.parallel.agreement import Agreed, PendingMax
 from nanolight.parallel.config import ParallelConfig
 
 MESH_DIMS = ("dp", "pp", "tp")
@@ -87,6 +90,9 @@ class ParallelContext:
         self.pp_p2p_groups = (
             (self._new_groups("pp", timeout), self._new_groups("pp", timeout)) if pp > 1 else (None, None)
         )
+        # Host-side agreements (pre-emption flags, picklable objects) travel on the CPU: a gloo
+        # group over the whole world, or the world itself when it is gloo (None names it).
+        self.host_group = None if self.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
         self.tp_ranks = self.mesh[self.dp_rank, self.pp_rank, :].tolist()
         self.pp_ranks = self.mesh[self.dp_rank, :, self.tp_rank].tolist()
         self.dp_ranks = self.mesh[:, self.pp_rank, self.tp_rank].tolist()
@@ -169,13 +175,18 @@ class ParallelContext:
             out = out / self.dp_size if op == "mean" else out
         return out
 
-    def any_rank(self, flag: bool) -> bool:
-        """True on every rank if `flag` is True on any rank."""
+    def start_max(
+        self, value: int, guard: Callable[[], AbstractContextManager] = nullcontext
+    ) -> Agreed | PendingMax:
+        """Start agreeing on the maximum of `value` over every rank, on the host (no device
+        sync); ``.wait()`` gives it. One process: already agreed, no collective."""
         if self.world_size == 1:
-            return flag
-        box = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX)  # every rank sends its 0/1 flag, all get the max
-        return bool(box.item())
+            return Agreed(value)
+        return PendingMax(value, self.host_group, guard)  # all ranks send an int, get the max
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if `flag` is True on any rank (blocking, on the host)."""
+        return bool(self.start_max(int(flag)).wait())
 
     def __repr__(self) -> str:
         return (

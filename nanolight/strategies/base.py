@@ -25,7 +25,7 @@ Call order during ``NanoTrainer.fit`` (each a method below)::
         reduce(step_loss)               # the step's mean loss, the same on every rank
         clip_gradients(max_norm)        # -> pre-clip global norm (or clip_gradients_value)
         optimizer_step(optimizer)
-        any_rank(signal_received)       # preemption: did any rank get SIGTERM/SIGUSR1?
+        start_max(signal) / .wait()     # preemption: started each step, read at the next one
     save_checkpoint(path, state)        # ModelCheckpoint -> trainer.save_checkpoint (all ranks)
     broadcast / barrier                 # whenever ranks must agree
     teardown()
@@ -47,6 +47,7 @@ from nanolight.checkpoint.pretrained import model_dir_files, step_dir_meta
 from nanolight.checkpoint.reader import CheckpointReader
 from nanolight.checkpoint.save import save_one_process
 from nanolight.errors import UsageError
+from nanolight.parallel.agreement import Agreed
 from nanolight.parallel.layout import ModelLayout
 from nanolight.parallel.pipeline.schedules import BACKWARD, FORWARD, Action, one_by_one
 from nanolight.precision import Precision
@@ -224,9 +225,14 @@ class Strategy:
         """Send a picklable object from ``src`` to every rank (e.g. the resolved checkpoint path)."""
         return obj
 
+    def start_max(self, value: int) -> Any:
+        """Start agreeing on the max of a small int over every rank, on the host, without waiting
+        (pre-emption: which signal reached any rank); ``.wait()`` returns it (`parallel/agreement.py`)."""
+        return Agreed(value)
+
     def any_rank(self, flag: bool) -> bool:
-        """True on every rank if ``flag`` is True on any rank (e.g. "a signal reached me")."""
-        return flag
+        """True on every rank if ``flag`` is True on any rank (e.g. "a rank cannot see the run dir")."""
+        return bool(self.start_max(int(flag)).wait())
 
     def check_shared_directory(self, path: str | Path) -> None:
         """Every rank must see the directory rank 0 writes into (checkpoints are written by all

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
@@ -167,10 +168,8 @@ class Parallel3DStrategy(Strategy):
         self.module = module
         if model is None:  # any nn.Module under plain data parallelism: every rank holds it whole
             module.to(self.root_device)
-            self.layout, self._model_meta = (
-                replicated_layout(module, ctx),
-                step_dir_meta(module, self.pretrained),
-            )
+            self.layout = replicated_layout(module, ctx)
+            self._model_meta = step_dir_meta(module, self.pretrained)
             self.precision.convert_module(module)
             broadcast_replicas(module, ctx)
             return module
@@ -265,12 +264,13 @@ class Parallel3DStrategy(Strategy):
         if self._ctx is None:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src)  # rank `src` sends obj to every rank
+        # rank `src` sends obj to every rank, pickled over the host group (gloo: no device sync)
+        dist.broadcast_object_list(box, src=src, group=self._ctx.host_group)
         return box[0]
 
-    @watched("the pre-emption check (all-reduce of a flag)")
-    def any_rank(self, flag: bool) -> bool:
-        return flag if self._ctx is None else self._ctx.any_rank(flag)  # one process: no collective
+    def start_max(self, value: int) -> Any:  # one process: Agreed, no collective; else on the host
+        watching = functools.partial(watch, "the pre-emption flags (a host all-reduce)", self.heartbeat)
+        return super().start_max(value) if self._ctx is None else self._ctx.start_max(value, watching)
 
     # ---- checkpoints: per-rank shards + index ------------------------------------------------
     @watched("a checkpoint save")

@@ -4,7 +4,8 @@ training-epoch loops, in one place.
 Per accumulation window (one optimizer step; one batch under manual optimization):
 the step (`step.py` / `manual.py`), its logger row, validation if one of the window's batches is
 a check batch (an int ``val_check_interval`` counts batches, a float is a fraction of the
-epoch), plateau schedulers with interval "step", then `max_time` and pre-emption checks.
+epoch), plateau schedulers with interval "step", then `max_time` and pre-emption checks (with
+several ranks the latter reads the agreement the previous step started: `preemption.py`).
 At an epoch's end: epoch values published, ``on_train_epoch_end`` (monitoring callbacks after
 the module), plateau schedulers (only after a complete epoch), the epoch row. Stopping: max
 steps/epochs, or ``should_stop`` once ``min_steps``/``min_epochs`` are met (with one extra
@@ -147,6 +148,7 @@ class FitLoop:
         trainer.call_hook("on_train_start")
         while not self.done:
             self._epoch()
+        trainer.preemption.finish()  # the last step's agreement: none left in flight
         trainer.call_hook("on_train_end")
 
     def _validates_epoch(self) -> bool:

@@ -58,7 +58,8 @@ class _Metric:
         if not self.meta.on_epoch:
             return
         if fx == "mean":
-            term, size = value * batch_size, torch.tensor(float(batch_size), device=value.device)
+            # filled on the value's device: torch.tensor(..., device=cuda) would copy from the host and sync
+            term, size = value * batch_size, torch.full((), float(batch_size), device=value.device)
             self.acc = term if self.acc is None else self.acc + term
             self.weight = size if self.weight is None else self.weight + size
         elif self.acc is None:

@@ -146,7 +146,7 @@ class AutomaticStep:
         device = self.trainer.strategy.root_device
         done = [loss.float() for loss in self.losses.values() if loss is not None]
         local = torch.stack(done).sum() if done else torch.zeros((), device=device)
-        count = torch.tensor(float(len(done)), device=device)
+        count = torch.full((), float(len(done)), device=device)  # filled there: no host-to-device copy
         # the last pipeline stage's (sum, count), summed over dp replicas
         total = self.trainer.strategy.reduce(torch.stack([local.to(device), count]), "sum")
         return total[0] / total[1]

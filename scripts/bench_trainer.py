@@ -29,9 +29,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _llama_step.py next to this script
-from nanolight.module import NanoModule
-from nanolight.strategies import SingleDeviceStrategy
-from nanolight.trainer import NanoTrainer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a source checkout, not installed
+from nanolight.module import NanoModule  # noqa: E402
+from nanolight.strategies import SingleDeviceStrategy  # noqa: E402
+from nanolight.trainer import NanoTrainer  # noqa: E402
 
 
 def make_model(width: int, depth: int) -> nn.Module:

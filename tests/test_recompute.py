@@ -25,6 +25,7 @@ MODES = [("full", 1), ("selective", 1), ("full", 2)]
 def fit_losses(strategy_cls: type, attn: str = "eager", **kwargs) -> list[float]:
     """The step losses of a short run (3 steps x 2 micro-batches, gradient clipping)."""
     trainer = NanoTrainer(
+        use_distributed_sampler=False,  # every rank is given the same loader, as one process
         max_steps=STEPS, accumulate_grad_batches=ACCUM, gradient_clip_val=0.5, strategy=strategy_cls(**kwargs),
         seed=SEED, logger=False, enable_progress_bar=False, enable_checkpointing=False,
         callbacks=[losses := tiny.StepLosses()],

@@ -67,6 +67,7 @@ class ParallelContext:
             )
         self.world_size = dist.get_world_size()
         self.global_rank = dist.get_rank()
+        self.timeout = timeout  # every group's: a stopped peer ends a collective within it
         config = ParallelConfig(tp=tp, pp=pp, dp=dp)
         self.tp_size, self.pp_size = tp, pp
         self.dp_size = config.resolve_dp(self.world_size)
@@ -118,7 +119,7 @@ class ParallelContext:
         for d in range(self.dp_size):
             for t in range(self.tp_size):
                 ranks = [int(self.mesh[d, first, t]), int(self.mesh[d, last, t])]
-                group = dist.new_group(ranks=ranks)
+                group = dist.new_group(ranks=ranks, timeout=self.timeout)
                 if self.global_rank in ranks:
                     mine = group
         return mine

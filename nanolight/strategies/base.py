@@ -27,13 +27,12 @@ Call order during ``NanoTrainer.fit`` (each a method below)::
         optimizer_step(optimizer)
         start_max(signal) / .wait()     # preemption: started each step, read at the next one
     save_checkpoint(path, state)        # ModelCheckpoint -> trainer.save_checkpoint (all ranks)
-    broadcast / barrier                 # whenever ranks must agree
+    broadcast / barrier                 # whenever ranks must agree; watch(what) around any stage
     teardown()
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -46,11 +45,11 @@ from nanolight.checkpoint.load import load_model, load_optimizers, trainer_state
 from nanolight.checkpoint.pretrained import model_dir_files, step_dir_meta
 from nanolight.checkpoint.reader import CheckpointReader
 from nanolight.checkpoint.save import save_one_process
-from nanolight.errors import UsageError
 from nanolight.parallel.agreement import Agreed
 from nanolight.parallel.layout import ModelLayout
 from nanolight.parallel.pipeline.schedules import BACKWARD, FORWARD, Action, one_by_one
 from nanolight.precision import Precision
+from nanolight.strategies.shared_dir import check_shared_directory
 
 __all__ = ["BACKWARD", "FORWARD", "Action", "Strategy"]
 
@@ -230,34 +229,17 @@ class Strategy:
         (pre-emption: which signal reached any rank); ``.wait()`` returns it (`parallel/agreement.py`)."""
         return Agreed(value)
 
+    def watch(self, what: str) -> AbstractContextManager:
+        """Around work that may wait on peers: a stopped peer becomes an error naming it."""
+        return nullcontext()
+
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is True on any rank (e.g. "a rank cannot see the run dir")."""
         return bool(self.start_max(int(flag)).wait())
 
     def check_shared_directory(self, path: str | Path) -> None:
-        """Every rank must see the directory rank 0 writes into (checkpoints are written by all
-        ranks): rank 0 writes a token there, every rank reads it back. Checked at start-up, not
-        hours later at the first save."""
-        if self.world_size == 1:
-            return
-        path, token = Path(path), self.broadcast(uuid.uuid4().hex if self.is_global_zero else None)
-        probe = path / f".nanolight-shared-{token[:12]}"
-        if self.is_global_zero:
-            path.mkdir(parents=True, exist_ok=True)
-            probe.write_text(token)
-        self.barrier()
-        seen = probe.read_text() if probe.is_file() else None
-        if self.any_rank(seen != token):
-            if self.is_global_zero:
-                probe.unlink(missing_ok=True)
-            raise UsageError(
-                f"rank {self.global_rank} {'sees' if seen == token else 'does not see'} the run directory {path} "
-                "that rank 0 writes (not every rank sees it): put trainer.default_root_dir on a filesystem that "
-                "every node shares (or a path that exists on every node)"
-            )
-        self.barrier()
-        if self.is_global_zero:
-            probe.unlink(missing_ok=True)
+        """Every rank must see the directory rank 0 writes into (`shared_dir.py`)."""
+        check_shared_directory(self, path)
 
     # ---- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self, path: str | Path, state: dict[str, Any], weights_only: bool = False) -> None:

@@ -210,8 +210,8 @@ class Parallel3DStrategy(Strategy):
 
     def forward_context(self, i: int) -> AbstractContextManager:
         stack = ExitStack()
+        stack.enter_context(watch(f"the forward of micro-batch {i} (tp collectives, pipeline exchanges)", self.heartbeat))
         if self.stage is not None:
-            stack.enter_context(watch(f"the forward of micro-batch {i} (pipeline exchanges)", self.heartbeat))
             stack.enter_context(self.stage.micro_batch(i))  # which micro-batch the model call belongs to
         stack.enter_context(self.autocast())
         return stack
@@ -267,6 +267,9 @@ class Parallel3DStrategy(Strategy):
         # rank `src` sends obj to every rank, pickled over the host group (gloo: no device sync)
         dist.broadcast_object_list(box, src=src, group=self._ctx.host_group)
         return box[0]
+
+    def watch(self, what: str) -> AbstractContextManager:
+        return watch(what, self.heartbeat)
 
     def start_max(self, value: int) -> Any:  # one process: Agreed, no collective; else on the host
         watching = functools.partial(watch, "the pre-emption flags (a host all-reduce)", self.heartbeat)

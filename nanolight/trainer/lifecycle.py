@@ -62,7 +62,8 @@ class RunLifecycle:
         with set_determinism(self.deterministic, self.benchmark):
             try:
                 self._setup(fn, module, ckpt_path, model_given)
-                stage()
+                with self.strategy.watch(f"{fn} (a collective outside the watched training step)"):
+                    stage()
                 self.state.status = "finished"
                 for lg in self.loggers if self.is_global_zero else []:
                     lg.finalize("success")

@@ -19,10 +19,11 @@ from nanolight.checkpoint import CheckpointError
 from nanolight.trainer import NanoTrainer
 
 
-def _fit(root: Path, max_steps: int, every: int = 2, ckpt_path: str | None = None) -> NanoTrainer:
+def _fit(root: Path, max_steps: int, every: int = 2, ckpt_path: str | None = None,
+         filename: str = "step-{step}") -> NanoTrainer:  # fmt: skip
     trainer = NanoTrainer(
         max_steps=max_steps, accumulate_grad_batches=2, default_root_dir=root, logger=False,
-        enable_progress_bar=False, callbacks=[ModelCheckpoint(every_n_train_steps=every, save_on_train_end=True, save_top_k=-1, filename="step-{step}", auto_insert_metric_name=False)],
+        enable_progress_bar=False, callbacks=[ModelCheckpoint(every_n_train_steps=every, save_on_train_end=True, save_top_k=-1, filename=filename, auto_insert_metric_name=filename != "step-{step}")],
     )  # fmt: skip
     trainer.fit(MLPModule(scheduler=True), loader(make_data(64), 4), ckpt_path=ckpt_path)
     return trainer
@@ -66,6 +67,15 @@ def test_a_damaged_file_is_named_with_the_newest_intact_checkpoint(
         _fit(tmp_path, max_steps=6, ckpt_path=str(step4))
     assert str(step4 / name) in str(info.value)
     assert f"the newest intact checkpoint is {tmp_path / 'checkpoints' / 'step-2'}" in str(info.value)
+
+
+def test_the_newest_intact_checkpoint_is_found_under_lightning_names(tmp_path: Path) -> None:
+    _fit(tmp_path, max_steps=4, filename="{epoch}-{step}")  # Lightning's epoch=0-step=2, epoch=0-step=4
+    step4 = tmp_path / "checkpoints" / "epoch=0-step=4"
+    _damage(step4 / "model.safetensors", "truncate")
+    with pytest.raises(CheckpointError, match="is truncated or damaged") as info:
+        _fit(tmp_path, max_steps=6, ckpt_path=str(step4), filename="{epoch}-{step}")
+    assert f"the newest intact checkpoint is {tmp_path / 'checkpoints' / 'epoch=0-step=2'}" in str(info.value)
 
 
 def test_files_have_the_umask_mode(tmp_path: Path) -> None:

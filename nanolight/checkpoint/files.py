@@ -153,3 +153,17 @@ def open_tensors(path: Path, what: str = "checkpoint shard") -> Any:
         raise
     except Exception as exc:  # safetensors raises its own error type for a bad header
         raise CheckpointError(f"{what} {path} is unreadable: truncated or damaged ({exc}); {_FIX}") from exc
+
+
+class InMemoryTensors:
+    """Tensors already in memory (a one-process ``optimizer.pt``) behind the safetensors handle
+    interface (`open_tensors`) the reader uses."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+    def get_slice(self, key: str) -> torch.Tensor:
+        return self.tensors[key]

@@ -25,6 +25,7 @@ import torch
 
 from nanolight.checkpoint.files import (
     CheckpointError,
+    InMemoryTensors,
     MissingCheckpointFile,
     load_torch,
     open_tensors,
@@ -44,19 +45,6 @@ SAFETENSORS_DTYPES = {
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
     return (Path(path) / INDEX_FILE).is_file()
-
-
-class _InMemory:
-    """``optimizer.pt``'s tensors behind the safetensors handle interface the reader uses."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def get_tensor(self, key: str) -> torch.Tensor:
-        return self.tensors[key]
-
-    def get_slice(self, key: str) -> torch.Tensor:
-        return self.tensors[key]
 
 
 class CheckpointReader:
@@ -133,7 +121,7 @@ class CheckpointReader:
                         self._add_whole(name, OPTIMIZER_FILE, name, list(value.shape), dtype)
                     else:
                         self.index.extras[name] = value
-        self._handles[OPTIMIZER_FILE] = _InMemory(tensors)
+        self._handles[OPTIMIZER_FILE] = InMemoryTensors(tensors)
         self._optimizer_bound = True
 
     # ---- checks --------------------------------------------------------------------------------
@@ -272,6 +260,15 @@ class CheckpointReader:
         except Exception as exc:
             raise CheckpointError(f"checkpoint shard {self.path / shard.file} is unreadable ({exc})") from exc
 
+    def verify_all(self) -> None:
+        """Open every file (size and checksum where indexed, else its header); a damaged one raises."""
+        index = self.index
+        for file in sorted(set(index.files) | {s.file for e in index.tensors.values() for s in e.shards}):
+            self._checked(file) if file in index.files else self._handle(file)
+        self.trainer_state()
+        if not self.sharded:
+            load_torch(self._checked(OPTIMIZER_FILE), "optimizer state")
+
     def model_state(self, strip_prefix: str = "") -> dict[str, torch.Tensor]:
         """Every model tensor in full, keyed by state-dict name (minus `strip_prefix`), aliases
         included (a tied lm_head shares the embedding's tensor)."""
@@ -286,32 +283,6 @@ class CheckpointReader:
                 full[stored] = self.read(stored)
             out[key.removeprefix(strip_prefix)] = full[stored]
         return out
-
-
-def is_intact(path: str | Path) -> bool:
-    """Every file of checkpoint `path` is there, as large as written and with its checksum (a
-    checkpoint from before checksums: every file opens)."""
-    try:
-        reader = CheckpointReader.open(path)
-        for file in sorted(
-            set(reader.index.files) | {s.file for e in reader.index.tensors.values() for s in e.shards}
-        ):
-            reader._checked(file) if file in reader.index.files else reader._handle(file)
-        reader.trainer_state()
-        if not reader.sharded:
-            load_torch(reader._checked(OPTIMIZER_FILE), "optimizer state")
-    except (CheckpointError, OSError, ValueError):
-        return False
-    return True
-
-
-def newest_intact(parent: Path, exclude: Path | None = None) -> Path | None:
-    """The newest ``step-<N>`` checkpoint under `parent` (other than `exclude`) that `is_intact`."""
-    steps = [p for p in Path(parent).glob("step-*") if p.is_dir() and p.name[5:].isdigit()]
-    for step in sorted(steps, key=lambda p: int(p.name[5:]), reverse=True):
-        if (exclude is None or step.resolve() != Path(exclude).resolve()) and is_intact(step):
-            return step
-    return None
 
 
 def _blocks(shards: list[Shard]) -> list[tuple[list[int], list[int], list[Shard]]]:

@@ -1,29 +1,23 @@
 """ZeRO-1: the fp32 master weights and the optimizer state are partitioned over data parallelism.
 
-Why: with plain DP every replica holds AdamW's two moments (8 bytes/param) and, under bf16
-parameters, an fp32 copy (4 more): 12 of the 16+ bytes/param of training state are the same
-on every dp rank. ZeRO-1 keeps 1/dp of them per rank; the communication volume is unchanged
-(a reduce-scatter plus an all-gather instead of an all-reduce, which is both of those).
+Why: under plain DP every replica holds AdamW's two moments and (bf16 parameters) an fp32 copy,
+12 of the 16+ bytes/param of training state. ZeRO-1 keeps 1/dp of them per rank for the same
+traffic (a reduce-scatter plus an all-gather is what an all-reduce is).
 
-Layout: the gradient buckets of `GradReducer` (one flat buffer per bucket, padded to a
-multiple of dp; buckets never mix param groups) are each split into dp contiguous slices;
-rank r owns slice r of every bucket. A param group's *flat shard* is the concatenation of its
-slices, and the inner optimizer -- the same class as the user's, with the same hyperparameters
--- runs on one fp32 `nn.Parameter` per group holding that shard (one flat tensor: the fused and
-foreach kernels the user chose step it in one launch), with the reduce-scattered
-gradient shard as its ``.grad``. Because the inner optimizer is elementwise (AdamW, Adam, SGD;
-not LBFGS/Shampoo-like ones), stepping the slices is exactly stepping the whole model. Padding
-elements have zero weight and zero gradient, so they stay zero. One difference from
-``torch.optim``: a parameter without a gradient in a step (unused, or frozen but left in the
-optimizer) steps with a zero gradient instead of being skipped, so momentum and weight decay
-still move it -- as with DDP and Megatron's distributed optimizer; keep frozen ones out.
+Layout: each gradient bucket of `GradReducer` (one flat buffer, padded to a multiple of dp,
+never mixing param groups) is split into dp contiguous slices; rank r owns slice r of every
+bucket. A param group's *flat shard* is the concatenation of its slices; the inner optimizer
+(the user's class and hyperparameters, so the fused / foreach kernel chosen steps it in one
+launch) runs on one fp32 `nn.Parameter` per group holding it, with the reduce-scattered
+gradient shard as ``.grad``. The inner optimizer being elementwise (AdamW, Adam, SGD), stepping
+the slices is exactly stepping the model; padding stays zero. Unlike ``torch.optim``, a
+parameter without a gradient steps with a zero one (momentum and weight decay still move it,
+as with DDP and Megatron's distributed optimizer): keep frozen parameters out.
 
-LR schedulers: `configure_optimizers` built the scheduler on the user's optimizer, before the
-strategy wrapped it. So the wrapper keeps that optimizer as its front: ``param_groups`` *is*
-its list; the scheduler's lr changes land there and are copied into the inner groups at every
-`step`. Checkpoints: `state_dict` / `load_state_dict` use the single-device ``torch.optim``
-format (one entry per parameter, full tensors), so a checkpoint saved at any dp loads at any
-other dp, with or without ZeRO.
+LR schedulers were built on the user's optimizer before the strategy wrapped it, so the wrapper
+keeps it as its front: ``param_groups`` *is* its list, copied into the inner groups at every
+`step`. `state_dict` / `load_state_dict` use the single-device ``torch.optim`` format (full
+tensors per parameter): a checkpoint saved at any dp loads at any other, with or without ZeRO.
 """
 
 from __future__ import annotations
@@ -297,8 +291,7 @@ def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
 
 
-def _hyper(group: dict[str, Any]) -> dict[str, Any]:
-    """A param group's hyperparameters (everything but the parameters)."""
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:  # a param group's hyperparameters
     return {k: v for k, v in group.items() if k != "params"}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -152,13 +153,8 @@ def test_zero_state_dict_round_trip_across_dp(tmp_path: Path) -> None:
     assert run_distributed(_resume, 4, str(tmp_path), timeout=120) == [True] * 4
 
 
-def _sgd(rank: int, world: int) -> bool:
-    ref = tiny_model()
-    model = copy.deepcopy(ref)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
-    zero = ZeroOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01), dist.group.WORLD
-    )
+def _three_steps(rank: int, world: int, ref: torch.nn.Module, ref_opt: Any, model: torch.nn.Module, zero: Any) -> None:
+    """The reference on the whole global batch, ZeRO on this rank's half: three steps."""
     for step in range(3):
         ids = batches(step, world)
         ref_opt.zero_grad()
@@ -167,6 +163,16 @@ def _sgd(rank: int, world: int) -> bool:
         zero.zero_grad()
         model(ids[rank], labels=ids[rank]).backward()
         zero.step()
+
+
+def _sgd(rank: int, world: int) -> bool:
+    ref = tiny_model()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    zero = ZeroOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01), dist.group.WORLD
+    )
+    _three_steps(rank, world, ref, ref_opt, model, zero)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert_weights_close(p, q, "sgd")
     return True
@@ -183,14 +189,7 @@ def _kernels(rank: int, world: int, kernel: dict, path: str) -> bool:
     zero = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-6, **kernel), dist.group.WORLD)
     for key, value in kernel.items():  # the shards step with the kernel the user chose
         assert zero.inner.defaults[key] == value and all(g[key] == value for g in zero.inner.param_groups)
-    for step in range(3):
-        ids = batches(step, world)
-        ref_opt.zero_grad()
-        torch.stack([ref(x, labels=x) for x in ids]).mean().backward()
-        ref_opt.step()
-        zero.zero_grad()
-        model(ids[rank], labels=ids[rank]).backward()
-        zero.step()
+    _three_steps(rank, world, ref, ref_opt, model, zero)
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert_weights_close(p, q, name)
     # a state saved by the plain for-loop AdamW (a CPU step count) loads into these kernels and steps
@@ -198,6 +197,7 @@ def _kernels(rank: int, world: int, kernel: dict, path: str) -> bool:
     plain.load_state_dict(ref_opt.state_dict())
     zero.load_state_dict(plain.state_dict())
     zero.zero_grad()
+    ids = batches(2, world)  # the last step's batches once more
     model(ids[rank], labels=ids[rank]).backward()
     zero.step()
     return True

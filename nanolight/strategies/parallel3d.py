@@ -180,7 +180,7 @@ class Parallel3DStrategy(Strategy):
         sharded = shard_model(module, model, prefix, ctx, cfg, self.root_device, self.pp_layers_per_stage)
         self.layout = sharded.layout
         if self.pretrained is not None:  # this rank's slices of a model directory (the model's keys)
-            reader = CheckpointReader.open(self.pretrained, verify="model/")
+            reader = CheckpointReader.open(self.pretrained)
             load_model(reader, module, self.layout, prefix, stored_model_prefix(self.pretrained))
         elif sharded.on_meta:  # rank 0's seed for all (each process's own initial seed differs)
             seed = self.broadcast(self.init_seed if self.init_seed is not None else torch.initial_seed())

@@ -269,10 +269,7 @@ class Parallel3DStrategy(Strategy):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._ctx is None:
             return obj
-        box = [obj]
-        # rank `src` sends obj to every rank, pickled over the host group (gloo: no device sync)
-        dist.broadcast_object_list(box, src=src, group=self._ctx.host_group)
-        return box[0]
+        return self._ctx.broadcast_object(obj, src)  # rank `src` posts obj in the store, the others read it
 
     def watch(self, what: str) -> AbstractContextManager:
         return watch(what, self.heartbeat)

@@ -275,7 +275,7 @@ class Parallel3DStrategy(Strategy):
         return watch(what, self.heartbeat)
 
     def start_max(self, value: int) -> Any:  # one process: Agreed, no collective; else on the host
-        watching = functools.partial(watch, "the pre-emption flags (a host all-reduce)", self.heartbeat)
+        watching = functools.partial(watch, "the pre-emption flags (the store)", self.heartbeat)
         return super().start_max(value) if self._ctx is None else self._ctx.start_max(value, watching)
 
     # ---- checkpoints: per-rank shards + index ------------------------------------------------

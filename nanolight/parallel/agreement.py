@@ -47,8 +47,12 @@ class StoreAgreements:
     `guard` wraps each store exchange (e.g. a heartbeat watch that names a silent peer)."""
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout: timedelta) -> None:
-        self.store = dist.PrefixStore(PREFIX, store)
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        # A second context over the same world (or a re-created one) must not meet the first one's
+        # keys: each rank adds 1 once per context, in step (contexts are made collectively), so
+        # ceil(count / N) numbers this context alike on every rank.
+        generation = -(-dist.PrefixStore(PREFIX, store).add("contexts", 1) // world_size)
+        self.store = dist.PrefixStore(f"{PREFIX}{generation}/", store)
         self.round = 0  # the same on every rank: agreements are started in the same order
 
     def _next(self) -> str:

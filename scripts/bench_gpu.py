@@ -16,7 +16,7 @@ are printed side by side.
 The micro-batch is the largest power of two up to --micro-batch at which transformers eager
 (full logits, nothing recomputed: the most memory) fits; every run of a model uses it. Printed
 per run: tokens/s, MFU (`models/flops.py`: 6N + 12 L H Q T per token, over the dense bf16 peak:
-989 TFLOP/s for H100/H200, or --peak-tflops), peak memory, step time; then nanolight/transformers
+989 TFLOP/s for H100/H200 SXM, 756 for H100 PCIe, 835 for NVL, or --peak-tflops), peak memory, step time; then nanolight/transformers
 ratios on the same shapes. Imports only torch, transformers and nanolight's model-side modules
 (no hydra, omegaconf, wandb, datasets or lightning-utilities): a bare GPU box runs it.
 """
@@ -40,7 +40,24 @@ from nanolight.models import LlamaConfig, LlamaForCausalLM, flash_attn_available
 from nanolight.parallel.compile import compile_blocks  # noqa: E402
 from nanolight.parallel.recompute import apply_activation_checkpointing  # noqa: E402
 
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, no sparsity
+# Dense bf16 peak (NVIDIA's datasheets halve the "with sparsity" figure), by a piece of
+# torch.cuda.get_device_name, most specific first: the PCIe and NVL boards run at lower clocks and
+# power than SXM ("NVIDIA H100 80GB HBM3" is the SXM part; "NVIDIA H100 PCIe", "NVIDIA H100 NVL").
+PEAK_BF16 = [
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H200 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),  # and GH200
+    ("A100", 312e12),  # SXM and PCIe alike
+]
+
+
+def peak_bf16(device_name: str) -> float | None:
+    """The dense bf16 peak of the GPU called `device_name`; None when unknown (pass --peak-tflops)."""
+    return next((flops for piece, flops in PEAK_BF16 if piece in device_name), None)
+
+
 DEFAULT_MICRO_BATCH = {"smollm-1.7b": 8, "smollm-360m": 16}
 # the recipe's optimizer (nanolight/pretrain/config.py OptimConfig and module.py; a test checks they agree)
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 4e-3, (0.9, 0.95), 1e-8, 0.1, 1.0
@@ -239,9 +256,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     if args.attn == "auto":
         args.attn = "flash_attention_2" if device.type == "cuda" and flash_attn_available() else "sdpa"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    args.peak = 1e12 * args.peak_tflops if args.peak_tflops else next(
-        (v for k, v in PEAK_BF16.items() if k in name), None
-    )  # fmt: skip
+    args.peak = 1e12 * args.peak_tflops if args.peak_tflops else peak_bf16(name)
     print(f"{name}, torch {torch.__version__}, {args.precision}, attn={args.attn}, T={args.seq_len}, "
           f"{args.steps} timed steps (median), peak {args.peak / 1e12 if args.peak else '-'} TFLOP/s")  # fmt: skip
     print(f"{'model':<12} {'impl':<13} {'compile':<7} {'recompute':<9} {'mb':>3} {'tokens/s':>10} "

@@ -4,10 +4,13 @@ cannot be imported -- what the GPU box has: torch, transformers, safetensors."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "scripts" / "bench_gpu.py"
@@ -34,7 +37,35 @@ def test_bench_gpu_runs_on_cpu_without_the_trainer_dependencies() -> None:
                           cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split() for line in done.stdout.splitlines() if line.startswith("smollm-tiny  ")]
-    assert [(r[1], r[3]) for r in rows] == [("transformers", "none"), ("nanolight", "none"), ("nanolight", "full")]
+    assert [(r[1], r[3]) for r in rows] == [
+        ("transformers", "none"),
+        ("nanolight", "none"),
+        ("nanolight", "full"),
+    ]
     assert all(r[-1] == "ok" for r in rows), done.stdout
     assert len({r[-2] for r in rows}) == 1, done.stdout  # the same weights: the same first loss
     assert "nanolight/transformers, compile off, nothing recomputed:" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("name", "tflops"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989),  # SXM
+        ("NVIDIA H100 PCIe", 756),
+        ("NVIDIA H100 NVL", 835),
+        ("NVIDIA H200", 989),
+        ("NVIDIA H200 NVL", 835),
+        ("NVIDIA GH200 480GB", 989),
+        ("NVIDIA A100-SXM4-80GB", 312),
+        ("NVIDIA A100 80GB PCIe", 312),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_peak_flops_by_device_name(name: str, tflops: int | None) -> None:
+    """NVIDIA's datasheet figures (with sparsity, halved): H100 SXM 1979, PCIe 1513, NVL 1671."""
+    spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_gpu"] = bench  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    peak = bench.peak_bf16(name)
+    assert (peak if peak is None else round(peak / 1e12)) == tflops

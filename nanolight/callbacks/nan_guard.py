@@ -21,8 +21,8 @@ from nanolight.callbacks.base import Callback
 
 
 class NaNGuard(Callback):
-    """Checks the step's loss (and, with ``check_grads``, the global grad norm -- one extra norm
-    computation through the strategy) before the optimizer step.
+    """Checks the step's loss (and, with ``check_grads``, the global grad norm -- the step's one
+    norm: the strategy measures it here and gradient clipping reuses it) before the optimizer step.
 
     ``action="skip"``: zero the gradients and skip the optimizer and scheduler step (the batch
     is consumed); after ``max_skips`` skips it stops. ``action="stop"``: skip and stop training.

@@ -140,7 +140,7 @@ def read_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tens
             f'{{"index": "{INDEX_FILE}" or null, "prefix": "<module attribute>."}}'
         )
     prefix = (sharding or {}).get("prefix") or ""
-    state_dict = CheckpointReader.open(path, verify="model/").model_state(strip_prefix=prefix)
+    state_dict = CheckpointReader.open(path).model_state(strip_prefix=prefix)
     if config.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)  # an alias of the embedding, stored once
     return config, state_dict, dict(meta.get("hf_extra") or {})

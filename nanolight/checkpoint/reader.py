@@ -8,10 +8,11 @@ tp=2, or the whole tensor on one device -- and `read` assembles it from whicheve
 overlap, reading only those rows/columns (safetensors slices come from the memory-mapped file).
 ZeRO-1 pieces are flat ranges of a block; their block is rebuilt from the pieces that overlap.
 
-Every file named in an index is checked up front (exists, byte size as written), so a missing
-or truncated shard is an error naming the file before any tensor is read, and each file's CRC-32
-when this rank first opens it (damage that keeps the size); a one-process directory's
-``checksums.json`` plays the index's part.
+Each file is checked when this rank first opens it -- there, as large as written, the same CRC-32
+(damage that keeps the size) -- so a missing or damaged shard is an error naming the file; a
+one-process directory's ``checksums.json`` plays the index's part. Only the files a rank reads are
+touched: at resume a rank of a 4,096-rank run opens the index and its few shards, never stats the
+other thousands (`verify_all` checks every file, for `intact.py`).
 """
 
 from __future__ import annotations
@@ -58,15 +59,12 @@ class CheckpointReader:
         self._optimizer_bound = sharded  # a one-process optimizer.pt is indexed on request
 
     @classmethod
-    def open(cls, path: str | Path, verify: str = "") -> CheckpointReader:
-        """`verify`: check only the files holding tensors whose names start with it (e.g.
-        ``"model/"`` to convert the weights even if an optimizer shard was lost); "" checks all."""
+    def open(cls, path: str | Path) -> CheckpointReader:
+        """The checkpoint directory at `path` (its index read; no shard touched yet)."""
         path = Path(path)
         if is_sharded_checkpoint(path):
             index_file = path / INDEX_FILE
-            reader = cls(path, CheckpointIndex.from_json(index_file.read_text(), index_file), True)
-            reader._check_files(verify)
-            return reader
+            return cls(path, CheckpointIndex.from_json(index_file.read_text(), index_file), True)
         if (path / WEIGHTS_FILE).is_file():
             index = CheckpointIndex(dict(ONE_PROCESS), {}, {})
             manifest = path / CHECKSUMS_FILE  # absent in checkpoints written before checksums
@@ -123,27 +121,6 @@ class CheckpointReader:
                         self.index.extras[name] = value
         self._handles[OPTIMIZER_FILE] = InMemoryTensors(tensors)
         self._optimizer_bound = True
-
-    # ---- checks --------------------------------------------------------------------------------
-    def _check_files(self, prefix: str) -> None:
-        needed = None
-        if prefix:
-            needed = {s.file for n, e in self.index.tensors.items() if n.startswith(prefix) for s in e.shards}
-        for file, size in self.index.files.items():
-            if needed is not None and file not in needed:
-                continue
-            path = self.path / file
-            if not path.is_file():
-                raise MissingCheckpointFile(
-                    f"checkpoint shard {path} is missing (the index lists it); the checkpoint is incomplete "
-                    "-- restore the file or resume from an earlier checkpoint"
-                )
-            actual = path.stat().st_size
-            if actual != size:
-                raise CheckpointError(
-                    f"checkpoint shard {path} is truncated or damaged: {actual} bytes, {size} were written; "
-                    "restore the file or resume from an earlier checkpoint"
-                )
 
     # ---- what is stored --------------------------------------------------------------------------
     @property

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanolight.parallel.agreement import Agreed, PendingMax
+from nanolight.parallel.agreement import Agreed, PendingMax, StoreAgreements
 from nanolight.parallel.config import ParallelConfig
 
 MESH_DIMS = ("dp", "pp", "tp")
@@ -91,9 +91,10 @@ class ParallelContext:
         self.pp_p2p_groups = (
             (self._new_groups("pp", timeout), self._new_groups("pp", timeout)) if pp > 1 else (None, None)
         )
-        # Host-side agreements (pre-emption flags, picklable objects) travel on the CPU: a gloo
-        # group over the whole world, or the world itself when it is gloo (None names it).
-        self.host_group = None if self.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+        # Host-side agreements (pre-emption flags, picklable objects) go through the rendezvous
+        # store every rank already holds a connection to: no world-wide group (`agreement.py`).
+        store = dist.distributed_c10d._get_default_store()
+        self.agreements = StoreAgreements(store, self.global_rank, self.world_size, timeout)
         self.tp_ranks = self.mesh[self.dp_rank, self.pp_rank, :].tolist()
         self.pp_ranks = self.mesh[self.dp_rank, :, self.tp_rank].tolist()
         self.dp_ranks = self.mesh[:, self.pp_rank, self.tp_rank].tolist()
@@ -183,7 +184,15 @@ class ParallelContext:
         sync); ``.wait()`` gives it. One process: already agreed, no collective."""
         if self.world_size == 1:
             return Agreed(value)
-        return PendingMax(value, self.host_group, guard)  # all ranks send an int, get the max
+        return self.agreements.start_max(value, guard)  # every rank posts an int, reads the max
+
+    def broadcast_object(
+        self, obj: Any, src: int = 0, guard: Callable[[], AbstractContextManager] = nullcontext
+    ) -> Any:
+        """`obj` as global rank `src` holds it, on every rank, on the host (pickled; no device sync)."""
+        if self.world_size == 1:
+            return obj
+        return self.agreements.broadcast(obj, src, guard)  # rank `src` posts it, the others fetch it
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if `flag` is True on any rank (blocking, on the host)."""

@@ -37,11 +37,13 @@ from nanolight.parallel.layout import ModelLayout
 from nanolight.parallel.zero import ZeroOptimizer
 
 
-def global_norm(grads: list[Tensor], groups: Iterable[Any] = ()) -> Tensor:
+def global_norm(
+    grads: list[Tensor], groups: Iterable[Any] = (), device: torch.device | None = None
+) -> Tensor:
     """L2 norm of `grads` (this rank's counted parts) joined with the same parts of the groups'
     other ranks: squares summed in fp32 per tensor (``vector_norm`` loses ~1e-4 on CPU for
-    million-element tensors), then over each group in turn."""
-    device = grads[0].device if grads else None
+    million-element tensors), then over each group in turn. A rank that counts nothing still
+    joins, with a zero on `device` (the groups' device: NCCL refuses a CPU tensor)."""
     squared = (
         torch.stack([g.float().pow(2).sum() for g in grads]).sum()
         if grads
@@ -107,6 +109,7 @@ class GradientSync:
         self.reducer: GradReducer | None = None
         self.zero: ZeroOptimizer | None = None
         self._norm_groups = [ctx.tp_group, ctx.pp_group] + ([ctx.dp_group] if zero_stage else [])
+        self._norm: Tensor | None = None  # this step's norm once measured: NaNGuard and clipping share it
 
     def wrap_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[Any]:
         deferred = {id(p) for ps, _ in self.partial for p in ps}
@@ -131,6 +134,7 @@ class GradientSync:
     def finish(self) -> None:
         """After the step's last backward: complete the partial gradients, then the dp reduction
         (the reducer calls `_sum_partials` once every ``.grad`` is bound to its bucket)."""
+        self._norm = None  # new gradients
         if self.reducer is None:
             self._sum_partials()
         else:
@@ -144,6 +148,7 @@ class GradientSync:
             _sum_over([p.grad for p in params], group)
 
     def zero_grad(self, optimizer: Any) -> None:
+        self._norm = None
         if self.zero is not None:
             self.zero.zero_grad()
         elif self.reducer is not None:
@@ -158,22 +163,28 @@ class GradientSync:
         return [p.grad for p in self.params if p.grad is not None]
 
     def norm(self) -> Tensor:
-        """The global L2 norm of the step's final gradients, the same on every rank."""
-        if self.zero is not None:
-            counted = self.zero.grad_pieces({id(p) for p in self.counted})
-        else:
-            counted = [p.grad for p in self.counted if p.grad is not None]
-        return global_norm(counted, self._norm_groups).to(self.ctx.device)
+        """The global L2 norm of the step's final gradients, the same on every rank. Measured once
+        per set of gradients (its all-reduces are not free at scale): `NaNGuard`'s check and the
+        clipping after it read the same tensor; new gradients, zeroing or clipping measure anew."""
+        if self._norm is None:
+            if self.zero is not None:
+                counted = self.zero.grad_pieces({id(p) for p in self.counted})
+            else:
+                counted = [p.grad for p in self.counted if p.grad is not None]
+            self._norm = global_norm(counted, self._norm_groups, self.ctx.device).to(self.ctx.device)
+        return self._norm
 
     def clip_(self, max_norm: float | None) -> Tensor:
         """Clip by the global norm (None: only measure it); returns the pre-clip norm."""
         norm = self.norm()
         if max_norm is not None:
             clip_(self._final_grads(), norm, max_norm)
+            self._norm = None  # the gradients changed
         return norm
 
     def clip_value_(self, value: float) -> None:
         """Clamp the step's final gradients elementwise (the dp-reduced ones, or the ZeRO-1 shards
         the optimizer steps with): no communication, the same result at every layout."""
+        self._norm = None
         for grad in self._final_grads():
             grad.clamp_(-value, value)

@@ -35,16 +35,25 @@ class PeerError(NanolightError, RuntimeError):
     def of(cls, exc: BaseException, what: str, heartbeat: Heartbeat | None) -> PeerError:
         me = dist.get_rank() if dist.is_initialized() else 0
         who = heartbeat.silent_ranks() if heartbeat is not None else "unknown (no heartbeat)"
+        trace = heartbeat.trace_note() if heartbeat is not None else ""
         return cls(
             f"rank {me}: {what} failed waiting for its peers ({str(exc).splitlines()[0][:200]}); "
-            f"{who}. The job is ending: a stopped, hung or dead rank cannot be waited for"
+            f"{who}.{trace} The job is ending: a stopped, hung or dead rank cannot be waited for"
         )
 
 
 class Heartbeat:
     """This rank's heartbeat, and the others', through the rendezvous store at `host`:`port`."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, interval: float = 1.0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        interval: float = 1.0,
+        trace: str | None = None,
+    ) -> None:
         self.host, self.port, self.rank, self.world_size, self.interval = (
             host,
             port,
@@ -52,6 +61,7 @@ class Heartbeat:
             world_size,
             interval,
         )
+        self.trace = trace  # NCCL's flight-recorder dump files: this prefix + the rank (None: no dump)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="nanolight-heartbeat", daemon=True)
         self._thread.start()
@@ -84,6 +94,15 @@ class Heartbeat:
         if not silent:
             return "every other rank is still alive (the failure is in the communication itself)"
         return ", ".join(f"rank {r} stopped answering (no heartbeat for {ages[r]:.0f} s)" for r in silent)
+
+    def trace_note(self) -> str:
+        """Where NCCL's flight recorder wrote each rank's last collectives (on a timeout), in words."""
+        if self.trace is None:
+            return ""
+        return (
+            f" NCCL's flight recorder dumps each rank's last collectives to {self.trace}<rank> (this rank: "
+            f"{self.trace}{self.rank}; read them with torch's flight-recorder analyzer, torchfrtrace)."
+        )
 
     def close(self) -> None:
         """Stop beating and wait for the thread, so its store connection is closed before the

@@ -22,8 +22,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Mapping, MutableMapping, Sequence
 from datetime import timedelta
 
 import torch
@@ -70,6 +72,7 @@ class SubprocessLauncher:
 
     def __init__(self, world_size: int, grace_s: float = 5.0, poll_s: float = 0.1) -> None:
         self.world_size, self.grace_s, self.poll_s = world_size, grace_s, poll_s
+        self.started = 0.0  # when the children were started (dump files older than that are stale)
 
     def command(self) -> list[str]:
         cmd = _script_command()
@@ -108,6 +111,7 @@ class SubprocessLauncher:
                 "choose another count)",
                 file=sys.stderr,
             )
+        self.started = time.time()
         children = [subprocess.Popen(cmd, env=self.child_env(r, port)) for r in range(self.world_size)]
         # Pre-emption (SIGTERM, SLURM's SIGUSR1) must reach the children, which finish their step,
         # save and exit 0: pass it on and keep waiting. Ctrl-C (SIGINT) reaches them from the
@@ -130,8 +134,10 @@ class SubprocessLauncher:
             if failed:  # a dead rank: its peers would block in the next collective; stop them
                 code = failed[0]
                 rank = codes.index(code)
+                dumps = nccl_dumps(self.world_size, self.started)
                 print(
-                    f"[nanolight launcher] rank {rank} exited with {code}; stopping the others",
+                    f"[nanolight launcher] rank {rank} exited with {code}; stopping the others"
+                    + (f" (NCCL's flight recorder dumped {', '.join(dumps)})" if dumps else ""),
                     file=sys.stderr,
                 )
                 return code if code > 0 else 128 - code  # killed by signal N -> 128 + N
@@ -202,19 +208,91 @@ def ensure_processes(world_size: int) -> ProcessEnv:
     sys.exit(SubprocessLauncher(world_size).launch())
 
 
+def cuda_device_index(env: ProcessEnv, device_ids: Sequence[int] | None = None) -> int:
+    """This process's CUDA device, among the devices it sees.
+
+    ``devices=[2, 3]`` (`device_ids`): local rank i takes ``device_ids[i]``. Otherwise local rank
+    i takes device i -- except under SLURM, where ``--gpus-per-task=1`` shows each task only its
+    own GPU, as device 0, whatever its SLURM_LOCALID: there the index is the local rank modulo the
+    visible count (with every GPU of the node visible, the same as the local rank).
+    """
+    count = torch.cuda.device_count()
+    if device_ids:
+        if env.local_rank >= len(device_ids):
+            raise UsageError(
+                f"local rank {env.local_rank} but devices={list(device_ids)} names {len(device_ids)} GPUs: "
+                f"start {len(device_ids)} processes per node or list one GPU per process"
+            )
+        index = int(device_ids[env.local_rank])
+    elif env.source == "slurm" and count > 0:
+        index = env.local_rank % count
+    else:
+        index = env.local_rank
+    if not 0 <= index < count:
+        raise UsageError(
+            f"rank {env.rank} would use CUDA device {index} but {count} are visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): start at most {count} "
+            "processes per node, or give devices=[...] that exist"
+        )
+    return index
+
+
+# NCCL's flight recorder: the last collectives of each rank, dumped to a file when the watchdog sees
+# a timeout. Each entry: the names torch reads (newer first; a user's choice under any of them
+# stands), and nanolight's default.
+TRACE_FILE_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+NCCL_DEBUG_DEFAULTS: list[tuple[tuple[str, ...], str]] = [
+    (("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"), "2000"),
+    (("TORCH_NCCL_DUMP_ON_TIMEOUT",), "1"),
+    (TRACE_FILE_VARS, os.path.join(tempfile.gettempdir(), "nanolight_nccl_trace_rank_")),
+]
+
+
+def set_nccl_debug_env(environ: MutableMapping[str, str] = os.environ) -> str | None:
+    """Turn NCCL's flight recorder on where the user has not chosen (before the NCCL group exists:
+    torch reads these once, when it builds it); returns the dump files' prefix (+ the rank), or
+    None when the user switched the dump off."""
+    for names, default in NCCL_DEBUG_DEFAULTS:
+        if not any(name in environ for name in names):
+            for name in names:
+                environ[name] = default
+    if environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT", "1") in ("0", "false", "False"):
+        return None
+    return next(environ[name] for name in TRACE_FILE_VARS if name in environ)
+
+
+def nccl_dumps(world_size: int, since: float, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The flight-recorder dump files written since `since` (after an NCCL timeout), for the
+    launcher's last line."""
+    prefix = next((environ[name] for name in TRACE_FILE_VARS if name in environ), NCCL_DEBUG_DEFAULTS[-1][1])
+    files = [f"{prefix}{r}" for r in range(world_size)]
+    return [f for f in files if os.path.exists(f) and os.path.getmtime(f) >= since]
+
+
 def init_distributed(
-    env: ProcessEnv, backend: str | None = None, timeout: timedelta = timedelta(minutes=10)
+    env: ProcessEnv,
+    backend: str | None = None,
+    timeout: timedelta = timedelta(minutes=10),
+    device_ids: Sequence[int] | None = None,
 ) -> Heartbeat | None:
     """Join the default process group (NCCL on GPU, gloo on CPU); returns this rank's heartbeat.
 
     `timeout` bounds both the wait for the other ranks to join (after 10 s of waiting a line says
-    who waits for whom) and every later collective, so a dead or stopped peer ends the job.
+    who waits for whom) and every later collective -- under NCCL it is the watchdog's timeout --
+    so a dead or stopped peer ends the job. Under NCCL the rank's device (`cuda_device_index`) is
+    given as ``device_id``: the communicator is created at once, on that device (eager init), not
+    lazily per operation; and the flight recorder is on (`set_nccl_debug_env`).
     """
     if dist.is_initialized():
         return None
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    options: dict = {}
+    trace = None
     if backend == "nccl":
-        torch.cuda.set_device(env.local_rank)
+        index = cuda_device_index(env, device_ids)
+        torch.cuda.set_device(index)
+        options["device_id"] = torch.device("cuda", index)
+        trace = set_nccl_debug_env()
     where = f"{env.master_addr}:{env.master_port}"
     notice = threading.Timer(10.0, lambda: print(
         f"nanolight: rank {env.rank} of {env.world_size} waiting for the other ranks at {where} "
@@ -224,7 +302,7 @@ def init_distributed(
     notice.start()
     try:
         if env.source == "torchrun":  # torchrun's agent hosts the store on MASTER_PORT: env:// joins it
-            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+            dist.init_process_group(backend, init_method="env://", timeout=timeout, **options)
         else:
             dist.init_process_group(
                 backend,
@@ -232,6 +310,7 @@ def init_distributed(
                 rank=env.rank,
                 world_size=env.world_size,
                 timeout=timeout,
+                **options,
             )
     except (RuntimeError, dist.DistError) as exc:
         raise NanolightError(
@@ -241,4 +320,4 @@ def init_distributed(
         ) from exc
     finally:
         notice.cancel()
-    return Heartbeat(env.master_addr, env.master_port, env.rank, env.world_size)
+    return Heartbeat(env.master_addr, env.master_port, env.rank, env.world_size, trace=trace)

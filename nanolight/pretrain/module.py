@@ -52,7 +52,7 @@ def adamw_kernel(device: torch.device) -> dict[str, bool]:
 def load_weights(model: LlamaForCausalLM, path: str) -> None:
     """Copy a nanolight model directory's weights into `model`; another model is an error naming
     the tensors (the same check a resume makes)."""
-    reader = CheckpointReader.open(path, verify="model/")
+    reader = CheckpointReader.open(path)
     load_model(reader, model, ModelLayout.whole(model), stored_prefix=stored_model_prefix(path))
 
 

@@ -61,6 +61,8 @@ class Parallel3DStrategy(Strategy):
     trainer's `seed`); `pretrained` is a nanolight model directory to start from instead.
     `activation_checkpointing` / `activation_checkpointing_every` / `compile`: as for
     `SingleDeviceStrategy`, applied to this rank's blocks after tp and the pipeline split.
+    `device_ids`: the CUDA device of each local rank (Lightning's ``devices=[2, 3]``); default:
+    the local rank's (`parallel/launcher.py`, `cuda_device_index`).
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class Parallel3DStrategy(Strategy):
         activation_checkpointing_every: int = 1,
         compile: bool = False,
         pp_virtual: int = 1,
+        device_ids: Sequence[int] | None = None,
     ) -> None:
         super().__init__(precision)
         self.blocks = BlockOptions(activation_checkpointing, activation_checkpointing_every, compile)
@@ -91,6 +94,7 @@ class Parallel3DStrategy(Strategy):
         self.config = ParallelConfig(*degrees)
         self.init_seed, self.pretrained = init_seed, pretrained
         self.backend, self.timeout = backend, timedelta(seconds=timeout_s)
+        self.device_ids = list(device_ids) if device_ids else None  # GPU of local rank i (devices=[2, 3])
         self.heartbeat: Heartbeat | None = None  # this rank's, and the way to tell who stopped
         self.pp_layers_per_stage = pp_layers_per_stage  # per virtual stage; None: balanced by cost
         self.dp_bucket_bytes = dp_bucket_bytes
@@ -148,7 +152,7 @@ class Parallel3DStrategy(Strategy):
             dp = cfg.resolve_dp(world)  # world must be tp*pp*dp: a clear error, before anything starts
             env = ensure_processes(world)  # plain python, world > 1: re-launches and never returns
             self._local_rank = env.local_rank
-            self.heartbeat = init_distributed(env, self.backend, self.timeout)
+            self.heartbeat = init_distributed(env, self.backend, self.timeout, self.device_ids)
             self._ctx = ParallelContext(cfg.tp, cfg.pp, dp, timeout=self.timeout)
             atexit.register(self._shutdown)
         super().setup_environment()
@@ -176,7 +180,7 @@ class Parallel3DStrategy(Strategy):
         sharded = shard_model(module, model, prefix, ctx, cfg, self.root_device, self.pp_layers_per_stage)
         self.layout = sharded.layout
         if self.pretrained is not None:  # this rank's slices of a model directory (the model's keys)
-            reader = CheckpointReader.open(self.pretrained, verify="model/")
+            reader = CheckpointReader.open(self.pretrained)
             load_model(reader, module, self.layout, prefix, stored_model_prefix(self.pretrained))
         elif sharded.on_meta:  # rank 0's seed for all (each process's own initial seed differs)
             seed = self.broadcast(self.init_seed if self.init_seed is not None else torch.initial_seed())
@@ -210,7 +214,9 @@ class Parallel3DStrategy(Strategy):
 
     def forward_context(self, i: int) -> AbstractContextManager:
         stack = ExitStack()
-        stack.enter_context(watch(f"the forward of micro-batch {i} (tp collectives, pipeline exchanges)", self.heartbeat))
+        stack.enter_context(
+            watch(f"the forward of micro-batch {i} (tp collectives, pipeline exchanges)", self.heartbeat)
+        )
         if self.stage is not None:
             stack.enter_context(self.stage.micro_batch(i))  # which micro-batch the model call belongs to
         stack.enter_context(self.autocast())
@@ -263,16 +269,13 @@ class Parallel3DStrategy(Strategy):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._ctx is None:
             return obj
-        box = [obj]
-        # rank `src` sends obj to every rank, pickled over the host group (gloo: no device sync)
-        dist.broadcast_object_list(box, src=src, group=self._ctx.host_group)
-        return box[0]
+        return self._ctx.broadcast_object(obj, src)  # rank `src` posts obj in the store, the others read it
 
     def watch(self, what: str) -> AbstractContextManager:
         return watch(what, self.heartbeat)
 
     def start_max(self, value: int) -> Any:  # one process: Agreed, no collective; else on the host
-        watching = functools.partial(watch, "the pre-emption flags (a host all-reduce)", self.heartbeat)
+        watching = functools.partial(watch, "the pre-emption flags (the store)", self.heartbeat)
         return super().start_max(value) if self._ctx is None else self._ctx.start_max(value, watching)
 
     # ---- checkpoints: per-rank shards + index ------------------------------------------------

@@ -36,7 +36,9 @@ def _device_type(accelerator: str) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if acc in ("gpu", "cuda"):
         if not torch.cuda.is_available():
-            raise UsageError(f"accelerator={accelerator!r} but no CUDA device is visible: use accelerator='cpu'")
+            raise UsageError(
+                f"accelerator={accelerator!r} but no CUDA device is visible: use accelerator='cpu'"
+            )
         return "cuda"
     if acc == "cpu":
         return "cpu"
@@ -58,14 +60,18 @@ def _device_ids(devices: Any, device_type: str) -> list[int]:
     if isinstance(devices, int) and not isinstance(devices, bool):
         if devices == -1:
             if available is None:
-                raise UsageError("devices=-1 (all devices) needs accelerator='gpu'; on CPU give a process count")
+                raise UsageError(
+                    "devices=-1 (all devices) needs accelerator='gpu'; on CPU give a process count"
+                )
             return list(range(available))
         if devices >= 1:
             return list(range(devices))
     raise UsageError(f"devices={devices!r}: use an int >= 1, -1 (all GPUs), a list of GPU indices or 'auto'")
 
 
-def resolve_strategy(strategy: Any, accelerator: str, devices: Any, num_nodes: int, precision: Any) -> Strategy:
+def resolve_strategy(
+    strategy: Any, accelerator: str, devices: Any, num_nodes: int, precision: Any
+) -> Strategy:
     """The strategy a Lightning-style Trainer configuration asks for."""
     if isinstance(strategy, Strategy):
         if devices not in ("auto", None, 1) or num_nodes != 1:
@@ -86,10 +92,13 @@ def resolve_strategy(strategy: Any, accelerator: str, devices: Any, num_nodes: i
         raise UsageError(f"num_nodes must be an int >= 1, got {num_nodes!r}")
     device_type = _device_type(accelerator)
     ids = _device_ids(devices, device_type)
-    if device_type == "cuda" and any(i >= torch.cuda.device_count() for i in ids):
+    listed = isinstance(devices, (list, tuple)) or (isinstance(devices, str) and "," in devices)
+    env = detect_environment()
+    # devices=N under srun may be N tasks of one visible GPU each: the launcher checks each rank's
+    # device then (`cuda_device_index`); listed GPUs, and N GPUs we start ourselves, must exist here
+    if device_type == "cuda" and (listed or env is None) and any(i >= torch.cuda.device_count() for i in ids):
         raise UsageError(f"devices={devices!r} but only {torch.cuda.device_count()} CUDA devices are visible")
     world = len(ids) * num_nodes
-    env = detect_environment()
     if env is not None and env.world_size != world and (devices, num_nodes) != ("auto", 1):
         raise UsageError(
             f"devices={devices!r} x num_nodes={num_nodes} = {world} processes, but the launcher started "
@@ -101,8 +110,9 @@ def resolve_strategy(strategy: Any, accelerator: str, devices: Any, num_nodes: i
     if world == 1 and strategy != "ddp":
         device = torch.device("cuda", ids[0]) if device_type == "cuda" else torch.device("cpu")
         return SingleDeviceStrategy(device=device, **kwargs)
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    return Parallel3DStrategy(dp=world, backend=backend, **kwargs)
+    if device_type == "cuda":  # listed GPUs: local rank i runs on ids[i] (devices=[2, 3]: GPUs 2 and 3)
+        return Parallel3DStrategy(dp=world, backend="nccl", device_ids=ids if listed else None, **kwargs)
+    return Parallel3DStrategy(dp=world, backend="gloo", **kwargs)
 
 
 def planned_processes(strategy: Strategy) -> int:

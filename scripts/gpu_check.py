@@ -1,0 +1,338 @@
+"""Every check that needs a GPU, in one prepared run (under 8 minutes on one H200), then the benchmark.
+
+    python scripts/gpu_check.py                  # on a CUDA machine; exit status 1 if any check failed
+    python scripts/gpu_check.py --cpu-dry-run    # the checks that make sense on a CPU, tiny sizes, no
+                                                 # benchmark: proves this script's code paths (a test runs it)
+
+The CPU test suite cannot see what only CUDA does: a host sync inside a training step, flash-attn's
+kernels, inductor's code, the fused AdamW kernel. Each check prints one line -- PASS / FAIL / SKIP,
+its name, the number it measured and what was compared -- then `scripts/bench_gpu.py` runs.
+
+- sync-free step: the model's train step (forward, backward, clipping, fused AdamW) under
+  ``torch.cuda.set_sync_debug_mode("error")``, with packed documents; and, when the trainer's
+  dependencies are installed, the trainer's quiet steps (tests/test_sync_free.py's CUDA variant);
+- flash-attn dense and varlen (packed documents) against SDPA, bf16, when flash-attn is installed;
+- compile: each block compiled, the losses of a few steps against eager;
+- activation checkpointing (full, selective): gradients equal to the plain backward's;
+- fused AdamW against the foreach one, from the same gradients;
+- the ``bf16-master`` precision against ``bf16-mixed`` (when nanolight.precision has it).
+
+Needs only torch, transformers and safetensors: nanolight is imported part by part (its top level
+is lazy), and the checks that need the trainer say SKIP where its dependencies are missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # a source checkout, not installed
+from nanolight.models import PRESETS, LlamaConfig, LlamaForCausalLM, flash_attn_available  # noqa: E402
+from nanolight.parallel.compile import compile_blocks  # noqa: E402
+from nanolight.parallel.recompute import apply_activation_checkpointing  # noqa: E402
+
+NO_CUDA = (
+    "gpu_check: no CUDA device (torch {version}, CUDA {cuda}): run it on a GPU machine, or pass "
+    "--cpu-dry-run to run the checks that make sense on a CPU"
+)
+
+
+class Skip(Exception):
+    """A check that cannot run here (a missing package, a CPU): printed as SKIP, not a failure."""
+
+
+class Checks:
+    """The checks, on `device` with `seq_len`-token rows; results collected as printed lines."""
+
+    def __init__(self, device: torch.device, seq_len: int, dry_run: bool) -> None:
+        self.device, self.seq_len, self.dry_run = device, seq_len, dry_run
+        self.failed: list[str] = []
+        g = torch.Generator().manual_seed(0)
+        self.config = LlamaConfig(**PRESETS["smollm-tiny"])
+        self.ids = torch.randint(0, self.config.vocab_size, (2, seq_len), generator=g).to(device)
+        # three packed documents per row, of uneven lengths
+        cuts = torch.tensor([seq_len // 5, seq_len // 2])
+        self.docs = (
+            torch.bucketize(torch.arange(seq_len), cuts, right=True).expand(2, -1).contiguous().to(device)
+        )
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def model(self, **overrides: Any) -> LlamaForCausalLM:
+        torch.manual_seed(0)  # the same weights every time
+        config = LlamaConfig(**{**PRESETS["smollm-tiny"], **overrides})
+        with torch.device(self.device):
+            return LlamaForCausalLM(config).train()
+
+    def autocast(self, bf16: bool) -> Any:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+
+    def steps(
+        self, model: torch.nn.Module, n: int, bf16: bool = False, documents: bool = False
+    ) -> list[torch.Tensor]:
+        """`n` training steps (forward, backward, clip, AdamW); the losses, left on the device."""
+        opt = adamw(model, self.device)
+        losses = []
+        for _ in range(n):
+            with self.autocast(bf16):
+                loss = model(self.ids, labels=self.ids, document_ids=self.docs if documents else None)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        return losses
+
+    def run(self, name: str, check: Callable[[], tuple[bool, float, str]]) -> None:
+        start = time.perf_counter()
+        try:
+            ok, number, what = check()
+            status = "PASS" if ok else "FAIL"
+        except Skip as why:
+            status, number, what = "SKIP", float("nan"), str(why)
+        except Exception as exc:  # a crash is a failed check, named, and the others still run
+            status, number, what = (
+                "FAIL",
+                float("nan"),
+                f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
+            )
+        if status == "FAIL":
+            self.failed.append(name)
+        print(
+            f"{status}  {name:<26} {number:>11.3g}  {what} ({time.perf_counter() - start:.1f} s)", flush=True
+        )
+
+    # ---- the checks --------------------------------------------------------------------------
+    def sync_free_model(self) -> tuple[bool, float, str]:
+        model = self.model()
+        self.steps(model, 1, bf16=True, documents=True)  # warm-up: allocations, caches, the tables
+        n = 3
+        with sync_debug("error" if self.device.type == "cuda" else None):
+            losses = self.steps(model, n, bf16=True, documents=True)
+        ok = bool(torch.isfinite(torch.stack(losses)).all())
+        mode = "no sync raised" if self.device.type == "cuda" else "dry run: no CUDA sync checking"
+        return ok, n, f"train steps with packed documents, bf16 autocast, fused AdamW ({mode})"
+
+    def sync_free_trainer(self) -> tuple[bool, float, str]:
+        steps, log_every = 8, 4
+        losses = trainer_losses(self, "bf16-mixed", steps, log_every, sync_mode=self.device.type == "cuda")
+        mode = "no sync raised" if self.device.type == "cuda" else "dry run: no CUDA sync checking"
+        return len(losses) == steps // log_every, steps - len(losses), f"NanoTrainer's quiet steps ({mode})"
+
+    def flash(self, documents: bool) -> tuple[bool, float, str]:
+        if self.device.type != "cuda" or not flash_attn_available():
+            raise Skip(
+                "flash-attn is not installed" if self.device.type == "cuda" else "flash-attn needs CUDA"
+            )
+        losses = {}
+        for impl in ("sdpa", "flash_attention_2"):
+            model = self.model(attn_implementation=impl)
+            with self.autocast(True):
+                loss = model(self.ids, labels=self.ids, document_ids=self.docs if documents else None)
+            loss.backward()
+            losses[impl] = float(loss)
+        diff = abs(losses["sdpa"] - losses["flash_attention_2"])
+        return (
+            diff < 2e-2,
+            diff,
+            f"|loss flash - sdpa|, bf16 ({'varlen, packed documents' if documents else 'dense'})",
+        )
+
+    def compiled(self) -> tuple[bool, float, str]:
+        eager, compiled = self.model(), self.model()
+        options = {"backend": "eager"} if self.dry_run else {}  # on a CPU: dynamo's path, not inductor
+        compile_blocks(compiled, announce=False, **options)
+        a = torch.stack(self.steps(eager, 3)).float()
+        b = torch.stack(self.steps(compiled, 3)).float()
+        diff = float(((a - b).abs() / a.abs()).max())
+        return (
+            diff < 1e-3,
+            diff,
+            f"max relative loss difference over 3 steps, compiled blocks vs eager ({options or 'inductor'})",
+        )
+
+    def recompute(self) -> tuple[bool, float, str]:
+        reference = grads_of(self.model(), self)
+        worst = 0.0
+        for mode in ("full", "selective"):
+            model = self.model()
+            apply_activation_checkpointing(model, mode)
+            got = grads_of(model, self)
+            worst = max(
+                worst,
+                max(
+                    float((g - r).abs().max() / r.abs().max().clamp_min(1e-12))
+                    for g, r in zip(got, reference, strict=True)
+                ),
+            )
+        return (
+            worst < 1e-4,
+            worst,
+            "max gradient difference (relative to the largest), full and selective vs none",
+        )
+
+    def fused_adamw(self) -> tuple[bool, float, str]:
+        model = self.model()
+        twin = copy.deepcopy(model)
+        try:
+            fused = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        except RuntimeError as exc:
+            raise Skip(f"no fused AdamW on {self.device.type}: {exc}") from exc
+        plain = torch.optim.AdamW(twin.parameters(), lr=1e-3, foreach=True)
+        for _ in range(3):
+            model(self.ids, labels=self.ids).backward()
+            for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+                q.grad = p.grad.clone()
+            fused.step(), plain.step()
+            fused.zero_grad(), plain.zero_grad()
+        pairs = zip(model.parameters(), twin.parameters(), strict=True)
+        diff = max(float((p.detach() - q.detach()).abs().max()) for p, q in pairs)
+        return diff < 1e-5, diff, "max parameter difference after 3 steps, fused vs foreach AdamW"
+
+    def bf16_master(self) -> tuple[bool, float, str]:
+        try:
+            from nanolight.precision import PRECISIONS
+        except ImportError as exc:
+            raise Skip(f"nanolight.precision cannot be imported here ({exc})") from exc
+        if "bf16-master" not in PRECISIONS:
+            raise Skip(f"bf16-master is missing: nanolight.precision.PRECISIONS = {PRECISIONS}")
+        mixed = torch.tensor(trainer_losses(self, "bf16-mixed", 8, 1))
+        master = torch.tensor(trainer_losses(self, "bf16-master", 8, 1))
+        diff = float(((mixed - master).abs() / mixed.abs()).max())
+        return diff < 3e-2, diff, "max relative loss difference over 8 steps, bf16-master vs bf16-mixed"
+
+
+def adamw(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type == "cuda")
+
+
+def grads_of(model: torch.nn.Module, checks: Checks) -> list[torch.Tensor]:
+    model(checks.ids, labels=checks.ids, document_ids=checks.docs).backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+class sync_debug:  # noqa: N801 - used as a context manager, like torch's own lower-case ones
+    """`torch.cuda.set_sync_debug_mode(mode)` inside, "default" after; None: nothing (a CPU)."""
+
+    def __init__(self, mode: str | None) -> None:
+        self.mode = mode
+
+    def __enter__(self) -> None:
+        if self.mode is not None:
+            torch.cuda.set_sync_debug_mode(self.mode)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.mode is not None:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def trainer_losses(
+    checks: Checks, precision: str, steps: int, log_every: int, sync_mode: bool = False
+) -> list[float]:
+    """`steps` of NanoTrainer on the tiny model; the loss of each logging step. With `sync_mode`
+    a CUDA sync on any other step raises (the trainer's promise: tests/test_sync_free.py)."""
+    try:
+        from nanolight import Callback, NanoModule, NanoTrainer  # the trainer's modules load here
+        from nanolight.strategies import SingleDeviceStrategy
+    except ImportError as exc:
+        raise Skip(f"the trainer's dependencies are not installed ({exc})") from exc
+
+    class LM(NanoModule):
+        def configure_model(self) -> None:
+            if not hasattr(self, "model"):
+                self.model = checks.model()
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            loss = self.model(batch, labels=batch)
+            self.log("train/loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return adamw(self.model, checks.device)
+
+    class Watch(Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            if sync_mode:
+                quiet = (trainer.global_step + 1) % log_every != 0
+                torch.cuda.set_sync_debug_mode("error" if quiet else "default")
+
+        def on_train_batch_end(
+            self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
+            if trainer.global_step % log_every == 0:  # a logging step: reading values is allowed
+                with sync_debug("default" if sync_mode else None):
+                    self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+    watch = Watch()
+    trainer = NanoTrainer(
+        strategy=SingleDeviceStrategy(checks.device), precision=precision, max_steps=steps, seed=0,
+        log_every_n_steps=log_every, gradient_clip_val=1.0, logger=False, callbacks=[watch],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with sync_debug("default" if sync_mode else None):  # and back to default whatever happens
+        trainer.fit(
+            LM(),
+            train_dataloaders=torch.utils.data.DataLoader(checks.ids.cpu().repeat(steps, 1), batch_size=2),
+        )
+    return watch.losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu-dry-run", action="store_true", help="the CPU-capable checks, tiny, no benchmark")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per row (default: 1024 on CUDA, 32 dry)")
+    p.add_argument("--bench-time-limit", type=float, default=300.0, help="seconds for scripts/bench_gpu.py")
+    p.add_argument("--no-bench", action="store_true", help="the checks only")
+    args = p.parse_args(argv)
+    if not args.cpu_dry_run and not torch.cuda.is_available():
+        print(NO_CUDA.format(version=torch.__version__, cuda=torch.version.cuda or "none"), file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if args.cpu_dry_run else "cuda")
+    checks = Checks(device, args.seq_len or (32 if args.cpu_dry_run else 1024), args.cpu_dry_run)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)"
+    print(f"gpu_check on {name}, torch {torch.__version__}, T={checks.seq_len}", flush=True)
+    checks.run("sync-free model step", checks.sync_free_model)
+    checks.run("sync-free trainer steps", checks.sync_free_trainer)
+    checks.run("flash-attn dense", lambda: checks.flash(documents=False))
+    checks.run("flash-attn varlen", lambda: checks.flash(documents=True))
+    checks.run("compile", checks.compiled)
+    checks.run("activation checkpointing", checks.recompute)
+    checks.run("fused AdamW", checks.fused_adamw)
+    checks.run("bf16-master vs bf16-mixed", checks.bf16_master)
+    if not (args.cpu_dry_run or args.no_bench):
+        bench = [
+            sys.executable,
+            str(REPO / "scripts" / "bench_gpu.py"),
+            "--time-limit",
+            str(args.bench_time_limit),
+        ]
+        print(f"$ {' '.join(bench)}", flush=True)
+        start = time.perf_counter()
+        done = subprocess.run(bench, cwd=REPO)
+        status = "PASS" if done.returncode == 0 else "FAIL"
+        if done.returncode:
+            checks.failed.append("bench_gpu")
+        print(
+            f"{status}  {'bench_gpu.py':<26} {done.returncode:>11}  exit status ({time.perf_counter() - start:.0f} s)"
+        )
+    verdict = (
+        f"{len(checks.failed)} failed: {', '.join(checks.failed)}" if checks.failed else "every check passed"
+    )
+    print(f"gpu_check: {verdict}", flush=True)
+    return 1 if checks.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""`scripts/gpu_check.py` without a GPU: one clear line and a non-zero exit; its ``--cpu-dry-run``
+runs the CPU-capable checks through the same code (also where only torch, transformers and
+safetensors are installed: the trainer's checks then say SKIP); a failed check fails the run."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "gpu_check.py"
+ABSENT = ("hydra", "omegaconf", "wandb", "datasets", "lightning_utilities")
+
+BARE_BOX = f"""
+import importlib.abc, runpy, sys
+
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {ABSENT!r}:
+            raise ImportError(f"{{name}} is not installed on this box")
+
+sys.meta_path.insert(0, Absent())
+sys.argv = [{str(SCRIPT)!r}, *sys.argv[1:]]
+runpy.run_path({str(SCRIPT)!r}, run_name="__main__")
+"""
+
+
+def _run(*args: str, bare: bool = False) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", BARE_BOX, *args] if bare else [sys.executable, str(SCRIPT), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=500, cwd=REPO, env=env)
+
+
+def _lines(out: str) -> dict[str, str]:
+    """check name -> status, from the PASS/FAIL/SKIP lines."""
+    rows = [line for line in out.splitlines() if line[:4] in ("PASS", "FAIL", "SKIP")]
+    return {line[6:32].strip(): line[:4] for line in rows}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gets")
+def test_without_cuda_one_line_and_a_nonzero_exit() -> None:
+    done = _run()
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "no CUDA device" in done.stderr and "--cpu-dry-run" in done.stderr
+
+
+def test_cpu_dry_run_passes_every_cpu_check() -> None:
+    done = _run("--cpu-dry-run")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    status = _lines(done.stdout)
+    for name in (
+        "sync-free model step",
+        "sync-free trainer steps",
+        "compile",
+        "activation checkpointing",
+        "fused AdamW",
+    ):
+        assert status[name] == "PASS", done.stdout
+    assert status["flash-attn dense"] == status["flash-attn varlen"] == "SKIP"
+    assert "gpu_check: every check passed" in done.stdout
+
+
+def test_cpu_dry_run_on_a_box_with_only_torch_transformers_safetensors() -> None:
+    done = _run("--cpu-dry-run", bare=True)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    status = _lines(done.stdout)
+    assert status["sync-free model step"] == status["compile"] == "PASS", done.stdout
+    assert status["sync-free trainer steps"] == "SKIP" and "dependencies are not installed" in done.stdout
+
+
+def test_a_failed_check_fails_the_run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    gpu_check = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = gpu_check
+    spec.loader.exec_module(gpu_check)
+    for name in ("sync_free_model", "sync_free_trainer", "compiled", "recompute", "bf16_master"):
+        monkeypatch.setattr(gpu_check.Checks, name, lambda self: (True, 0.0, "stand-in"))
+    monkeypatch.setattr(gpu_check.Checks, "flash", lambda self, documents: (True, 0.0, "stand-in"))
+    monkeypatch.setattr(gpu_check.Checks, "fused_adamw", lambda self: (False, 0.5, "stand-in failure"))
+    assert gpu_check.main(["--cpu-dry-run"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  fused AdamW" in out and "gpu_check: 1 failed: fused AdamW" in out

@@ -130,6 +130,12 @@ class Parallel3DStrategy(Strategy):
         return None if ctx is None or ctx.dp_size == 1 else {"num_replicas": ctx.dp_size, "rank": ctx.dp_rank}
 
     @property
+    def loss_group(self) -> tuple[Any, int]:
+        # the dp replicas hold the global batch's other micro-batches (context parallelism's
+        # ranks, holding other tokens of the same sequences, join this group)
+        return self._ctx.dp_group, self._ctx.dp_size
+
+    @property
     def sequence_multiple(self) -> int:
         return self.config.tp if self.config.sequence_parallel else 1
 
@@ -210,7 +216,9 @@ class Parallel3DStrategy(Strategy):
 
     def forward_context(self, i: int) -> AbstractContextManager:
         stack = ExitStack()
-        stack.enter_context(watch(f"the forward of micro-batch {i} (tp collectives, pipeline exchanges)", self.heartbeat))
+        stack.enter_context(
+            watch(f"the forward of micro-batch {i} (tp collectives, pipeline exchanges)", self.heartbeat)
+        )
         if self.stage is not None:
             stack.enter_context(self.stage.micro_batch(i))  # which micro-batch the model call belongs to
         stack.enter_context(self.autocast())

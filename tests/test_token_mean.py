@@ -23,6 +23,7 @@ from nanolight import Callback, NanoTrainer
 from nanolight.checkpoint import CheckpointReader
 from nanolight.data.docmask import make_batch
 from nanolight.models import LlamaForCausalLM
+from nanolight.models.fused_loss import linear_cross_entropy
 from nanolight.strategies.parallel3d import Parallel3DStrategy
 from nanolight.strategies.single_device import SingleDeviceStrategy
 
@@ -146,6 +147,26 @@ def test_unequal_micro_batches_give_the_exact_token_mean() -> None:
     torch.testing.assert_close(
         model(b["input_ids"], labels=b["input_ids"], **fields), mean, rtol=1e-6, atol=0
     )
+
+
+def test_the_fused_head_and_loss_sum_like_cross_entropy() -> None:
+    """``reduction="sum"`` (what the model divides by the step's count): value and gradients."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 24, 16, generator=g, requires_grad=True)
+    weight = torch.randn(40, 16, generator=g, requires_grad=True)
+    targets = torch.randint(0, 40, (2, 24), generator=g).masked_fill(
+        torch.rand(2, 24, generator=g) < 0.3, -100
+    )
+    got = linear_cross_entropy(hidden, weight, targets, rows=7, reduction="sum")
+    got.backward(torch.tensor(0.5))
+    got_grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    want = F.cross_entropy((hidden @ weight.t()).flatten(0, 1), targets.flatten(), reduction="sum")
+    (want * 0.5).backward()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(got_grads, (hidden.grad, weight.grad), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="not both"):
+        LlamaForCausalLM(tiny_config())(targets[:, :8] % 40, labels=targets[:, :8], target_ids=targets[:, :8])
 
 
 def test_the_micro_batch_split_does_not_change_the_step() -> None:

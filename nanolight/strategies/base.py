@@ -172,7 +172,8 @@ class Strategy:
         if not models:
             yield
             return
-        divisor = loss_divisor(targets, self.root_device, *self.loss_group)
+        with self.watch("the count of the step's valid targets (an all-reduce over the loss group)"):
+            divisor = loss_divisor(targets, self.root_device, *self.loss_group)
         for model in models:
             model.loss_divisor = divisor
         try:

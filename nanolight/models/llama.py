@@ -195,8 +195,9 @@ class LlamaForCausalLM(nn.Module):
     shifts them itself and ignores -100, as HF does. ``target_ids=`` are targets already shifted
     (`shift_labels`, done by the data where the sequence is whole): the path nanolight's recipe
     trains on. Its loss is the token sum divided by `loss_divisor` when a training step set one
-    (the strategy, `parallel/loss_tokens.py`: so that the step's loss and gradients are the exact
-    token mean of the global batch), else by the number of valid targets (the plain mean).
+    (the strategy: the step's mean valid targets per micro-batch, `parallel/loss_tokens.py`, so
+    that the trainer's mean over micro-batches and dp ranks is the exact token mean of the global
+    batch, gradients included), else by the number of valid targets (the plain mean).
 
     Initialisation (`init_weights`, run by the constructor unless built on the meta device):
     every Linear and the embedding ~ N(0, initializer_range), every RMSNorm weight = 1.

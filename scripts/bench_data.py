@@ -155,7 +155,7 @@ def bench_loader_vs_step(prep_dir: str, corpus: str, tok_dir: str, steps: int, r
     batch = next(iter(build_datamodule(DataConfig(path=prep_dir), seq, mbs).train_loader))
 
     def train_step() -> None:
-        loss = model(batch["input_ids"], labels=batch["labels"])
+        loss = model(batch["input_ids"], target_ids=batch["target_ids"])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

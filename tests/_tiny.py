@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from nanolight import Callback, NanoModule, NanoTrainer
 from nanolight.models import LlamaConfig, LlamaForCausalLM
+from nanolight.models.llama import shift_labels
 from nanolight.strategies import SingleDeviceStrategy
 
 __all__ = ["StepLosses", "TinyLM", "full_state", "run_distributed", "tiny_config", "token_loader"]
@@ -80,10 +81,15 @@ class TinyLM(NanoModule):
 
 
 def token_loader(
-    n: int, seq_len: int = 16, vocab: int = 128, batch_size: int = 2, seed: int = 3
+    n: int, seq_len: int = 16, vocab: int = 128, batch_size: int = 2, seed: int = 3, targets: bool = False
 ) -> DataLoader:
-    """`n` random sequences as {"input_ids", "labels"} micro-batches (labels == input_ids)."""
+    """`n` random sequences as {"input_ids", "labels"} micro-batches (labels == input_ids), or with
+    `targets` as the data module's {"input_ids", "target_ids"} (the next token, -100 at the end)."""
     ids = torch.randint(0, vocab, (n, seq_len), generator=torch.Generator().manual_seed(seed))
+    if targets:
+        return DataLoader(
+            [{"input_ids": x, "target_ids": shift_labels(x)} for x in ids], batch_size=batch_size
+        )
     return DataLoader([{"input_ids": x, "labels": x} for x in ids], batch_size=batch_size)
 
 

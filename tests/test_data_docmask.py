@@ -44,7 +44,11 @@ def test_fields_match_a_token_by_token_reference() -> None:
 
 def _check_batch(batch: dict[str, torch.Tensor], eos: int, mbs: int) -> None:
     ids = batch["input_ids"]
-    assert set(batch) == {"input_ids", "labels", "position_ids", "document_ids"}
+    assert set(batch) == {"input_ids", "target_ids", "position_ids", "document_ids"}
+    # targets: the next token of the same document; -100 after a document's end and at the row's end
+    want = torch.cat([ids[:, 1:], torch.full((mbs, 1), -100)], dim=1)
+    want[:, :-1][ids[:, :-1] == eos] = -100
+    assert torch.equal(batch["target_ids"], want)
     assert batch["position_ids"].shape == batch["document_ids"].shape == ids.shape == (mbs, T)
     for r in range(mbs):  # each row on its own: starts at 0 / document 0, restarts after every EOS
         pos, doc = reference(ids[r].tolist(), eos)
@@ -72,5 +76,5 @@ def test_every_data_path_yields_document_fields_when_asked(tmp_path, tok, tok_di
     for _ in range(5):
         a, b = next(it_on), next(it_off)
         _check_batch(a, tok.eos_token_id, 2)
-        assert set(b) == {"input_ids", "labels"} and torch.equal(a["input_ids"], b["input_ids"])
+        assert set(b) == {"input_ids", "target_ids"} and torch.equal(a["input_ids"], b["input_ids"])
     _check_batch(next(iter(on.val_loader)), tok.eos_token_id, 2)

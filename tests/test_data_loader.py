@@ -47,13 +47,13 @@ def _forever(loader: PackedLoader):
         yield from loader
 
 
-def test_packing_drops_remainder_and_aligns_labels() -> None:
+def test_packing_drops_remainder_and_shifts_targets() -> None:
     ds = dataset(extra=T - 1)
     assert len(ds) == N_BLOCKS  # the T-1 trailing tokens do not make a block
     item = ds[3]
     assert item["input_ids"].dtype == torch.int64 and item["input_ids"].shape == (T,)
     assert torch.equal(item["input_ids"], torch.arange(3 * T, 4 * T))
-    assert torch.equal(item["labels"], item["input_ids"])  # aligned: the model shifts
+    assert item["target_ids"].tolist() == list(range(3 * T + 1, 4 * T)) + [-100]  # the next token
     batch = ds.batch(np.array([5, 1]))
     assert batch["input_ids"].shape == (2, T) and block_ids(batch) == [5, 1]
 

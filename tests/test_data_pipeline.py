@@ -74,7 +74,8 @@ def test_build_datamodule_local_batches_and_val(tmp_path, tok, tok_dir) -> None:
     cfg = cfg_for(src, str(tmp_path / "c"), tok_dir, val_fraction=0.1)
     train, val, t = build_datamodule(cfg, seq_len=16, micro_batch_size=2, accumulate_grad_batches=2, seed=3)
     batch = next(iter(train))
-    assert batch["input_ids"].shape == (2, 16) and batch["labels"].tolist() == batch["input_ids"].tolist()
+    ids = batch["input_ids"]
+    assert ids.shape == (2, 16) and batch["target_ids"].tolist() == [r[1:] + [-100] for r in ids.tolist()]
     n_blocks = len(token_file(cfg, t).tokens) // 16
     assert len(train.dataset) + len(val.dataset) == n_blocks and len(val.dataset) == round(0.1 * n_blocks)
     assert set(train.dataset.block_ids).isdisjoint(val.dataset.block_ids)

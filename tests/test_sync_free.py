@@ -62,7 +62,12 @@ def _fit(root: Path, strategy: Strategy, *extra: Callback) -> Any:
     module = CausalLMPretrain(config.model, config.optim, t.seq_len, t.max_steps)
     trainer = build_trainer(config, strategy, root, GreedySamples(Letters(), max_new_tokens=2), *extra)
     n = STEPS * ACCUMULATE * 2 * 4  # two epochs' worth per rank at dp=2: stops mid-epoch, at max_steps
-    trainer.fit(module, token_loader(n, batch_size=2), token_loader(4, batch_size=2, seed=5))
+    # the data module's batches (target_ids): the step counts its valid targets (over dp, on the device)
+    trainer.fit(
+        module,
+        token_loader(n, batch_size=2, targets=True),
+        token_loader(4, batch_size=2, seed=5, targets=True),
+    )
     return trainer
 
 
@@ -164,4 +169,3 @@ def test_cuda_sync_debug_mode_errors_on_no_quiet_step(tmp_path: Path) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert trainer.global_step == STEPS
-

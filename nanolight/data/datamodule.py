@@ -58,8 +58,9 @@ def build_datamodule(
     builds are serialized with a file lock; on a filesystem without working file locks, pass a
     `barrier` (e.g. `torch.distributed.barrier`) and `is_builder=(local_rank == 0)`, and every
     rank must then call this (the barrier is entered once per cached artifact on every rank).
-    Train batches are {"input_ids", "labels"} (micro_batch_size, seq_len) int64 with labels ==
-    input_ids, plus "position_ids" and "document_ids" with `data.document_mask`; checkpoint
+    Train batches are {"input_ids", "target_ids"} (micro_batch_size, seq_len) int64 (targets
+    already shifted: `docmask.make_batch`), plus "position_ids" and "document_ids" with
+    `data.document_mask`; checkpoint
     `train_loader.state_dict()` after each step. The recipe checks `len(tokenizer)`
     (`nanolight.data.vocab_size`) against the model's vocab size.
     """

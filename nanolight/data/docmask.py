@@ -9,11 +9,17 @@ batch also carries, per token,
 so the model can build a block-diagonal causal mask (tokens attend only within their document
 id) or flash-attn's varlen offsets, and rotary positions start afresh per document. Both are
 computed from the row alone: nothing crosses a row, and the EOS belongs to the document it ends.
+
+The next-token targets are made here too, while the row is whole (`make_batch`): a rank that
+holds a piece of it (context parallelism) could not shift its own, and counting a step's valid
+targets before its micro-batches run needs them (`parallel/loss_tokens.py`).
 """
 
 from __future__ import annotations
 
 import torch
+
+from nanolight.models.llama import shift_labels
 
 
 def document_fields(input_ids: torch.Tensor, eos_id: int) -> dict[str, torch.Tensor]:
@@ -32,8 +38,9 @@ def document_fields(input_ids: torch.Tensor, eos_id: int) -> dict[str, torch.Ten
 
 
 def make_batch(ids: torch.Tensor, document_eos: int | None) -> dict[str, torch.Tensor]:
-    """The loaders' batch dict: labels == input_ids (the model shifts), plus document fields if asked."""
-    batch = {"input_ids": ids, "labels": ids.clone()}
-    if document_eos is not None:
-        batch.update(document_fields(ids, document_eos))
-    return batch
+    """The loaders' batch dict: input_ids and `target_ids` -- the next token, -100 at the row's last
+    position and, with document fields, at each document's last token (`shift_labels`)."""
+    if document_eos is None:
+        return {"input_ids": ids, "target_ids": shift_labels(ids)}
+    fields = document_fields(ids, document_eos)
+    return {"input_ids": ids, "target_ids": shift_labels(ids, fields["document_ids"]), **fields}

@@ -39,7 +39,7 @@ def _check_sizes(micro_batch_size: int, accumulate_grad_batches: int, dp_rank: i
 
 
 class PackedLoader:
-    """Yields this dp rank's micro-batches {"input_ids", "labels"}: (micro_batch_size, seq_len) int64.
+    """Yields this dp rank's micro-batches {"input_ids", "target_ids"}: (micro_batch_size, seq_len) int64.
 
     Iterating runs the rest of the current epoch, then advances to the next one (a new
     permutation), so the trainer's `for batch in loader` loop sees one epoch per pass and a

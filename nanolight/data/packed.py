@@ -48,8 +48,8 @@ class TokenArray(Protocol):
 class PackedDataset(torch.utils.data.Dataset):
     """Blocks of `seq_len` tokens from a flat token array, restricted to `block_ids`.
 
-    Item i is {"input_ids": (T,), "labels": (T,)} int64 with labels == input_ids: the model
-    shifts labels itself (CONTRACTS.md), so no token is lost at the block edge here. Block b is
+    Item i is {"input_ids": (T,), "target_ids": (T,)} int64, target t the token t+1 (-100 at the
+    block's last position: see docmask.py), so no block overlaps the next. Block b is
     tokens [b*T, (b+1)*T): reading a batch touches only its blocks' bytes. With `document_eos`
     (the EOS id) items also carry `position_ids` and `document_ids` (see docmask.py).
     """

@@ -16,7 +16,7 @@ from nanolight.data.streaming import Cursor, DocumentStream, rank_stream
 
 
 class StreamingPackedLoader:
-    """Micro-batches {"input_ids", "labels"} (micro_batch_size, seq_len) of this rank's stream share.
+    """Micro-batches {"input_ids", "target_ids"} (micro_batch_size, seq_len) of this rank's stream share.
 
     Never ends (see streaming.py): a rank that finishes its share starts another pass. The
     state holds the stream's own position, so resuming costs one window whatever the step.

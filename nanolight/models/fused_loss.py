@@ -10,7 +10,8 @@ d weight (the head's size) are kept for backward, which scales them by the incom
 A chunk sized to the CPU cache is also faster than the whole tensor (`scripts/bench_model.py`).
 
 Numerics are those of ``F.cross_entropy(logits.float(), labels, ignore_index=-100)``: logits in
-the compute dtype (autocast's, or the inputs'), softmax in fp32, the mean over counted tokens;
+the compute dtype (autocast's, or the inputs'), softmax in fp32, the mean (or, with
+``reduction="sum"``, the sum: the caller divides, `LlamaForCausalLM`) over counted tokens;
 d weight is summed over chunks in fp32. Backward runs once (no `retain_graph` double backward).
 """
 
@@ -41,18 +42,19 @@ def _compute_dtype(*tensors: Tensor) -> torch.dtype:
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """loss = mean CE(hidden @ weight.T, labels); gradients taken during forward (see module doc)."""
+    """loss = mean (or sum) CE(hidden @ weight.T, labels); gradients taken during forward (see
+    the module doc)."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, rows: int) -> Tensor:
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, rows: int, mean: bool) -> Tensor:
         dtype = _compute_dtype(hidden, weight)
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             valid = labels != IGNORE_INDEX
             safe = labels.masked_fill(~valid, 0)[:, None]  # (N, 1): an index that exists
-            count = valid.sum()
-            keep_all = valid / count  # (N,): 1/N where the token counts, 0 where it is ignored
+            # (N,): the token's weight in the loss -- 1 (sum) or 1/count (mean), 0 where ignored
+            keep_all = valid / valid.sum() if mean else valid.float()
             minus_one = torch.full((min(rows, len(labels)), 1), -1.0, device=hidden.device)
             d_hidden = torch.empty_like(hidden) if want_h else None
             d_weight = None
@@ -95,15 +97,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # runs once, and these buffers were made for it
         dh = d_hidden.mul_(grad_out) if d_hidden is not None else None
         dw = d_weight.mul_(grad_out).to(ctx.weight_dtype) if d_weight is not None else None
-        return dh, dw, None, None
+        return dh, dw, None, None, None
 
 
-def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, rows: int | None = None) -> Tensor:
-    """Mean cross-entropy of ``hidden @ weight.T`` against `labels` (-100: not counted).
+def linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, labels: Tensor, rows: int | None = None, reduction: str = "mean"
+) -> Tensor:
+    """Cross-entropy of ``hidden @ weight.T`` against `labels` (-100: not counted), its mean over
+    the counted tokens or (``reduction="sum"``) their sum.
 
     hidden (..., H), weight (V, H), labels (...) aligned with hidden (already shifted).
     `rows`: tokens per chunk (default: `chunk_rows`)."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
     h = hidden.reshape(-1, hidden.shape[-1])
     if rows is None:
         rows = chunk_rows(weight.shape[0], weight.shape[1], hidden.device)
-    return _LinearCrossEntropy.apply(h, weight, labels.reshape(-1), rows)
+    return _LinearCrossEntropy.apply(h, weight, labels.reshape(-1), rows, reduction == "mean")

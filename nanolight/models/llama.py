@@ -26,13 +26,14 @@ from nanolight.models.llama_config import LlamaConfig
 from nanolight.models.llama_rope import apply_rope, rope_cos_sin, rope_inv_freq
 from nanolight.models.norm import RMSNorm
 
-__all__ = ["LlamaConfig", "LlamaForCausalLM", "causal_lm_loss", "flash_attn_available"]
+__all__ = ["LlamaConfig", "LlamaForCausalLM", "causal_lm_loss", "flash_attn_available", "shift_labels"]
 
 IGNORE_INDEX = -100
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over tokens whose label is not -100. logits (B, T, V), labels (B, T).
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy over tokens whose label is not -100 (their mean, or with ``reduction="sum"``
+    their sum). logits (B, T, V), labels (B, T).
 
     The inputs are already aligned (logits at t predict labels at t: the caller shifted the
     labels and put -100 where nothing is predicted). Computed in fp32 as HF does.
@@ -40,8 +41,26 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     with this same signature.
     """
     return F.cross_entropy(
-        logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX
-    )
+        logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+        reduction=reduction,
+    )  # fmt: skip
+
+
+def shift_labels(labels: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token targets (B, T) from labels aligned with the inputs (B, T): target t is label t+1,
+    -100 at the last position (nothing follows it) and, with `document_ids`, at a document's last
+    token (the next document's first token is not its continuation).
+
+    Done where the sequence is still whole -- the data (`data/docmask.py`), or the model's
+    HF-style ``labels=`` path -- never on a piece of a sequence: a rank holding the middle of a
+    sequence (context parallelism) cannot see the token after its last one.
+    """
+    # shift the labels left rather than slicing the logits, which would copy the largest activation
+    shifted = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+    if document_ids is not None:
+        crossing = F.pad(document_ids[..., 1:] != document_ids[..., :-1], (0, 1), value=False)
+        shifted = shifted.masked_fill(crossing, IGNORE_INDEX)
+    return shifted
 
 
 class CausalSelfAttention(nn.Module):
@@ -173,7 +192,12 @@ class LlamaForCausalLM(nn.Module):
     """The causal LM: `model(input_ids)` -> logits (B, T, V); with labels -> mean token loss.
 
     Labels are aligned with input_ids (labels == input_ids for plain LM training); the model
-    shifts them itself and ignores -100, as HF does.
+    shifts them itself and ignores -100, as HF does. ``target_ids=`` are targets already shifted
+    (`shift_labels`, done by the data where the sequence is whole): the path nanolight's recipe
+    trains on. Its loss is the token sum divided by `loss_divisor` when a training step set one
+    (the strategy: the step's mean valid targets per micro-batch, `parallel/loss_tokens.py`, so
+    that the trainer's mean over micro-batches and dp ranks is the exact token mean of the global
+    batch, gradients included), else by the number of valid targets (the plain mean).
 
     Initialisation (`init_weights`, run by the constructor unless built on the meta device):
     every Linear and the embedding ~ N(0, initializer_range), every RMSNorm weight = 1.
@@ -197,6 +221,8 @@ class LlamaForCausalLM(nn.Module):
         "model.layers.*.mlp.down_proj": "row",
         "lm_head": "column",
     }
+    # Set by the strategy for the duration of a training step (None: the plain mean).
+    loss_divisor: torch.Tensor | None = None
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -239,25 +265,33 @@ class LlamaForCausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        target_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Without a head (a pipeline stage before the last) returns the hidden states (B, T, C).
-        With `document_ids` packed documents do not see each other, and the last token of a
-        document is not asked to predict the next document's first."""
+        With `document_ids` packed documents do not see each other, and (``labels=``) the last
+        token of a document is not asked to predict the next document's first. `labels` (aligned
+        with input_ids, HF's meaning) or `target_ids` (already shifted): see the class docstring."""
+        if labels is not None and target_ids is not None:
+            raise ValueError(
+                "pass labels= (aligned with input_ids, shifted by the model) or target_ids= (already "
+                "shifted), not both"
+            )
         h = self.model(input_ids, position_ids, hidden_states, document_ids)  # (B, T, C)
         if self.lm_head is None:
             return h
-        if labels is None:
+        if labels is None and target_ids is None:
             return self.lm_head(h)  # (B, T, V)
-        # logits at t predict the token at t+1: shift the labels left (the last position predicts
-        # nothing, -100) rather than slicing logits, which would copy the largest activation.
-        shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T)
-        if document_ids is not None:
-            crossing = F.pad(document_ids[:, 1:] != document_ids[:, :-1], (0, 1), value=False)
-            shifted = shifted.masked_fill(crossing, IGNORE_INDEX)
+        divisor = self.loss_divisor if target_ids is not None else None
+        if target_ids is None:
+            target_ids = shift_labels(labels, document_ids)  # (B, T)
         if self.loss_fn is causal_lm_loss and type(self.lm_head) is nn.Linear:
             # the plain head and loss: fused over token chunks, the logits never held (fused_loss.py)
-            return linear_cross_entropy(h, self.lm_head.weight, shifted)
-        return self.loss_fn(self.lm_head(h), shifted)  # e.g. tensor parallelism's vocab-parallel loss
+            loss_sum = linear_cross_entropy(h, self.lm_head.weight, target_ids, reduction="sum")
+        else:  # e.g. tensor parallelism's vocab-parallel loss
+            loss_sum = self.loss_fn(self.lm_head(h), target_ids, reduction="sum")
+        if divisor is None:
+            divisor = (target_ids != IGNORE_INDEX).sum()  # the plain mean (NaN with no valid target)
+        return loss_sum / divisor
 
     # ------------------------------------------------------------------ initialisation
     def init_param(self, name: str, tensor: torch.Tensor, generator: torch.Generator | None = None) -> None:

@@ -1,8 +1,10 @@
 """`CausalLMPretrain`: the NanoModule the SmolLM recipe trains, usable from any script.
 
-It is deliberately the module a user would write: the model computes its own loss from
-aligned labels, so `training_step` stays two lines at every parallel layout (the strategy swaps
-the loss for the vocab-parallel one under tensor parallelism).
+It is deliberately the module a user would write: the model computes its own loss from the
+data's already-shifted `target_ids`, so `training_step` stays two lines at every parallel layout
+(the strategy swaps the loss for the vocab-parallel one under tensor parallelism, and makes it
+the exact token mean of the step: `parallel/loss_tokens.py`). A batch with HF-style `labels`
+(aligned with input_ids) works too: the model shifts them.
 """
 
 from __future__ import annotations
@@ -97,10 +99,13 @@ class CausalLMPretrain(NanoModule):
             self.model.init_weights(torch.Generator().manual_seed(torch.initial_seed()))
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The mean token loss; `data.document_mask` adds each token's position and document."""
+        """The token loss (in a training step, this micro-batch's share of the step's token mean);
+        `data.document_mask` adds each token's position and document."""
+        key = "target_ids" if "target_ids" in batch else "labels"  # the data's, or HF-style labels
+        targets = {key: batch[key]}
         return self.model(
-            batch["input_ids"], labels=batch["labels"], position_ids=batch.get("position_ids"),
-            document_ids=batch.get("document_ids"),
+            batch["input_ids"], position_ids=batch.get("position_ids"), document_ids=batch.get("document_ids"),
+            **targets,
         )  # fmt: skip
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ Call order during ``NanoTrainer.fit`` (each a method below)::
     load_optimizer_checkpoint(path)                                  # only when resuming
     per optimizer step (the trainer walks the schedule and fires the hooks itself):
         precision.convert_input(batch)  # each micro-batch (then the module's transfer hooks)
+        with token_mean(batches):       # the causal LM's loss: a share of the step's token mean
         micro_batch_schedule(n)         # [(FORWARD, i) | (BACKWARD, i), ...] in this rank's order
           FORWARD i:  with forward_context(i): training_step    # + zero_grad(opt) after i == 0
           BACKWARD i: with backward_context(i, n): backward(loss_i / accumulate)
@@ -47,6 +48,7 @@ from nanolight.checkpoint.reader import CheckpointReader
 from nanolight.checkpoint.save import save_one_process
 from nanolight.parallel.agreement import Agreed
 from nanolight.parallel.layout import ModelLayout
+from nanolight.parallel.loss_tokens import loss_divisor, step_targets
 from nanolight.parallel.pipeline.schedules import BACKWARD, FORWARD, Action, one_by_one
 from nanolight.precision import Precision
 from nanolight.strategies.shared_dir import check_shared_directory
@@ -115,6 +117,12 @@ class Strategy:
         return 1
 
     @property
+    def loss_group(self) -> tuple[Any, int]:
+        """(process group, size) whose ranks' micro-batches make up one global batch: the step's
+        valid targets are counted over it (`token_mean`). None, 1 on one process."""
+        return None, 1
+
+    @property
     def topology(self) -> dict[str, Any]:
         """The layout recorded in checkpoints (a resume at the same one restores per-rank state)."""
         return {"tp": 1, "pp": 1, "dp": 1, "world_size": 1}
@@ -151,6 +159,29 @@ class Strategy:
         """Release what `setup_environment` acquired (process groups, CUDA cache)."""
 
     # ---- one optimizer step --------------------------------------------------------------
+    @contextmanager
+    def token_mean(self, batches: Sequence[Any]) -> Iterator[None]:
+        """Around one optimizer step of `batches` (the trainer's micro-batches, before transfer):
+        when every one carries `target_ids`, each model that divides its own token-loss sum
+        (declares `loss_divisor`, e.g. `LlamaForCausalLM`) divides it by the step's count, so the
+        step's loss and gradients are the exact token mean over every micro-batch and every rank
+        of `loss_group` (`parallel/loss_tokens.py`). Other losses keep Lightning's semantics."""
+        targets = step_targets(batches)
+        assert self.module is not None
+        models = [m for m in self.module.modules() if hasattr(m, "loss_divisor")] if targets else []
+        if not models:
+            yield
+            return
+        with self.watch("the count of the step's valid targets (an all-reduce over the loss group)"):
+            divisor = loss_divisor(targets, self.root_device, *self.loss_group)
+        for model in models:
+            model.loss_divisor = divisor
+        try:
+            yield
+        finally:
+            for model in models:
+                model.loss_divisor = None  # outside a training step: the plain mean again
+
     def micro_batch_schedule(self, n: int) -> Sequence[Action]:
         """The order of this rank's forwards and backwards for a step of `n` micro-batches."""
         return one_by_one(n)

@@ -134,6 +134,12 @@ class Parallel3DStrategy(Strategy):
         return None if ctx is None or ctx.dp_size == 1 else {"num_replicas": ctx.dp_size, "rank": ctx.dp_rank}
 
     @property
+    def loss_group(self) -> tuple[Any, int]:
+        # the dp replicas hold the global batch's other micro-batches (context parallelism's
+        # ranks, holding other tokens of the same sequences, join this group)
+        return self._ctx.dp_group, self._ctx.dp_size
+
+    @property
     def sequence_multiple(self) -> int:
         return self.config.tp if self.config.sequence_parallel else 1
 

@@ -16,6 +16,11 @@ the whole update::
     BACKWARD i:      on_before_backward -> backward(loss_i / accumulate) -> on_after_backward
                      -> on_train_batch_end (i < n-1; the last one after the update)
 
+The loss arithmetic is Lightning's (loss_i / accumulate, the step's loss the mean of its
+micro-batches' over dp); inside ``strategy.token_mean`` the causal LM divides each micro-batch's
+token sum by the step's count so that this arithmetic yields the exact token mean
+(`parallel/loss_tokens.py`).
+
 ``batch_idx`` counts batches (micro-batches) within the epoch; ``global_step`` optimizer steps.
 A ``training_step`` that returns None skips that backward (the step still happens).
 """
@@ -49,7 +54,9 @@ def extract_loss(output: Any) -> torch.Tensor | None:
     if not isinstance(output, torch.Tensor):
         raise UsageError(f"training_step returned a {type(output).__name__}; {fix}")
     if output.numel() != 1:
-        raise UsageError(f"training_step returned a loss of shape {tuple(output.shape)}; {fix} (e.g. loss.mean())")
+        raise UsageError(
+            f"training_step returned a loss of shape {tuple(output.shape)}; {fix} (e.g. loss.mean())"
+        )
     return output if output.dim() == 0 else output.reshape(())
 
 
@@ -72,13 +79,27 @@ class AutomaticStep:
     def run(self, batches: list[Any], first: int, last_of_epoch: bool) -> bool:
         """Returns False when ``on_train_batch_start`` ended the epoch (nothing was stepped)."""
         trainer = self.trainer
-        strategy, hook = trainer.strategy, trainer.call_hook
-        n, epoch = len(batches), trainer.current_epoch
+        strategy, n = trainer.strategy, len(batches)
         self.losses: dict[int, torch.Tensor | None] = {}
         self.outputs: dict[int, dict[str, Any]] = {}
         self.batches: dict[int, Any] = {}
         actions = list(strategy.micro_batch_schedule(n))
         last_forward = actions.index((FORWARD, n - 1))
+        with strategy.token_mean(batches):  # the causal LM's loss: the exact token mean of the step
+            if not self._walk(actions, batches, first, last_forward):
+                return False
+        count_consumed(trainer.progress, batches, strategy.data_parallel_size)
+        trainer.after_optimizer_step(last_of_epoch)
+        trainer.call_hook("on_train_batch_end", self.outputs.pop(n - 1), self.batches[n - 1], first + n - 1)
+        return True
+
+    def _walk(
+        self, actions: list[tuple[str, int]], batches: list[Any], first: int, last_forward: int
+    ) -> bool:
+        """The schedule up to and including the optimizer step; False if the epoch was ended."""
+        trainer = self.trainer
+        strategy, hook = trainer.strategy, trainer.call_hook
+        n, epoch = len(batches), trainer.current_epoch
         for pos, (kind, i) in enumerate(actions):
             if kind != FORWARD:
                 self._backward(i, n, first)
@@ -87,7 +108,9 @@ class AutomaticStep:
             trainer.metrics.batch = batch
             if hook("on_train_batch_start", batch, first + i, returns=True) == END_EPOCH:
                 if strategy.pipelined:
-                    raise UsageError("on_train_batch_start returned -1 under pipeline parallelism: stop with trainer.should_stop")
+                    raise UsageError(
+                        "on_train_batch_start returned -1 under pipeline parallelism: stop with trainer.should_stop"
+                    )
                 return False
             if pos < last_forward:
                 self._forward(i, first)
@@ -100,9 +123,6 @@ class AutomaticStep:
                     "optimizer_step did not run its optimizer_closure: call optimizer.step(closure=optimizer_closure)"
                 )
             break
-        count_consumed(trainer.progress, batches, strategy.data_parallel_size)
-        trainer.after_optimizer_step(last_of_epoch)
-        hook("on_train_batch_end", self.outputs.pop(n - 1), self.batches[n - 1], first + n - 1)
         return True
 
     def _forward(self, i: int, first: int) -> None:
@@ -111,7 +131,9 @@ class AutomaticStep:
             output = trainer.call_module_hook("training_step", self.batches[i], first + i)
         loss = extract_loss(output)
         if loss is None and trainer.strategy.pipelined:
-            raise UsageError("training_step returned None under pipeline parallelism: every stage must run every micro-batch")
+            raise UsageError(
+                "training_step returned None under pipeline parallelism: every stage must run every micro-batch"
+            )
         self.losses[i], self.outputs[i] = loss, batch_outputs(output, loss)
         if i == 0:  # Lightning zeroes after the window's first forward, before its backward
             for raw, opt in zip(trainer.optimizers, trainer.nano_optimizers, strict=True):

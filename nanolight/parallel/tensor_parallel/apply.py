@@ -134,14 +134,19 @@ class _GatherSequence:
 
 
 class _GatherLogits:
-    """Forward hook: without labels the model returns logits; gather their vocab shards."""
+    """Forward hook: without labels (or target_ids) the model returns logits; gather their vocab shards."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         labels = kwargs.get("labels", args[1] if len(args) > 1 else None)
-        if labels is None and isinstance(output, Tensor) and output.dim() >= 2:
+        if (
+            labels is None
+            and kwargs.get("target_ids") is None
+            and isinstance(output, Tensor)
+            and output.dim() >= 2
+        ):
             return comm.gather_from_tp(output, self.group)  # tp ranks exchange vocab slices
         return output
 

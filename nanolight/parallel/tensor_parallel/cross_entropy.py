@@ -7,10 +7,11 @@ with two small all-reduces over (tokens,) vectors:
 
     m      = max_r  max_v logits_r[:, v]                      all-reduce MAX
     s, z_t = sum_r (sum_v exp(logits_r - m)), target logit    all-reduce SUM (one, stacked)
-    loss   = mean over valid tokens of  log(s) - (z_t - m)
+    loss   = mean (or sum) over valid tokens of  log(s) - (z_t - m)
 
-Backward needs no communication: d loss / d logits_r = (softmax_r - onehot_r) / n_valid.
-Matches `F.cross_entropy(logits, target, ignore_index=-100)` (mean over non-ignored tokens).
+Backward needs no communication: d loss / d logits_r = (softmax_r - onehot_r) / n_valid (mean)
+or (softmax_r - onehot_r) (sum). Matches `F.cross_entropy(logits, target, ignore_index=-100,
+reduction=...)`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from nanolight.parallel.tensor_parallel.comm import tp_world
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits: Tensor, target: Tensor, group: Any, ignore_index: int) -> Tensor:
+    def forward(
+        ctx: Any, logits: Tensor, target: Tensor, group: Any, ignore_index: int, mean: bool
+    ) -> Tensor:
         rank, size = tp_world(group)
         ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
         vocab_local = logits.shape[-1]
@@ -51,41 +54,45 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp, target_logit = stats[0], stats[1]
 
         valid = target != ignore_index
-        n_valid = valid.sum()
+        # the mean's divisor (NaN when no token is valid, like F.cross_entropy), or 1 for the sum
+        n_valid = valid.sum() if mean else torch.ones((), dtype=torch.int64, device=valid.device)
         per_token = (torch.log(sum_exp) - target_logit).masked_fill(~valid, 0.0)
-        loss = per_token.sum() / n_valid  # NaN when no token is valid, like F.cross_entropy
+        loss = per_token.sum() / n_valid
 
         softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_target, owned, valid, n_valid)
         return loss
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor | None, None, None, None]:
+    def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor | None, None, None, None, None]:
         softmax, local_target, owned, valid, n_valid = ctx.saved_tensors
         grad = softmax  # reuse the saved buffer: backward runs once
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, local_target] -= owned.to(grad.dtype)
         grad.mul_((valid.to(grad.dtype) * (grad_loss / n_valid)).unsqueeze(-1))
-        return grad.view(ctx.logits_shape).to(ctx.logits_dtype), None, None, None
+        return grad.view(ctx.logits_shape).to(ctx.logits_dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
-    logits: Tensor, target: Tensor, group: Any, ignore_index: int = -100
+    logits: Tensor, target: Tensor, group: Any, ignore_index: int = -100, reduction: str = "mean"
 ) -> Tensor:
-    """Mean cross-entropy of vocab-sharded `logits` (..., V/tp) against full-vocab `target` (...)."""
+    """Cross-entropy of vocab-sharded `logits` (..., V/tp) against full-vocab `target` (...): the
+    mean over valid tokens, or (``reduction="sum"``) their sum."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
     if logits.shape[:-1] != target.shape:
         raise ValueError(
             f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree on token dims"
         )
-    return _VocabParallelCrossEntropy.apply(logits, target, group, ignore_index)
+    return _VocabParallelCrossEntropy.apply(logits, target, group, ignore_index, reduction == "mean")
 
 
 class VocabParallelCrossEntropyLoss(nn.Module):
-    """`model.loss_fn` under tensor parallelism: `loss_fn(local_logits, labels) -> mean loss`."""
+    """`model.loss_fn` under tensor parallelism: `loss_fn(local_logits, labels, reduction) -> loss`."""
 
     def __init__(self, group: Any, ignore_index: int = -100) -> None:
         super().__init__()
         self.group, self.ignore_index = group, ignore_index
 
-    def forward(self, logits: Tensor, target: Tensor) -> Tensor:
-        return vocab_parallel_cross_entropy(logits, target, self.group, self.ignore_index)
+    def forward(self, logits: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
+        return vocab_parallel_cross_entropy(logits, target, self.group, self.ignore_index, reduction)

@@ -91,6 +91,12 @@ class ParallelContext:
         self.pp_p2p_groups = (
             (self._new_groups("pp", timeout), self._new_groups("pp", timeout)) if pp > 1 else (None, None)
         )
+        for group in self.pp_p2p_groups:
+            if group is not None:
+                # every stage of this pipeline joins one all-reduce of a zero on each stream's group,
+                # so that the group's first operation has all its ranks (torch's rule for a first
+                # batch_isend_irecv; under NCCL it creates the group's communicator with all of them)
+                dist.all_reduce(torch.zeros(1, device=self.device), group=group)
         # Host-side agreements (pre-emption flags, picklable objects) travel on the CPU: a gloo
         # group over the whole world, or the world itself when it is gloo (None names it).
         self.host_group = None if self.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)

@@ -72,8 +72,7 @@ class SendsInFlight:
         self.held_bytes = self.peak_bytes = 0
 
     def add(self, works: list[Any], tensors: list[torch.Tensor]) -> None:
-        """Hold `tensors` until their sends (`works`) complete; first drop what has completed."""
-        self.release_completed()
+        """Hold `tensors` until their sends (`works`) complete."""
         for work, t in zip(works, tensors, strict=True):
             send = _Send(work, t, t.numel() * t.element_size())
             self._sends.append(send)

@@ -146,6 +146,8 @@ class StageP2P:
     def exchange(self, sends: list[tuple[int, int, torch.Tensor]], recvs: list[Recv]) -> None:
         """Issue `sends` and post `recvs` (each must be `postable`), one batch per stream; drop
         the sent tensors whose sends have completed."""
+        for held in self._sends:  # before sending more: what is held is only what is in transit
+            held.release_completed()
         for stream in (FORWARD_STREAM, BACKWARD_STREAM):
             out: list[Message] = [(dst, t) for s, dst, t in sends if s == stream]
             mine = [r for r in recvs if r.stream == stream]
@@ -157,7 +159,7 @@ class StageP2P:
             for r, w in zip(mine, recv_works, strict=True):
                 r.work = w
             held = self._sends[stream]
-            held.add(send_works, [t for _, t in out])  # first drops the completed ones
+            held.add(send_works, [t for _, t in out])
             self.traffic.sent_bytes[stream] += sum(t.numel() * t.element_size() for _, t in out)
             self.traffic.peak_held_bytes[stream] = max(self.traffic.peak_held_bytes[stream], held.peak_bytes)
 

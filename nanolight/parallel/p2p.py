@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +69,7 @@ class SendsInFlight:
     def __init__(self, group: Any) -> None:
         self._waited_on_thread = dist.get_backend(group) == "gloo"
         self._sends: list[_Send] = []
-        self._queue: queue.SimpleQueue[_Send] | None = None
+        self._queue: queue.SimpleQueue[_Send | None] | None = None
         self.held_bytes = self.peak_bytes = 0
 
     def add(self, works: list[Any], tensors: list[torch.Tensor]) -> None:
@@ -113,20 +114,21 @@ class SendsInFlight:
         if send.error is not None:
             raise send.error
 
-    def _waiter(self) -> queue.SimpleQueue[_Send]:
+    def _waiter(self) -> queue.SimpleQueue[_Send | None]:
         if self._queue is None:
             self._queue = queue.SimpleQueue()
             waiter = threading.Thread(
                 target=_wait_in_order, args=(self._queue,), name="nanolight-p2p-sends", daemon=True
             )
             waiter.start()
+            weakref.finalize(self, self._queue.put, None)  # the thread ends with its owner
         return self._queue
 
 
-def _wait_in_order(sends: queue.SimpleQueue[_Send]) -> None:
-    """gloo only: wait for each send as it is queued, in order, and mark it done (or failed)."""
-    while True:
-        send = sends.get()
+def _wait_in_order(sends: queue.SimpleQueue[_Send | None]) -> None:
+    """gloo only: wait for each send as it is queued, in order, and mark it done (or failed);
+    None (its owner was freed) ends the thread."""
+    while (send := sends.get()) is not None:
         try:
             send.work.wait()  # returns once the peer's receive has taken the tensor
         except BaseException as exc:  # noqa: BLE001 - handed to the owner, raised where it waits

@@ -12,7 +12,8 @@ per rank), their timed steps alternating so that machine noise hits all alike:
 Reported: each run's step time (max over ranks, median over the timed steps), the ratios, and
 nanolight's bubble, measured directly -- the time each rank spends blocked in receives divided by
 the step time, mean over ranks (the end-of-step wait for the last sends is shown apart) -- next to
-the ideal (p-1)/(v*m+p-1). PyTorch's bubble is estimated as 1 - (nanolight's busy time) / (its step
+the ideal (p-1)/(v*m+p-1); and what each rank's stage sent per step on each stream and the most
+activations it held for sends at once (`StageP2P.last_traffic`). PyTorch's bubble is estimated as 1 - (nanolight's busy time) / (its step
 time), the compute being identical. Gradients only (no optimizer step): the schedules are what
 is compared.
 """
@@ -197,8 +198,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict
     for stage, name in ((stage_1, "ours_1"), (stage_v, "ours_v")):
         p2p = stage.p2p
         mine += [p2p.recv_wait_s / args.steps / medians[name], p2p.send_wait_s / args.steps / medians[name]]
-    gathered = [torch.zeros(4, dtype=torch.float64) for _ in range(world)]
-    dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64))  # every rank's wait fractions
+    for stage in (stage_1, stage_v):  # the last step's traffic: bytes sent, most held, per stream
+        mine += [*stage.p2p.last_traffic.sent_bytes, *stage.p2p.last_traffic.peak_held_bytes]
+    gathered = [torch.zeros(len(mine), dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64))  # every rank's waits and traffic
     if rank == world - 1:
         out["losses"] = [loss_1[0], loss_v[0], tloss_1[0], tloss_v[0]]
     if rank == 0:
@@ -251,6 +254,12 @@ def main() -> None:
         print(f"{name}: bubble ideal (p-1)/(v*m+p-1) {bubble_fraction(m, p, vv):.3f}; measured (receive wait / "
               f"step, mean over ranks) {statistics.mean(recv):.3f}, per rank {[round(x, 3) for x in recv]}, "
               f"end-of-step send wait {statistics.mean(drain):.3f}; torch estimated {1 - busy / t[torch_key]:.3f}")  # fmt: skip
+    act = args.batch * args.seq * args.hidden * 4  # bytes of one fp32 activation
+    for col, name in ((4, "1F1B"), (8, "interleaved")):
+        sent = [f"{w[col] / 2**20:.2f}/{w[col + 1] / 2**20:.2f}" for w in waits]
+        held = [f"{w[col + 2] / act:.0f}/{w[col + 3] / act:.0f}" for w in waits]
+        print(f"{name}: MiB sent per step (forward/backward stream) per rank {sent}; most activations held "
+              f"for sends at once {held}")  # fmt: skip
 
 
 if __name__ == "__main__":

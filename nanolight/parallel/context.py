@@ -91,6 +91,12 @@ class ParallelContext:
         self.pp_p2p_groups = (
             (self._new_groups("pp", timeout), self._new_groups("pp", timeout)) if pp > 1 else (None, None)
         )
+        for group in self.pp_p2p_groups:
+            if group is not None:
+                # every stage of this pipeline joins one all-reduce of a zero on each stream's group,
+                # so that the group's first operation has all its ranks (torch's rule for a first
+                # batch_isend_irecv; under NCCL it creates the group's communicator with all of them)
+                dist.all_reduce(torch.zeros(1, device=self.device), group=group)
         # Host-side agreements (pre-emption flags, picklable objects) go through the rendezvous
         # store every rank already holds a connection to: no world-wide group (`agreement.py`).
         store = dist.distributed_c10d._get_default_store()

@@ -11,31 +11,36 @@ direction is one FIFO on gloo and NCCL alike (NCCL ignores tags, which therefore
 two streams apart): the k-th tensor a rank sends on it is the k-th its neighbour receives. The
 schedules list both ends in the same order (`tests/test_pp_schedules.py` checks it).
 
-Shapes and dtypes are known up front: an activation's shape depends only on the micro-batch's
-`input_ids` shape (every stage sees the batch), so it is cached per input shape and stage
-boundary (the `key`). The first time a key is seen, the sender sends a small metadata tensor
-ahead of the activation; afterwards no metadata moves. A gradient always has the shape and
-dtype of the activation it belongs to, so gradients never need metadata.
+Shapes and dtypes are known up front, at both ends (NCCL checks nothing: `parallel/p2p.py`): an
+activation's shape depends only on the micro-batch's `input_ids` shape (every stage sees the
+batch), so it is cached per input shape and stage boundary (the `key`). The first time a key is
+seen, the sender sends a fixed-size metadata tensor ahead of the activation, and the receiver
+receives it the same way (batched, on the same stream); afterwards no metadata moves. A gradient
+always has the shape and dtype of the activation it belongs to, so gradients never need metadata.
 
 Overlap. A receive is a `Recv`: the stage posts it (``irecv``) as soon as it knows the shape --
 before computing the action ahead of the one that needs it -- and waits for it only when the
 tensor is needed, so the transfer runs during that compute (gloo moves a tensor only once the
 receive is posted). Sends are asynchronous; `exchange` issues a send together with the receives
-posted after it, batched (``batch_isend_irecv``) per stream. Waiting for a send could block
-until the peer posts its receive, so sends are waited for only at the end of the step
-(`finish`): with them all outstanding, no stage ever waits for anything but a tensor it needs,
-and the schedules' dependency order, which has no cycle, is the only order of waits.
+posted after it, batched (``batch_isend_irecv``, through `parallel/p2p.post`) per stream. The
+stage never waits for a send inside a step (that could block until the peer posts its receive):
+no stage waits for anything but a tensor it needs, and the schedules' dependency order, which has
+no cycle, is the only order of waits. A sent tensor is dropped as soon as its send completes
+(`SendsInFlight`), so a stage holds only what is in transit, within its schedule's in-flight
+bound; `finish` waits for the rest at the end of the step. `traffic` counts the bytes sent and
+the most held per stream in the current step, `last_traffic` in the last finished one.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from nanolight.parallel.p2p import Message, SendsInFlight, post
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 META_LEN = 8  # [ndim, dtype code, *shape] padded: activations have at most 6 dims
@@ -53,6 +58,17 @@ class Recv:
     work: Any = None
 
 
+@dataclass
+class Traffic:
+    """What went between this stage and its neighbours in one step (or forward-only pass): bytes
+    sent, and the most bytes held for sends not known to be complete, per stream (forward,
+    backward). A stage's activations and gradients have one size, so the second over that size
+    is how many of them this stage held at once for sends."""
+
+    sent_bytes: list[int] = field(default_factory=lambda: [0, 0])
+    peak_held_bytes: list[int] = field(default_factory=lambda: [0, 0])
+
+
 class StageP2P:
     """Sends/receives activations and gradients to `prev_rank` / `next_rank` (global ranks) over
     `groups` = (forward stream group, backward stream group); None: the default group."""
@@ -67,7 +83,8 @@ class StageP2P:
         self.prev_rank, self.next_rank, self.device, self.groups = prev_rank, next_rank, device, groups
         self._in_meta: dict[Hashable, tuple[torch.Size, torch.dtype]] = {}  # what prev sends us
         self._out_meta: dict[Hashable, tuple[torch.Size, torch.dtype]] = {}  # what we send next
-        self._pending: list[tuple[Any, torch.Tensor]] = []  # (send work, tensor kept alive until done)
+        self._sends = tuple(SendsInFlight(g) for g in groups)  # per stream: sent tensors until done
+        self.traffic, self.last_traffic = Traffic(), Traffic()
         self.metadata_messages = 0  # handshakes sent + received: stays constant once warm
         self.recv_wait_s = 0.0  # time blocked in receives: this stage's share of the bubble
         self.send_wait_s = 0.0  # time blocked at the end of a step until the last sends are received
@@ -95,8 +112,10 @@ class StageP2P:
         if recv.work is None:
             if not self.postable(recv):  # first activation of this key: the sender sent metadata first
                 meta = torch.empty(META_LEN, dtype=torch.int64, device=self.device)
-                # metadata <- previous stage, on the forward stream, just ahead of its activation
-                dist.recv(meta, src=recv.src, group=self.groups[FORWARD_STREAM])
+                # metadata <- previous stage, on the forward stream just ahead of its activation,
+                # batched as it was sent
+                _, (work,) = post(self.groups[FORWARD_STREAM], [], [(recv.src, meta)])
+                work.wait()
                 self._in_meta[recv.key] = _decode(meta)
                 self.metadata_messages += 1
             self.exchange([], [recv])
@@ -125,33 +144,34 @@ class StageP2P:
         return [(BACKWARD_STREAM, self.prev_rank, grad.detach().to(dtype).contiguous())]
 
     def exchange(self, sends: list[tuple[int, int, torch.Tensor]], recvs: list[Recv]) -> None:
-        """Issue `sends` and post `recvs` (each must be `postable`), one batch per stream."""
+        """Issue `sends` and post `recvs` (each must be `postable`), one batch per stream; drop
+        the sent tensors whose sends have completed."""
+        for held in self._sends:  # before sending more: what is held is only what is in transit
+            held.release_completed()
         for stream in (FORWARD_STREAM, BACKWARD_STREAM):
-            group = self.groups[stream]
-            ops = [dist.P2POp(dist.isend, t, dst, group) for s, dst, t in sends if s == stream]
+            out: list[Message] = [(dst, t) for s, dst, t in sends if s == stream]
             mine = [r for r in recvs if r.stream == stream]
             for r in mine:
                 shape, dtype = (self._in_meta if stream == FORWARD_STREAM else self._out_meta)[r.key]
                 r.tensor = torch.empty(shape, dtype=dtype, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, r.tensor, r.src, group))
-            if not ops:
-                continue
             # this stage's sends to / receives from its ring neighbours on this stream, as one batch
-            works = dist.batch_isend_irecv(ops)
-            if len(works) != len(ops):  # a coalescing backend (NCCL): the batch completes as one
-                works = works * len(ops)
-            n_sends = len(ops) - len(mine)
-            self._pending += [(w, op.tensor) for w, op in zip(works[:n_sends], ops[:n_sends], strict=True)]
-            for r, w in zip(mine, works[n_sends:], strict=True):
+            send_works, recv_works = post(self.groups[stream], out, [(r.src, r.tensor) for r in mine])
+            for r, w in zip(mine, recv_works, strict=True):
                 r.work = w
+            held = self._sends[stream]
+            held.add(send_works, [t for _, t in out])
+            self.traffic.sent_bytes[stream] += sum(t.numel() * t.element_size() for _, t in out)
+            self.traffic.peak_held_bytes[stream] = max(self.traffic.peak_held_bytes[stream], held.peak_bytes)
 
     def finish(self) -> None:
-        """Block until every send issued so far has completed (end of a step / forward-only pass)."""
+        """Block until every send issued so far has completed (end of a step / forward-only pass);
+        the step's `traffic` becomes `last_traffic`."""
         start = time.perf_counter()
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+        for held in self._sends:
+            held.wait_all()
+            held.reset_peak()
         self.send_wait_s += time.perf_counter() - start
+        self.last_traffic, self.traffic = self.traffic, Traffic()
 
 
 def _encode(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

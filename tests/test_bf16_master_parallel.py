@@ -23,6 +23,7 @@ from nanolight.parallel.blocks import decoder_blocks
 from nanolight.strategies.parallel3d import Parallel3DStrategy
 
 SEED, STEPS, ACCUM, MICRO = 7, 3, 4, 2
+BUCKET = 16 * 1024  # bytes: many buckets; an untied head (32 KB in fp32) is a bucket of its own
 
 
 class Wire:
@@ -69,17 +70,37 @@ class BlockDtypes(Callback):
             block.register_forward_hook(lambda _m, _a, out: self.dtypes.add(str(out.dtype)))
 
 
-def _worker(rank: int, world: int, root: str, layout: dict[str, Any]) -> dict[str, Any]:
+class InFlight(Callback):
+    """ZeRO-1's weight all-gathers in flight right after each update, and once the next forward ran."""
+
+    def __init__(self) -> None:
+        self.after_step: list[int] = []
+        self.after_forward: list[int] = []
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        zero = trainer.strategy.grads.zero
+        if zero is not None and (batch_idx + 1) % ACCUM == 0:
+            self.after_step.append(zero.gathers_in_flight)
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        zero = trainer.strategy.grads.zero
+        if zero is not None and len(self.after_forward) < len(self.after_step):
+            self.after_forward.append(zero.gathers_in_flight)
+
+
+def _worker(rank: int, world: int, root: str, layout: dict[str, Any], tied: bool) -> dict[str, Any]:
     out = {}
     for precision in ("bf16-mixed", "bf16-master"):
-        losses, blocks = StepLosses(), BlockDtypes()
+        losses, blocks, in_flight = StepLosses(), BlockDtypes(), InFlight()
         trainer = NanoTrainer(
             max_steps=STEPS, accumulate_grad_batches=ACCUM, gradient_clip_val=1.0, seed=SEED,
-            strategy=Parallel3DStrategy(precision=precision, **layout), callbacks=[losses, blocks],
+            strategy=Parallel3DStrategy(precision=precision, dp_bucket_bytes=BUCKET, **layout), callbacks=[losses, blocks, in_flight],
             default_root_dir=Path(root) / precision, logger=False, enable_progress_bar=False,
             enable_checkpointing=False,
         )  # fmt: skip
-        module = TinyLM(tiny_config(layers=4), seed=SEED)
+        module = TinyLM(tiny_config(layers=4, tied=tied), seed=SEED)
         with Wire() as wire:
             trainer.fit(module, token_loader(STEPS * ACCUM * MICRO * world, batch_size=MICRO))
         zero = trainer.strategy.grads.zero
@@ -91,29 +112,34 @@ def _worker(rank: int, world: int, root: str, layout: dict[str, Any]) -> dict[st
             "gathered_bytes": zero.gathered_bytes if zero is not None else 0,
             "blocks": sorted(blocks.dtypes),
             "weights": sorted({str(p.dtype) for p in module.parameters()}),
+            "in_flight": (in_flight.after_step, in_flight.after_forward),
+            "buckets": len(zero.reducer.buckets) if zero is not None else 0,
         }
     return out
 
 
 LAYOUTS = [
-    pytest.param({"dp": 2, "zero_stage": 1}, 2, id="dp2-zero1"),
-    pytest.param({"tp": 2}, 2, id="tp2", marks=pytest.mark.slow),
-    pytest.param({"pp": 2}, 2, id="pp2-1f1b", marks=pytest.mark.slow),
+    pytest.param({"dp": 2, "zero_stage": 1}, 2, False, id="dp2-zero1-untied"),
+    pytest.param({"tp": 2}, 2, True, id="tp2", marks=pytest.mark.slow),
+    pytest.param({"pp": 2}, 2, True, id="pp2-1f1b", marks=pytest.mark.slow),
     pytest.param(
         {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual": 2},
         2,
+        True,
         id="pp2-interleaved",
         marks=pytest.mark.slow,
     ),
-    pytest.param({"tp": 2, "pp": 2, "dp": 2, "zero_stage": 1}, 8, id="tp2-pp2-dp2", marks=pytest.mark.slow),
+    pytest.param(
+        {"tp": 2, "pp": 2, "dp": 2, "zero_stage": 1}, 8, True, id="tp2-pp2-dp2", marks=pytest.mark.slow
+    ),
 ]
 
 
-@pytest.mark.parametrize(("layout", "world"), LAYOUTS)
+@pytest.mark.parametrize(("layout", "world", "tied"), LAYOUTS)
 def test_bf16_master_halves_the_wire_and_tracks_bf16_mixed(
-    tmp_path: Path, layout: dict[str, Any], world: int
+    tmp_path: Path, layout: dict[str, Any], world: int, tied: bool
 ) -> None:
-    ranks = run_distributed(_worker, world, str(tmp_path), layout, timeout=600, pg_timeout=120)
+    ranks = run_distributed(_worker, world, str(tmp_path), layout, tied, timeout=600, pg_timeout=120)
     pipelined, sharded = layout.get("pp", 1) > 1, layout.get("dp", 1) > 1
     for rank, run in enumerate(ranks):
         mixed, master = run["bf16-mixed"], run["bf16-master"]
@@ -126,6 +152,11 @@ def test_bf16_master_halves_the_wire_and_tracks_bf16_mixed(
             assert mixed["gathered_bytes"] > 0 and master["gathered_bytes"] * 2 == mixed["gathered_bytes"], (
                 rank
             )
+            # bf16-master leaves every bucket's gather in flight after the step; the next forward waits
+            after_step, after_forward = master["in_flight"]
+            assert after_step == [master["buckets"]] * STEPS and master["buckets"] > 1, rank
+            assert after_forward == [0] * (STEPS - 1), rank  # the last step has no next forward
+            assert mixed["in_flight"][0] == [0] * STEPS  # bf16-mixed gathers synchronously
         assert len(master["losses"]) == STEPS
         torch.testing.assert_close(
             torch.tensor(master["losses"]), torch.tensor(mixed["losses"]), rtol=0, atol=0.03
@@ -138,3 +169,52 @@ def test_bf16_master_halves_the_wire_and_tracks_bf16_mixed(
         f"master {ranks[0]['bf16-master']['p2p_bytes'] // STEPS}; all-gathered bytes/step mixed "
         f"{ranks[0]['bf16-mixed']['gathered_bytes'] // STEPS} master {ranks[0]['bf16-master']['gathered_bytes'] // STEPS}"
     )
+
+
+class HeadReadDirectly(torch.nn.Module):
+    """Blocks, then a head whose weight the parent reads itself (as a fused loss does): the head's
+    own forward never runs, so only the wait after the last block can cover its bucket."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+        self.head = torch.nn.Linear(16, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return (x @ self.head.weight.t()).float().pow(2).mean()
+
+
+def _overlap_worker(rank: int, world: int, overlap: bool) -> list[Any]:
+    from nanolight.parallel.zero import ZeroOptimizer
+
+    torch.manual_seed(0)
+    model = HeadReadDirectly()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # tiny buckets: the head (2 KB in fp32) has one of its own
+    zero = ZeroOptimizer(opt, dist.group.WORLD, bucket_bytes=1024, grad_dtype=torch.float32)
+    model.to(torch.bfloat16)
+    if overlap:
+        zero.overlap_weight_gather(model.modules(), model.blocks[-1])
+    seen = []
+    for step in range(3):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank)).bfloat16()
+        loss = model(x)
+        seen.append((zero.gathers_in_flight, loss.item()))
+        loss.backward()
+        zero.step()
+        seen.append(zero.gathers_in_flight)
+    return [seen, len(zero.reducer.buckets)]
+
+
+def test_overlapped_weight_gather_equals_the_blocking_one() -> None:
+    """The post-step bf16 all-gather left in flight and waited for in the next forward (a weight read
+    outside its module included) gives bitwise the losses of gathering at the step."""
+    overlapped = run_distributed(_overlap_worker, 2, True, timeout=120)
+    blocking = run_distributed(_overlap_worker, 2, False, timeout=120)
+    for (seen, buckets), (ref, _) in zip(overlapped, blocking, strict=True):
+        assert buckets > 2
+        assert seen[1::2] == [buckets] * 3 and ref[1::2] == [0] * 3  # in flight after each step
+        assert [s[0] for s in seen[0::2]] == [0, 0, 0]  # none left once the forward ran
+        assert [s[1] for s in seen[0::2]] == [s[1] for s in ref[0::2]]

@@ -237,6 +237,11 @@ class ZeroOptimizer:
         work.wait()
         self._copy_into_params(self.reducer.buckets[index], full)
 
+    @property
+    def gathers_in_flight(self) -> int:
+        """Buckets whose post-step all-gather has not been waited for yet (the next forward will)."""
+        return len(self._pending)
+
     def wait_for_weights(self) -> None:
         """Finish every weight all-gather still in flight (before reading the weights outside a forward)."""
         for index in [b.index for b in self._gather_order if b.index in self._pending]:

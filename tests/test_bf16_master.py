@@ -202,3 +202,18 @@ def test_checkpoint_holds_fp32_masters_and_resumes_exactly(tmp_path: Path) -> No
     got = _masters(master, master_module)
     assert all(torch.equal(got[n], from32[n]) for n in got)
     assert {p.dtype for p in master_module.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("user_choice", [None, "medium"])
+def test_32_true_on_cuda_enables_tf32_unless_the_user_chose(user_choice: str | None) -> None:
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        torch.set_float32_matmul_precision(user_choice or "highest")
+        Precision("bf16-master").setup_device(torch.device("cuda"))
+        Precision("32-true").setup_device(torch.device("cpu"))
+        assert torch.get_float32_matmul_precision() == (user_choice or "highest")
+        Precision("32-true").setup_device(torch.device("cuda"))
+        assert torch.get_float32_matmul_precision() == (user_choice or "high")
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]

@@ -218,3 +218,45 @@ def test_overlapped_weight_gather_equals_the_blocking_one() -> None:
         assert seen[1::2] == [buckets] * 3 and ref[1::2] == [0] * 3  # in flight after each step
         assert [s[0] for s in seen[0::2]] == [0, 0, 0]  # none left once the forward ran
         assert [s[1] for s in seen[0::2]] == [s[1] for s in ref[0::2]]
+
+
+def _resume_worker(rank: int, world: int, root: str, steps: int, ckpt: str | None) -> Any:
+    from nanolight.callbacks import ModelCheckpoint
+
+    seen = StepLosses()
+    save = ModelCheckpoint(
+        dirpath=Path(root) / "ckpt", filename="step-{step}", auto_insert_metric_name=False,
+        every_n_train_steps=2, save_top_k=-1,
+    )  # fmt: skip
+    trainer = NanoTrainer(
+        max_steps=steps, accumulate_grad_batches=2, gradient_clip_val=1.0, seed=SEED, callbacks=[seen, save],
+        strategy=Parallel3DStrategy(dp=2, zero_stage=1, precision="bf16-master", dp_bucket_bytes=BUCKET),
+        default_root_dir=root, logger=False, enable_progress_bar=False,
+    )  # fmt: skip
+    module = TinyLM(tiny_config(tied=False), seed=SEED, warmup=2)
+    trainer.fit(module, token_loader(4 * 2 * MICRO * world, batch_size=MICRO), ckpt_path=ckpt)
+    with trainer.strategy.weights_in_fp32():  # collective: every dp rank takes part
+        masters = {n: p.detach().numpy().copy() for n, p in module.named_parameters()}  # by value
+    return seen.losses, masters
+
+
+@pytest.mark.slow
+def test_dp2_zero1_checkpoint_holds_masters_and_resumes_exactly(tmp_path: Path) -> None:
+    """dp2 ZeRO-1 under bf16-master: each rank's 1/dp of the fp32 masters is gathered into the
+    checkpoint; a resume at step 2 ends bitwise where the whole run does; one 32-true process reads
+    the masters as its weights."""
+    from _tiny import full_state
+
+    whole = run_distributed(_resume_worker, 2, str(tmp_path / "whole"), 4, None, timeout=300)
+    ckpt = tmp_path / "whole" / "ckpt" / "step-2"
+    resumed = run_distributed(_resume_worker, 2, str(tmp_path / "resumed"), 4, str(ckpt), timeout=300)
+    (losses, masters), (resumed_losses, resumed_masters) = whole[0], resumed[0]
+    masters = {n: torch.from_numpy(a) for n, a in masters.items()}
+    resumed_masters = {n: torch.from_numpy(a) for n, a in resumed_masters.items()}
+    assert resumed_losses == losses[2:]
+    assert all(torch.equal(resumed_masters[n], masters[n]) for n in masters)
+    state, _ = full_state(
+        tmp_path / "whole" / "ckpt" / "step-4", TinyLM(tiny_config(tied=False), warmup=2), 4
+    )
+    assert all(torch.equal(state[n], masters[n]) for n in masters)
+    assert {t.dtype for t in state.values()} == {torch.float32}

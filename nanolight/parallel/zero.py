@@ -33,7 +33,7 @@ tensors per parameter): a checkpoint saved at any dp loads at any other, with or
 from __future__ import annotations
 
 import inspect
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -80,7 +80,7 @@ class ZeroOptimizer:
         )
         self.gathered_bytes = 0  # bytes of weights all-gathered into this rank so far (tests, benchmarks)
         self._pending: dict[int, tuple[Tensor, Any]] = {}  # bucket index -> (gathered, work) in flight
-        self._gather_order = self._first_use_order()
+        self._gather_order = list(self.reducer.buckets)  # `overlap_weight_gather`: in first-use order
         self._hooks: list[Any] = []
         if not overlap:
             self.reducer.remove()
@@ -199,15 +199,6 @@ class ZeroOptimizer:
         self.reducer.ready = False
 
     # ---- the weights from the masters -------------------------------------------------------
-    def _first_use_order(self) -> list[Bucket]:
-        """Buckets by their first parameter in registration order (a model's forward order):
-        the order the next forward needs them, so the gathers are launched in it."""
-        position: dict[int, int] = {}
-        for g in self.param_groups:
-            for p in g["params"]:
-                position.setdefault(id(p), len(position))
-        return sorted(self.reducer.buckets, key=lambda b: min(position[id(p)] for p in b.params))
-
     def _refresh_weights(self) -> None:
         """Each bucket's weights from the updated masters, in the weights' own dtype (bf16 under
         master weights: half the bytes of fp32). Waited for now, unless `overlap_weight_gather`."""
@@ -247,15 +238,26 @@ class ZeroOptimizer:
         for index in [b.index for b in self._gather_order if b.index in self._pending]:
             self._wait_bucket(index)
 
-    def overlap_weight_gather(self, modules: Iterator[nn.Module], last: nn.Module) -> None:
+    def overlap_weight_gather(self, modules: Iterable[nn.Module], last: nn.Module) -> None:
         """Wait for each bucket's all-gather in the forward pre-hook of the first of `modules`
         that holds one of its parameters, and for any still in flight after `last`'s forward (a
         weight read outside its own module, as a fused loss reads the head's): every forward
-        that reads such a weight must run `last` first (a model's last block does)."""
+        that reads such a weight must run `last` first (a model's last block does). `modules` in
+        registration order (a model's forward order): the gathers are launched in the order of
+        their first holder, the order the next forward needs them."""
+        modules = list(modules)
         buckets_of: dict[int, set[int]] = {}
         for b in self.reducer.buckets:
             for p in b.params:
                 buckets_of.setdefault(id(p), set()).add(b.index)
+        first_use: dict[int, int] = {}  # bucket index -> position of its first holder in `modules`
+        for pos, module in enumerate(modules):
+            for p in module.parameters(recurse=False):
+                for index in buckets_of.get(id(p), ()):
+                    first_use.setdefault(index, pos)
+        self._gather_order.sort(
+            key=lambda b: first_use.get(b.index, len(modules))
+        )  # the same on every dp rank
 
         def waiter(indices: list[int]) -> Any:
             def hook(*_: Any) -> None:

@@ -309,6 +309,12 @@ class Parallel3DStrategy(Strategy):
         if self.grads is not None and self.grads.zero is not None:
             self.grads.zero.reload_master_weights()  # ZeRO-1's fp32 master shards follow the weights
 
+    def optimizer_param_names(self) -> list[list[str]]:
+        local = super().optimizer_param_names()
+        if self.stage is None:
+            return local
+        return one_process_order(self.optimizers, local, list(self.layout.full_shapes), self._ctx.pp_group)
+
 
 def _last_block(module: nn.Module) -> nn.Module | None:
     """This rank's last decoder block (it runs before any read of the head), or None without blocks."""
@@ -317,9 +323,3 @@ def _last_block(module: nn.Module) -> nn.Module | None:
     except TypeError:
         return None
     return max(blocks, key=lambda b: b[0])[1] if blocks else None
-
-    def optimizer_param_names(self) -> list[list[str]]:
-        local = super().optimizer_param_names()
-        if self.stage is None:
-            return local
-        return one_process_order(self.optimizers, local, list(self.layout.full_shapes), self._ctx.pp_group)

@@ -217,3 +217,12 @@ def test_32_true_on_cuda_enables_tf32_unless_the_user_chose(user_choice: str | N
     finally:
         torch.set_float32_matmul_precision(before[0])
         torch.backends.cudnn.allow_tf32 = before[1]
+
+
+def test_recipe_precision_auto_is_bf16_master_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nanolight.pretrain.config import TrainConfig
+
+    assert TrainConfig().run_precision == "32-true"  # CPU runs and tests keep their numbers
+    assert TrainConfig(precision="bf16-mixed").run_precision == "bf16-mixed"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert TrainConfig().run_precision == "bf16-master"

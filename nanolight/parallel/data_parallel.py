@@ -16,10 +16,16 @@ rest and waits: ``shard=False`` all-reduces each bucket in place (``param.grad``
 ``shard=True`` (ZeRO-1) reduce-scatters it into ``shard_grads`` (this rank's 1/dp slice of the
 dp mean) and ``param.grad`` keeps the local, unreduced gradient.
 
-Precision: gradients have the parameter's dtype. ``bf16-mixed`` keeps fp32 parameters (autocast
-only computes in bf16), so accumulation and reduction are fp32. Under ``bf16-true`` parameters,
-``.grad``, the accumulation and the reduction are bf16 (as in Lightning); ZeRO-1 then still
-steps fp32 master weights.
+Precision: by default gradients have the parameter's dtype. ``bf16-mixed`` keeps fp32 parameters
+(autocast only computes in bf16), so accumulation and reduction are fp32. Under ``bf16-true``
+parameters, ``.grad``, the accumulation and the reduction are bf16 (as in Lightning); ZeRO-1 then
+still steps fp32 master weights. With ``grad_dtype`` (``bf16-master``: fp32 for bf16 weights) the
+buckets are *main gradients* apart from ``.grad`` (Megatron's ``main_grad``): the hook adds each
+micro-batch's bf16 ``.grad`` into the fp32 bucket and drops it, so the sum over micro-batches and
+the dp reduction are fp32; ``grad_view(p)`` is where p's gradient is.
+
+One rank (``group`` None, or a group of one): no collective; `finish` leaves the buckets as they
+are (``shard=True``: copied into ``shard_grads``), so a single process steps the same way.
 """
 
 from __future__ import annotations
@@ -50,16 +56,22 @@ class GradReducer:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         shard: bool = False,
         deferred: Collection[int] = (),
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         """`deferred`: ids of parameters whose gradients are partial sums that another group
         completes first (`parallel/grads.py`: the norm weights over tp under sequence parallelism,
         the tied embedding's two stage copies). Their buckets wait for `finish` (a blocking
         collective in a backward hook could deadlock a pipeline)."""
         self.group = group
-        self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
+        self.dp_size, self.dp_rank = (
+            (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+        )
         self.shard = shard
+        self.main_grads = grad_dtype is not None  # buckets apart from .grad (see the module docstring)
         deferred = set(deferred)
-        self.buckets, self.shard_sizes = build_buckets(param_groups, bucket_bytes, self.dp_size, deferred)
+        self.buckets, self.shard_sizes = build_buckets(
+            param_groups, bucket_bytes, self.dp_size, deferred, grad_dtype
+        )
         self.shard_grads: list[Tensor] = []
         if shard:  # this rank's slice of every bucket, concatenated per param group
             for g, size in enumerate(self.shard_sizes):
@@ -87,9 +99,20 @@ class GradReducer:
         ``no_sync()`` for the others: they only accumulate)."""
         self._sync = enabled
 
+    def grad_view(self, param: nn.Parameter) -> Tensor:
+        """Where `param`'s gradient accumulates and is reduced (its ``.grad`` unless main gradients)."""
+        bucket, i = self._where[id(param)]
+        return bucket.views[i]
+
     def _bind(self, bucket: Bucket, i: int) -> None:
-        """Make ``param.grad`` the bucket view again, keeping its value (None counts as zero)."""
+        """Make ``param.grad`` the bucket view again, keeping its value (None counts as zero); with
+        main gradients add ``.grad`` into the bucket (fp32) and drop it."""
         p, view = bucket.params[i], bucket.views[i]
+        if self.main_grads:
+            if p.grad is not None:
+                view.add_(p.grad)
+                p.grad = None
+            return
         if p.grad is None:
             view.zero_()
         elif p.grad.data_ptr() != view.data_ptr():
@@ -101,7 +124,7 @@ class GradReducer:
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         bucket, i = self._where[id(param)]
         self._bind(bucket, i)
-        if self._sync:
+        if self._sync and self.dp_size > 1:  # one rank: nothing to overlap, `finish` does it
             bucket.fired.add(i)
             if not bucket.deferred and bucket.pending == 0:
                 self._launch_ready()
@@ -114,6 +137,10 @@ class GradReducer:
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
         self.launch_log.append(bucket.index)
+        if self.dp_size == 1:  # no peer: the local gradient is the mean
+            if self.shard:
+                self.shard_view(bucket).copy_(bucket.buffer)
+            return
         if self.shard:
             # dp ranks reduce-scatter the bucket: each receives the sum of its 1/dp slice
             work = reduce_scatter_single(
@@ -161,7 +188,7 @@ class GradReducer:
         for bucket in self.buckets:
             bucket.buffer.zero_()
             for p, view in zip(bucket.params, bucket.views, strict=True):
-                p.grad = view
+                p.grad = None if self.main_grads else view
         for shard in self.shard_grads:
             shard.zero_()
         self._reset()

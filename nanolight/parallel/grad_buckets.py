@@ -38,14 +38,20 @@ class Bucket:
 
 
 def _make_bucket(
-    index: int, group_index: int, params: list[nn.Parameter], shard_offset: int, dp: int, deferred: bool
+    index: int,
+    group_index: int,
+    params: list[nn.Parameter],
+    shard_offset: int,
+    dp: int,
+    deferred: bool,
+    dtype: torch.dtype | None,
 ) -> Bucket:
     offsets, n = [], 0
     for p in params:
         offsets.append(n)
         n += p.numel()
     padded = -(-n // dp) * dp  # a multiple of dp: dp equal slices
-    buffer = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
+    buffer = torch.zeros(padded, dtype=dtype or params[0].dtype, device=params[0].device)
     views = [buffer[o : o + p.numel()].view_as(p) for o, p in zip(offsets, params, strict=True)]
     return Bucket(index, group_index, params, offsets, padded, buffer, shard_offset, deferred, views=views)
 
@@ -68,13 +74,15 @@ def build_buckets(
     bucket_bytes: int,
     dp: int,
     deferred: set[int] = frozenset(),
+    dtype: torch.dtype | None = None,
 ) -> tuple[list[Bucket], list[int]]:
     """Lay every group's parameters out in buckets; returns (buckets, shard numel per group).
 
     A parameter is never split: one larger than `bucket_bytes` gets a bucket of its own.
     Buckets never mix param groups (ZeRO keeps one flat shard per group, so that weight decay
     and LR stay per group) nor dtypes. Parameters in `deferred` (ids) go to trailing buckets of
-    their group, reduced only in `GradReducer.finish`.
+    their group, reduced only in `GradReducer.finish`. `dtype`: the buffers' dtype (None: the
+    parameters'; fp32 under ``bf16-master``, whose gradients accumulate apart from ``.grad``).
     """
     buckets: list[Bucket] = []
     shard_sizes = []
@@ -83,7 +91,7 @@ def build_buckets(
         shard_offset = 0
         for is_deferred in (False, True):
             for chunk in _chunks([p for p in order if (id(p) in deferred) == is_deferred], bucket_bytes):
-                buckets.append(_make_bucket(len(buckets), g, chunk, shard_offset, dp, is_deferred))
+                buckets.append(_make_bucket(len(buckets), g, chunk, shard_offset, dp, is_deferred, dtype))
                 shard_offset += buckets[-1].numel // dp
         shard_sizes.append(shard_offset)
     return buckets, shard_sizes

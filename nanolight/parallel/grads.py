@@ -91,8 +91,12 @@ class GradientSync:
         sequence_parallel: bool = False,
         zero_stage: int = 0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         self.ctx, self.zero_stage, self.bucket_bytes = ctx, zero_stage, bucket_bytes
+        self.grad_dtype = grad_dtype  # main gradients (bf16-master): only with ZeRO-1's master weights
+        if grad_dtype is not None and zero_stage != 1:
+            raise ValueError("main gradients (grad_dtype) live in the ZeRO-1 optimizer: use zero_stage=1")
         partial = []  # (keys, group): gradients summed over the group before the dp reduction
         if sequence_parallel:  # norm weights saw T/tp tokens on each tp rank
             partial.append((layout.tp_replicated, ctx.tp_group))
@@ -119,7 +123,13 @@ class GradientSync:
                     f"zero_stage=1 shards one optimizer; configure_optimizers returned {len(optimizers)}. "
                     "Use param groups (one optimizer) or zero_stage=0"
                 )
-            self.zero = ZeroOptimizer(optimizers[0], self.ctx.dp_group, self.bucket_bytes, deferred=deferred)
+            self.zero = ZeroOptimizer(
+                optimizers[0],
+                self.ctx.dp_group,
+                self.bucket_bytes,
+                deferred=deferred,
+                grad_dtype=self.grad_dtype,
+            )
             self.reducer = self.zero.reducer
             return [self.zero]
         if self.ctx.dp_size > 1:
@@ -142,6 +152,9 @@ class GradientSync:
 
     def _sum_partials(self) -> None:
         for params, group in self.partial:
+            if self.reducer is not None:  # every gradient is bound to its bucket (main gradients too)
+                _sum_over([self.reducer.grad_view(p) for p in params], group)
+                continue
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)  # a copy without a gradient still takes part

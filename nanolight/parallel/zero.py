@@ -14,6 +14,16 @@ the slices is exactly stepping the model; padding stays zero. Unlike ``torch.opt
 parameter without a gradient steps with a zero one (momentum and weight decay still move it,
 as with DDP and Megatron's distributed optimizer): keep frozen parameters out.
 
+Master weights (``grad_dtype``, ``bf16-master``): the model computes with bf16 weights while the
+gradients accumulate in fp32 buckets apart from ``.grad`` (`GradReducer`'s main gradients) and
+the masters step in fp32. After the step the weights are refreshed from the masters in *their*
+dtype: the all-gather moves bf16, one bucket at a time, asynchronously; with
+`overlap_weight_gather` each bucket is waited for in the forward pre-hook of the first module
+holding one of its parameters (launched in that order), so the gather runs under the next
+forward. One rank (``group`` None: a single process, or dp=1) is the one-shard case: the masters
+are a full copy and no collective runs. `master_weights_in_model` lends the model the fp32
+masters for a checkpoint, so what is saved and loaded is fp32 in any precision.
+
 LR schedulers were built on the user's optimizer before the strategy wrapped it, so the wrapper
 keeps it as its front: ``param_groups`` *is* its list, copied into the inner groups at every
 `step`. `state_dict` / `load_state_dict` use the single-device ``torch.optim`` format (full
@@ -23,7 +33,8 @@ tensors per parameter): a checkpoint saved at any dp loads at any other, with or
 from __future__ import annotations
 
 import inspect
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -38,7 +49,8 @@ class ZeroOptimizer:
 
     `overlap=True` reduces gradients from backward hooks (call ``reducer.require_sync`` /
     ``reducer.finish`` as `parallel/grads.py` does); otherwise, or when they have not been
-    reduced yet, `step` reduce-scatters them itself. `deferred`: see `GradReducer`.
+    reduced yet, `step` reduce-scatters them itself. `deferred`, `grad_dtype` (main gradients:
+    the hooks are needed, so `overlap` must stay True): see `GradReducer`. `group` None: one rank.
     """
 
     def __init__(
@@ -48,16 +60,28 @@ class ZeroOptimizer:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         overlap: bool = True,
         deferred: Collection[int] = (),
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         if isinstance(optimizer, torch.optim.LBFGS):
             raise TypeError("ZeRO-1 needs an elementwise optimizer (AdamW, Adam, SGD); LBFGS is not")
+        if grad_dtype is not None and not overlap:
+            raise ValueError("main gradients (grad_dtype) accumulate in backward hooks: keep overlap=True")
         self.optimizer = optimizer
         self.param_groups: list[dict[str, Any]] = optimizer.param_groups  # the same list: see above
         self.defaults = optimizer.defaults
         self.group = group
         self.reducer = GradReducer(
-            [g["params"] for g in self.param_groups], group, bucket_bytes, shard=True, deferred=deferred
+            [g["params"] for g in self.param_groups],
+            group,
+            bucket_bytes,
+            shard=True,
+            deferred=deferred,
+            grad_dtype=grad_dtype,
         )
+        self.gathered_bytes = 0  # bytes of weights all-gathered into this rank so far (tests, benchmarks)
+        self._pending: dict[int, tuple[Tensor, Any]] = {}  # bucket index -> (gathered, work) in flight
+        self._gather_order = list(self.reducer.buckets)  # `overlap_weight_gather`: in first-use order
+        self._hooks: list[Any] = []
         if not overlap:
             self.reducer.remove()
         device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
@@ -83,6 +107,11 @@ class ZeroOptimizer:
         return self.reducer.dp_size
 
     @property
+    def master_weights(self) -> bool:
+        """The model computes with low-precision copies of the masters (main gradients)."""
+        return self.reducer.main_grads
+
+    @property
     def state(self) -> Any:
         """The inner optimizer's state: one entry per param group's flat master shard."""
         return self.inner.state
@@ -103,6 +132,7 @@ class ZeroOptimizer:
 
         Call after the weights changed outside `step` (e.g. a checkpoint was loaded into the model).
         """
+        self.wait_for_weights()
         with torch.no_grad():
             for bucket in self.reducer.buckets:
                 master = self.master[bucket.group_index]
@@ -153,6 +183,7 @@ class ZeroOptimizer:
         """Update this rank's shard with the inner optimizer, then all-gather the new weights."""
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not support a closure")
+        self.wait_for_weights()
         self.reduce_gradients()
         for front, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
             inner.update(_hyper(front))  # the LR scheduler changed the front's lr
@@ -164,22 +195,104 @@ class ZeroOptimizer:
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         for m in self.master:
             m.grad = None
-        self._all_gather_params()
+        self._refresh_weights()
         self.reducer.ready = False
 
-    def _all_gather_params(self) -> None:
-        works = []
-        for bucket in self.reducer.buckets:
+    # ---- the weights from the masters -------------------------------------------------------
+    def _refresh_weights(self) -> None:
+        """Each bucket's weights from the updated masters, in the weights' own dtype (bf16 under
+        master weights: half the bytes of fp32). Waited for now, unless `overlap_weight_gather`."""
+        for bucket in self._gather_order:
             n = bucket.numel // self.dp_size
             mine = self.master[bucket.group_index][bucket.shard_offset : bucket.shard_offset + n]
-            full = torch.empty(bucket.numel, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
+            if self.dp_size == 1:  # the master is the whole bucket: no exchange
+                self._copy_into_params(bucket, mine)
+                continue
+            dtype, device = bucket.params[0].dtype, bucket.params[0].device
+            full = torch.empty(bucket.numel, dtype=dtype, device=device)
             # dp ranks all-gather their updated slices of the bucket: everyone gets the new weights
-            work = all_gather_single(full, mine.to(full.dtype), group=self.group, async_op=True)
-            works.append((bucket, full, work))
-        for bucket, full, work in works:
-            work.wait()
-            for p, off in zip(bucket.params, bucket.offsets, strict=True):
-                p.copy_(full[off : off + p.numel()].view_as(p))
+            work = all_gather_single(full, mine.to(dtype), group=self.group, async_op=True)
+            self.gathered_bytes += full.numel() * full.element_size()
+            self._pending[bucket.index] = (full, work)
+        if not self._hooks:
+            self.wait_for_weights()
+
+    @staticmethod
+    @torch.no_grad()
+    def _copy_into_params(bucket: Bucket, flat: Tensor) -> None:
+        for p, off in zip(bucket.params, bucket.offsets, strict=True):
+            p.copy_(flat[off : off + p.numel()].view_as(p))
+
+    def _wait_bucket(self, index: int) -> None:
+        full, work = self._pending.pop(index)
+        work.wait()
+        self._copy_into_params(self.reducer.buckets[index], full)
+
+    @property
+    def gathers_in_flight(self) -> int:
+        """Buckets whose post-step all-gather has not been waited for yet (the next forward will)."""
+        return len(self._pending)
+
+    def wait_for_weights(self) -> None:
+        """Finish every weight all-gather still in flight (before reading the weights outside a forward)."""
+        for index in [b.index for b in self._gather_order if b.index in self._pending]:
+            self._wait_bucket(index)
+
+    def overlap_weight_gather(self, modules: Iterable[nn.Module], last: nn.Module) -> None:
+        """Wait for each bucket's all-gather in the forward pre-hook of the first of `modules`
+        that holds one of its parameters, and for any still in flight after `last`'s forward (a
+        weight read outside its own module, as a fused loss reads the head's): every forward
+        that reads such a weight must run `last` first (a model's last block does). `modules` in
+        registration order (a model's forward order): the gathers are launched in the order of
+        their first holder, the order the next forward needs them."""
+        modules = list(modules)
+        buckets_of: dict[int, set[int]] = {}
+        for b in self.reducer.buckets:
+            for p in b.params:
+                buckets_of.setdefault(id(p), set()).add(b.index)
+        first_use: dict[int, int] = {}  # bucket index -> position of its first holder in `modules`
+        for pos, module in enumerate(modules):
+            for p in module.parameters(recurse=False):
+                for index in buckets_of.get(id(p), ()):
+                    first_use.setdefault(index, pos)
+        self._gather_order.sort(
+            key=lambda b: first_use.get(b.index, len(modules))
+        )  # the same on every dp rank
+
+        def waiter(indices: list[int]) -> Any:
+            def hook(*_: Any) -> None:
+                for index in indices:
+                    if index in self._pending:
+                        self._wait_bucket(index)
+
+            return hook
+
+        for module in modules:
+            indices = sorted({i for p in module.parameters(recurse=False) for i in buckets_of.get(id(p), ())})
+            if indices:
+                self._hooks.append(module.register_forward_pre_hook(waiter(indices)))
+        self._hooks.append(last.register_forward_hook(lambda *_: self.wait_for_weights()))
+
+    @contextmanager
+    def master_weights_in_model(self) -> Iterator[None]:
+        """For the duration the model's parameters hold the fp32 masters (full tensors, gathered
+        over dp: collective), e.g. to save or load a checkpoint; on exit the compute weights are
+        set from whatever the parameters then hold (a load)."""
+        self.wait_for_weights()
+        full: dict[int, Tensor] = {}
+        for g_idx, master in enumerate(self.master):
+            full.update(self._gather_flat(master.detach(), g_idx))
+        params = [p for b in self.reducer.buckets for p in b.params]
+        compute = {id(p): p.data for p in params}
+        for p in params:
+            p.data = full[id(p)].to(p.device)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p in params:
+                    fp32, p.data = p.data, compute[id(p)]
+                    p.copy_(fp32)
 
     # ---- checkpoints: the single-device torch.optim format -------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -221,9 +334,11 @@ class ZeroOptimizer:
 
     def _gather_flat(self, shard: Tensor, g_idx: int) -> dict[int, Tensor]:
         """All-gather a flat per-group state shard; return it split per parameter (id -> tensor)."""
-        gathered = torch.empty(self.dp_size * shard.numel(), dtype=shard.dtype, device=shard.device)
-        # dp ranks all-gather their shards of this state tensor (e.g. exp_avg) for the checkpoint
-        all_gather_single(gathered, shard.contiguous(), group=self.group)
+        gathered = shard
+        if self.dp_size > 1:
+            gathered = torch.empty(self.dp_size * shard.numel(), dtype=shard.dtype, device=shard.device)
+            # dp ranks all-gather their shards of this state tensor (e.g. exp_avg) for the checkpoint
+            all_gather_single(gathered, shard.contiguous(), group=self.group)
         gathered = gathered.view(self.dp_size, -1)
         out = {}
         for bucket in self.reducer.buckets:

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from nanolight.data.config import DataConfig
@@ -19,7 +20,7 @@ from nanolight.models.llama import LlamaConfig
 from nanolight.parallel.config import ParallelConfig
 from nanolight.pretrain.schema import ConfigError, build_dataclass
 
-Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
+Precision = Literal["auto", "32-true", "bf16-mixed", "bf16-true", "bf16-master"]
 Recompute = Literal["none", "full", "selective"]
 
 
@@ -36,7 +37,7 @@ class TrainConfig:
     micro_batch_size: int = 16
     seq_len: int = 256
     accumulate_grad_batches: int = 1
-    precision: Precision = "32-true"
+    precision: Precision = "auto"  # `run_precision`
     gradient_clip_val: float | None = 1.0
     default_root_dir: str = "runs/smollm"
     log_every_n_steps: int = 10
@@ -47,6 +48,14 @@ class TrainConfig:
     activation_checkpointing: Recompute = "none"
     activation_checkpointing_every: int = 1
     compile: bool = False
+
+    @property
+    def run_precision(self) -> str:
+        """``auto``: ``bf16-master`` on a GPU (bf16 compute, fp32 masters: nanolight/precision.py),
+        ``32-true`` on CPU (where bf16 is slow and tests keep their fp32 numbers)."""
+        if self.precision != "auto":
+            return self.precision
+        return "bf16-master" if torch.cuda.is_available() else "32-true"
 
     def __post_init__(self) -> None:
         for name in (

@@ -99,10 +99,10 @@ def build_strategy(config: PretrainConfig) -> Strategy:
     )
     env = detect_environment()  # torchrun/srun, or None under plain python
     if (p.tp, p.pp, p.dp) == (1, 1, 1) and (env is None or env.world_size == 1):
-        return SingleDeviceStrategy(precision=t.precision, **speed)
+        return SingleDeviceStrategy(precision=t.run_precision, **speed)
     # under torchrun/srun the 3D strategy checks that the world equals tp*pp*dp (or fills dp="auto")
     return Parallel3DStrategy.from_config(
-        p, precision=t.precision, pretrained=config.checkpoint.init_from, **speed
+        p, precision=t.run_precision, pretrained=config.checkpoint.init_from, **speed
     )
 
 
@@ -146,7 +146,7 @@ def build_trainer(config: PretrainConfig, strategy: Strategy, root: Path, *extra
         max_epochs=t.max_epochs,
         accumulate_grad_batches=t.accumulate_grad_batches,
         gradient_clip_val=t.gradient_clip_val,
-        precision=t.precision,
+        precision=t.run_precision,
         val_check_interval=t.val_check_interval,
         limit_val_batches=t.limit_val_batches,
         log_every_n_steps=t.log_every_n_steps,

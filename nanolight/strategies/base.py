@@ -35,7 +35,7 @@ Call order during ``NanoTrainer.fit`` (each a method below)::
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +47,11 @@ from nanolight.checkpoint.pretrained import model_dir_files, step_dir_meta
 from nanolight.checkpoint.reader import CheckpointReader
 from nanolight.checkpoint.save import save_one_process
 from nanolight.parallel.agreement import Agreed
+from nanolight.parallel.grads import clip_, global_norm
 from nanolight.parallel.layout import ModelLayout
 from nanolight.parallel.loss_tokens import loss_divisor, step_targets
 from nanolight.parallel.pipeline.schedules import BACKWARD, FORWARD, Action, one_by_one
+from nanolight.parallel.zero import ZeroOptimizer
 from nanolight.precision import Precision
 from nanolight.strategies.shared_dir import check_shared_directory
 
@@ -133,6 +135,7 @@ class Strategy:
         from lightning_utilities.core.rank_zero import rank_zero_only
 
         rank_zero_only.rank = self.global_rank  # lightning-utilities' rank-zero helpers read this
+        self.precision.setup_device(self.root_device)  # 32-true on CUDA: TF32 (precision.py)
 
     def init_device(self) -> torch.device | None:
         """Device to build the model on in ``configure_model`` (e.g. ``meta``); None = default."""
@@ -151,9 +154,26 @@ class Strategy:
         return module
 
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
-        """Wrap the optimizers from ``configure_optimizers`` (ZeRO sharding goes here)."""
+        """Wrap the optimizers from ``configure_optimizers`` (ZeRO sharding goes here). ``bf16-master``:
+        each steps fp32 master copies (a one-rank `ZeroOptimizer`), then the model becomes bf16."""
         self.optimizers = list(optimizers)
+        if self.precision.master_weights:
+            self.optimizers = [ZeroOptimizer(opt, None, grad_dtype=torch.float32) for opt in optimizers]
+            self.precision.cast_to_compute(self.module)
         return self.optimizers
+
+    def master_optimizers(self, optimizer: Any = None) -> list[ZeroOptimizer]:
+        """The optimizers (or `optimizer`) that step fp32 masters of the model's weights (``bf16-master``)."""
+        candidates = self.optimizers if optimizer is None else [optimizer]
+        return [opt for opt in candidates if isinstance(opt, ZeroOptimizer) and opt.master_weights]
+
+    def weights_in_fp32(self) -> ExitStack:
+        """Under ``bf16-master`` the model holds its fp32 master weights for the duration (a
+        checkpoint saves and loads those: any precision reads them); otherwise nothing."""
+        stack = ExitStack()
+        for opt in self.master_optimizers():
+            stack.enter_context(opt.master_weights_in_model())
+        return stack
 
     def teardown(self) -> None:
         """Release what `setup_environment` acquired (process groups, CUDA cache)."""
@@ -218,7 +238,15 @@ class Strategy:
     def clip_gradients(self, max_norm: float | None, optimizer: Any = None) -> torch.Tensor:
         """Clip by the global L2 norm (``max_norm`` None: only measure); returns the pre-clip norm.
         One process: torch's own over `optimizer`'s parameters (all of them when None); a parallel
-        strategy sums the norm over its ranks (`parallel/grads.py`)."""
+        strategy sums the norm over its ranks (`parallel/grads.py`). ``bf16-master``: the fp32
+        gradients the masters step with."""
+        masters = self.master_optimizers(optimizer)
+        if masters:
+            grads = [g for opt in masters for g in opt.grad_pieces({id(p) for p in self._params(opt)})]
+            norm = global_norm(grads).to(self.root_device)
+            if max_norm is not None:
+                clip_(grads, norm, max_norm)
+            return norm
         params = [p for p in self._params(optimizer) if p.grad is not None]
         if not params:
             return torch.zeros((), device=self.root_device)
@@ -228,6 +256,10 @@ class Strategy:
 
     def clip_gradients_value(self, value: float, optimizer: Any = None) -> None:
         """Clamp every gradient element to [-value, value] (elementwise: no communication)."""
+        for opt in self.master_optimizers(optimizer):
+            opt.reduce_gradients()
+            for grad in opt.shard_grads:
+                grad.clamp_(-value, value)
         params = [p for p in self._params(optimizer) if p.grad is not None]
         if params:
             torch.nn.utils.clip_grad_value_(params, value, foreach=True)
@@ -282,7 +314,8 @@ class Strategy:
             optimizers = [] if weights_only else [opt.state_dict() for opt in self.optimizers]
             meta = step_dir_meta(self.module, index=None)  # a Llama inside: also a model dir
             files = model_dir_files(self.module)  # e.g. its tokenizer: exports are complete
-            save_one_process(Path(path), self.module.state_dict(), optimizers, state, meta, files)
+            with self.weights_in_fp32():
+                save_one_process(Path(path), self.module.state_dict(), optimizers, state, meta, files)
         self.barrier("save_checkpoint")
 
     def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
@@ -290,8 +323,9 @@ class Strategy:
         returns the trainer state saved with it."""
         assert self.module is not None and self.layout is not None
         reader = CheckpointReader.open(path)
-        load_model(reader, self.module, self.layout)
-        self.on_weights_loaded()
+        with self.weights_in_fp32():  # bf16-master: the fp32 values reach the masters
+            load_model(reader, self.module, self.layout)
+            self.on_weights_loaded()
         if load_optimizer:
             self._load_optimizers(reader)
         return trainer_state(reader, self.global_rank, self.topology, self.layout.dp_rank)
@@ -305,6 +339,8 @@ class Strategy:
 
     def on_weights_loaded(self) -> None:
         """The module's weights changed outside the optimizer (ZeRO-1 refreshes its master copy)."""
+        for opt in self.master_optimizers():
+            opt.reload_master_weights()
 
     def optimizer_param_names(self) -> list[list[str]]:
         """Every optimizer's parameter keys in its flat order, as one process holds them."""

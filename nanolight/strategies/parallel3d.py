@@ -39,6 +39,7 @@ from nanolight.checkpoint.reader import CheckpointReader
 from nanolight.checkpoint.save import save_sharded
 from nanolight.parallel import ParallelConfig, ParallelContext
 from nanolight.parallel.block_options import BlockOptions
+from nanolight.parallel.blocks import decoder_blocks
 from nanolight.parallel.compile import CompiledBlocks
 from nanolight.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from nanolight.parallel.grads import GradientSync
@@ -202,12 +203,28 @@ class Parallel3DStrategy(Strategy):
         return module
 
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[Any]:
-        """Gradient synchronisation, and ZeRO-1 around the optimizer (`parallel/grads.py`)."""
-        cfg = self.config
+        """Gradient synchronisation, and ZeRO-1 around the optimizer (`parallel/grads.py`).
+
+        ``bf16-master``: the ZeRO-1 optimizer holds the fp32 masters and main gradients (at dp=1
+        too: one shard), then the model becomes bf16; with dp > 1 the post-step all-gather of bf16
+        weights is waited for bucket by bucket in the next forward (not under compile, whose
+        blocks would trace the hooks)."""
+        cfg, master = self.config, self.precision.master_weights
+        if master and cfg.zero_stage == 0 and self._ctx.dp_size > 1:
+            raise ValueError(
+                "precision='bf16-master' keeps its fp32 master weights in the ZeRO-1 optimizer: with dp > 1 "
+                "set zero_stage=1 (the same traffic as plain data parallelism, 1/dp of the optimizer state)"
+            )
         self.grads = GradientSync(
-            self.module, self.layout, self._ctx, cfg.sequence_parallel, cfg.zero_stage, self.dp_bucket_bytes
-        )
+            self.module, self.layout, self._ctx, cfg.sequence_parallel, 1 if master else cfg.zero_stage,
+            self.dp_bucket_bytes, grad_dtype=torch.float32 if master else None,
+        )  # fmt: skip
         self.optimizers = self.grads.wrap_optimizers(list(optimizers))
+        if master:
+            self.precision.cast_to_compute(self.module)
+            blocks = _last_block(self.module)
+            if self._ctx.dp_size > 1 and not self.blocks.compile and blocks is not None:
+                self.grads.zero.overlap_weight_gather(self.module.modules(), blocks)
         return self.optimizers
 
     # ---- one optimizer step --------------------------------------------------------------
@@ -289,10 +306,11 @@ class Parallel3DStrategy(Strategy):
     def save_checkpoint(self, path: str | Path, state: dict[str, Any], weights_only: bool = False) -> None:
         """Every rank writes what it owns; rank 0 the index; published atomically (collective)."""
         optimizers = [] if weights_only else self.optimizers
-        save_sharded(
-            Path(path), self.module, optimizers, self.layout, state, self.topology, self._model_meta,
-            self.root_device, model_dir_files(self.module),
-        )  # fmt: skip
+        with self.weights_in_fp32():  # bf16-master: the fp32 masters are what is written
+            save_sharded(
+                Path(path), self.module, optimizers, self.layout, state, self.topology, self._model_meta,
+                self.root_device, model_dir_files(self.module),
+            )  # fmt: skip
 
     def on_weights_loaded(self) -> None:
         if self.grads is not None and self.grads.zero is not None:
@@ -303,3 +321,12 @@ class Parallel3DStrategy(Strategy):
         if self.stage is None:
             return local
         return one_process_order(self.optimizers, local, list(self.layout.full_shapes), self._ctx.pp_group)
+
+
+def _last_block(module: nn.Module) -> nn.Module | None:
+    """This rank's last decoder block (it runs before any read of the head), or None without blocks."""
+    try:
+        _, blocks = decoder_blocks(module)
+    except TypeError:
+        return None
+    return max(blocks, key=lambda b: b[0])[1] if blocks else None

@@ -44,9 +44,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """loss = mean CE(hidden @ weight.T, labels); gradients taken during forward (see module doc)."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, rows: int) -> Tensor:
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, rows: int, grad: bool) -> Tensor:
         dtype = _compute_dtype(hidden, weight)
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # `needs_input_grad` says only which inputs require grad; under no_grad (validation) no
+        # backward will come, so `grad` (the caller's grad mode) decides whether to take gradients
+        want_h, want_w = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             valid = labels != IGNORE_INDEX
@@ -95,7 +97,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # runs once, and these buffers were made for it
         dh = d_hidden.mul_(grad_out) if d_hidden is not None else None
         dw = d_weight.mul_(grad_out).to(ctx.weight_dtype) if d_weight is not None else None
-        return dh, dw, None, None
+        return dh, dw, None, None, None
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, rows: int | None = None) -> Tensor:
@@ -106,4 +108,4 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, rows: i
     h = hidden.reshape(-1, hidden.shape[-1])
     if rows is None:
         rows = chunk_rows(weight.shape[0], weight.shape[1], hidden.device)
-    return _LinearCrossEntropy.apply(h, weight, labels.reshape(-1), rows)
+    return _LinearCrossEntropy.apply(h, weight, labels.reshape(-1), rows, torch.is_grad_enabled())

@@ -33,12 +33,16 @@ from nanolight.models import LlamaConfig, LlamaForCausalLM
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def overrides(pairs: list[str]) -> dict[str, int | float]:
-    """`key=value` config overrides (numbers), e.g. hidden_size=256."""
-    out: dict[str, int | float] = {}
+def overrides(pairs: list[str]) -> dict[str, int | float | bool]:
+    """`key=value` config overrides (numbers or true/false), e.g. hidden_size=256
+    tie_word_embeddings=false."""
+    out: dict[str, int | float | bool] = {}
     for pair in pairs:
         key, _, value = pair.partition("=")
-        out[key] = float(value) if "." in value or "e" in value else int(value)
+        if value.lower() in ("true", "false"):
+            out[key] = value.lower() == "true"
+        else:
+            out[key] = float(value) if "." in value or "e" in value else int(value)
     return out
 
 

@@ -95,7 +95,12 @@ def flash_attn_varlen_func(
     """q (total, heads, head_dim), k and v (total, kv_heads, head_dim); sequence i is rows
     cu_seqlens[i]:cu_seqlens[i+1]."""
     calls.append(
-        {"fn": "flash_attn_varlen_func", "q": tuple(q.shape), "k": tuple(k.shape), "cu_seqlens": cu_seqlens_q.tolist()}
+        {
+            "fn": "flash_attn_varlen_func",
+            "q": tuple(q.shape),
+            "k": tuple(k.shape),
+            "cu_seqlens": cu_seqlens_q.tolist(),
+        }
     )
     _check_inputs(q, k, v)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):

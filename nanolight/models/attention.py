@@ -92,13 +92,17 @@ class Documents:
             self._mask = (same & causal)[:, None]
         return self._mask
 
+    def firsts(self) -> torch.Tensor:
+        """(B, T) bool: the token begins a document (a row start is a document start)."""
+        first = torch.ones_like(self.ids, dtype=torch.bool)
+        first[:, 1:] = self.ids[:, 1:] != self.ids[:, :-1]
+        return first
+
     def starts(self) -> torch.Tensor:
         """(B, T) int64: the index of the first token of each token's document."""
         B, T = self.ids.shape
-        first = torch.ones_like(self.ids, dtype=torch.bool)
-        first[:, 1:] = self.ids[:, 1:] != self.ids[:, :-1]  # a row start is a document start
         index = torch.arange(T, device=self.ids.device).expand(B, T)
-        return torch.where(first, index, 0).cummax(dim=1).values
+        return torch.where(self.firsts(), index, 0).cummax(dim=1).values
 
     def varlen(self) -> tuple[torch.Tensor, int]:
         """flash-attn's (cu_seqlens, max_seqlen) over the flattened (B * T) tokens: every document
@@ -106,9 +110,7 @@ class Documents:
         if self._varlen is not None:
             return self._varlen
         B, T = self.ids.shape
-        starts = torch.ones_like(self.ids, dtype=torch.bool)
-        starts[:, 1:] = self.ids[:, 1:] != self.ids[:, :-1]  # a row start is a document start
-        first = starts.reshape(-1).nonzero().squeeze(-1)
+        first = self.firsts().reshape(-1).nonzero().squeeze(-1)
         cu = torch.cat([first, torch.tensor([B * T], device=first.device)]).to(torch.int32)
         self._varlen = cu, int((cu[1:] - cu[:-1]).max())
         return self._varlen

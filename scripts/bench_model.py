@@ -2,6 +2,8 @@
 
     python scripts/bench_model.py --preset smollm-tiny --seq-len 256 --batch-size 4 --steps 10
     python scripts/bench_model.py --set hidden_size=256 intermediate_size=768   # a wider tiny model
+    python scripts/bench_model.py --set hidden_size=320 num_attention_heads=5 num_key_value_heads=1 \
+        vocab_size=6000 tie_word_embeddings=false   # multi-query, 5 heads, untied, another vocabulary
 
 Both models get the same config and the same weights (nanolight's init, converted with the
 checkpoint weight map), and their losses are checked to agree before timing. Steps alternate
@@ -33,12 +35,16 @@ from nanolight.models import LlamaConfig, LlamaForCausalLM
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def overrides(pairs: list[str]) -> dict[str, int | float]:
-    """`key=value` config overrides (numbers), e.g. hidden_size=256."""
-    out: dict[str, int | float] = {}
+def overrides(pairs: list[str]) -> dict[str, int | float | bool]:
+    """`key=value` config overrides (numbers or true/false), e.g. hidden_size=256
+    tie_word_embeddings=false."""
+    out: dict[str, int | float | bool] = {}
     for pair in pairs:
         key, _, value = pair.partition("=")
-        out[key] = float(value) if "." in value or "e" in value else int(value)
+        if value.lower() in ("true", "false"):
+            out[key] = value.lower() == "true"
+        else:
+            out[key] = float(value) if "." in value or "e" in value else int(value)
     return out
 
 

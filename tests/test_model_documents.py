@@ -4,18 +4,15 @@ eager and (a stand-in for) flash-attn's variable-length kernel, also under tenso
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 import torch
-import torch.nn.functional as F
 from _tiny import run_distributed, tiny_config
 
-import nanolight.models.attention as attention
 from nanolight.data.docmask import document_fields
 from nanolight.models import LlamaForCausalLM
 from nanolight.strategies.parallel3d import Parallel3DStrategy
+
+pytest_plugins = ["_flash_standin"]  # the flash_standin fixture
 
 LENGTHS, EOS = (5, 7, 4), 3
 
@@ -51,33 +48,20 @@ def test_a_packed_row_equals_its_documents_one_by_one(attn: str) -> None:
     assert abs(unmasked - ref_loss) > 1e-3  # without the mask the documents see each other
 
 
-def test_flash_varlen_gets_one_sequence_per_document(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No GPU here: a stand-in with flash-attn's varlen API, computing each sequence with SDPA."""
-    seen = []
-
-    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):  # noqa: ANN001, ANN202
-        seen.append(cu_seqlens_q.tolist())
-        out = torch.empty_like(q)
-        for a, b in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(), strict=True):
-            qs, ks, vs = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, n, head_dim)
-            y = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-            out[a:b] = y[0].transpose(0, 1)
-        return out
-
-    monkeypatch.setitem(
-        sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=varlen, flash_attn_func=None)
-    )
-    monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
+def test_flash_varlen_gets_one_sequence_per_document(flash_standin) -> None:  # noqa: ANN001
+    """No GPU here: the stand-in flash_attn (the kernel's input checks, SDPA per sequence), in
+    bf16 as the kernel requires, against SDPA's dense mask in bf16."""
     torch.manual_seed(0)
-    sdpa = LlamaForCausalLM(tiny_config(attn_implementation="sdpa")).eval()
-    flash = LlamaForCausalLM(tiny_config(attn_implementation="flash_attention_2")).eval()
+    sdpa = LlamaForCausalLM(tiny_config(attn_implementation="sdpa")).eval().bfloat16()
+    flash = LlamaForCausalLM(tiny_config(attn_implementation="flash_attention_2")).eval().bfloat16()
     flash.load_state_dict(sdpa.state_dict())
     docs, row = _packed()
     rows = torch.cat([row, row.flip(1)])  # two rows: documents never span a row
     fields = document_fields(rows, EOS)
     with torch.no_grad():
-        torch.testing.assert_close(flash(rows, **fields), sdpa(rows, **fields), rtol=1e-5, atol=1e-5)
-    assert seen[0] == [0, 5, 12, 16, 17, 21, 28, 32]  # the second row: EOS first, then 4, 7 and 4 tokens
+        torch.testing.assert_close(flash(rows, **fields), sdpa(rows, **fields), rtol=2e-2, atol=2e-2)
+    # the second row: EOS first, then 4, 7 and 4 tokens
+    assert flash_standin.calls[0]["cu_seqlens"] == [0, 5, 12, 16, 17, 21, 28, 32]
 
 
 def _tp_worker(rank: int, world: int, sp: bool) -> float:

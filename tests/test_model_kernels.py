@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from nanolight.models import LlamaConfig
 from nanolight.models.fused_loss import linear_cross_entropy
 from nanolight.models.llama import SwiGLU
-from nanolight.models.llama_rope import _Rope, rope_cos_sin, rope_inv_freq
+from nanolight.models.llama_rope import _Rope, apply_rope, rope_cos_sin, rope_inv_freq
 from nanolight.models.norm import RMSNorm, _rms_plain
 
 
@@ -57,6 +57,24 @@ def test_fused_head_loss_under_bf16_autocast_and_no_grad():
         torch.testing.assert_close(linear_cross_entropy(h, w, labels, 5), F.cross_entropy(h @ w.t(), labels))
 
 
+def test_fused_head_loss_takes_no_gradients_under_no_grad():
+    """Validation runs under no_grad: no backward will come, so the only matmul is the logits'
+    (2·N·H·V FLOPs, counted by PyTorch's FlopCounterMode), not d hidden's nor d weight's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    n, hidden, vocab = 24, 32, 40
+    h = torch.randn(n, hidden, requires_grad=True)
+    w = torch.randn(vocab, hidden, requires_grad=True)
+    labels = torch.randint(0, vocab, (n,))
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        loss = linear_cross_entropy(h, w, labels, rows=8)
+    assert not loss.requires_grad
+    assert counter.get_total_flops() == 2 * n * hidden * vocab
+    with FlopCounterMode(display=False) as counter:  # training: the counter sees the gradients' matmuls
+        linear_cross_entropy(h, w, labels, rows=8)
+    assert counter.get_total_flops() > 2 * 2 * n * hidden * vocab
+
+
 def test_rope_function_matches_plain_rotation():
     torch.manual_seed(0)
     x = torch.randn(2, 7, 3, 2, 16, requires_grad=True)  # (B, T, n_kv, r, head_dim)
@@ -72,6 +90,23 @@ def test_rope_function_matches_plain_rotation():
     assert out.is_contiguous()
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(g_out, g_ref)
+
+
+def test_rope_keeps_the_input_dtype_under_autocast():
+    """Under bf16 autocast the tables are fp32 and q, k the projections' bf16: the rotation is
+    computed in fp32 and rounded once to bf16 -- q, k and v reach attention in one dtype (flash-attn
+    takes nothing else) -- in the eager Function and in the plain ops `torch.compile` traces."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 9, 3, 16).bfloat16().requires_grad_()
+    cos, sin = rope_cos_sin(torch.arange(9)[None], rope_inv_freq(16, 1e4, None), torch.float32)
+    xf = x.detach().float()
+    c, s = cos[..., :8].reshape(1, 9, 1, 8), sin[..., :8].reshape(1, 9, 1, 8)
+    ref = torch.cat((xf[..., :8] * c - xf[..., 8:] * s, xf[..., 8:] * c + xf[..., :8] * s), dim=-1).bfloat16()
+    out = apply_rope(x, cos, sin)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    out.float().sum().backward()
+    assert x.grad.dtype == torch.bfloat16
 
 
 def test_rmsnorm_function_matches_plain_formula():

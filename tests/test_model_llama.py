@@ -207,31 +207,6 @@ def test_flash_attention_needs_package_and_gpu(monkeypatch):
     assert m.model.layers[0].self_attn.attn_implementation == "flash_attention_2"
 
 
-def test_flash_attention_path_feeds_flash_layout(monkeypatch):
-    """No GPU here: a stand-in `flash_attn_func` with flash-attn's (B, T, heads, head_dim) API."""
-    import sys
-    import types
-
-    def fake_flash_attn_func(q, k, v, causal):
-        assert causal and q.shape[2] == 4 and k.shape[2] == 2  # (B, T, heads, head_dim), GQA unexpanded
-        y = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-        )
-        return y.transpose(1, 2)
-
-    monkeypatch.setitem(
-        sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=fake_flash_attn_func)
-    )
-    monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
-    torch.manual_seed(0)
-    sdpa = LlamaForCausalLM(tiny()).eval()
-    flash = LlamaForCausalLM(tiny(attn_implementation="flash_attention_2")).eval()
-    flash.load_state_dict(sdpa.state_dict())
-    ids = torch.randint(0, 97, (2, 7))
-    with torch.no_grad():
-        torch.testing.assert_close(flash(ids), sdpa(ids))
-
-
 def test_sharded_modules_run_unchanged():
     """A tp rank holding half the kv groups and half the MLP units runs the same forward code."""
     torch.manual_seed(0)

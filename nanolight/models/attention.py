@@ -5,19 +5,31 @@ head_dim) keys/values (grouped-query attention: each kv head serves ``heads // k
 consecutive query heads) and returns (B, heads, T, head_dim). The model picks the implementation
 by name (`LlamaConfig.attn_implementation`); the availability check runs when the model is built.
 
-Packed rows with `Documents`: a token attends only to earlier tokens of its own document -- a
-block-diagonal causal mask for SDPA and eager, flash-attn's variable-length kernel (one sequence
-per document, offsets `cu_seqlens`) on a GPU -- so packing changes no document's result.
+Packed rows with `Documents`: a token attends only to earlier tokens of its own document, so
+packing changes no document's result. Three kernels, chosen once per forward (`document_kernel`):
+flash-attn's variable-length kernel (one sequence per document, offsets `cu_seqlens`) with
+flash_attention_2; on a GPU with SDPA, FlexAttention with a block mask built from the document
+starts (O(T) memory: no T x T mask, fully masked tiles skipped); else (CPU, eager) a dense
+block-diagonal causal mask, the reference the others are tested against.
+
+flash-attn takes only fp16/bf16 and one dtype for q, k and v: the model hands it q, k, v in the
+projections' dtype (RoPE keeps its input's dtype), and under fp32 (`32-true`) the kernel runs in
+bf16 and its result is cast back (with a one-time warning): flash-attn has no fp32 kernel.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 _SDPA_HAS_GQA = torch.__version__ >= "2.5"  # `enable_gqa` argument of scaled_dot_product_attention
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # the only dtypes flash-attn's kernels take
+FLEX_BLOCK = 128  # FlexAttention's default tile: the block mask's granularity
 
 
 def flash_attn_available() -> bool:
@@ -36,22 +48,39 @@ def check_attn_implementation(name: str) -> None:
         )
 
 
+def fused_document_kernels(device: torch.device) -> bool:
+    """True where document masking runs an O(T)-memory kernel instead of the dense mask: CUDA.
+    On CPU FlexAttention has no backward (torch 2.13), so the dense mask is the CPU path."""
+    return device.type == "cuda"
+
+
+def document_kernel(implementation: str, device: torch.device) -> str:
+    """Which kernel keeps packed documents apart: "varlen" (flash-attn), "flex" (FlexAttention's
+    block mask, SDPA on a GPU) or "dense" (a (B, 1, T, T) mask: CPU, and eager everywhere)."""
+    if implementation == "flash_attention_2":
+        return "varlen"
+    if implementation == "sdpa" and fused_document_kernels(device):
+        return "flex"
+    return "dense"
+
+
 class Documents:
-    """Which document each token of packed rows belongs to: `ids` (B, T), equal within a document.
-    The mask or the offsets are built once per forward and shared by every layer; `prepare`
-    builds them before the layers run, so a (compiled, recomputed) layer only reads them."""
+    """Which document each token of packed rows belongs to: `ids` (B, T), equal within a document
+    (documents are contiguous runs). What the chosen kernel reads (`kernel`: see
+    `document_kernel`) is built once per forward and shared by every layer; `prepare` builds it
+    before the layers run, so a (compiled, recomputed) layer only reads it."""
 
     def __init__(self, ids: torch.Tensor) -> None:
         self.ids = ids
+        self.kernel: str | None = None
         self._mask: torch.Tensor | None = None
         self._varlen: tuple[torch.Tensor, int] | None = None
+        self._block_mask: BlockMask | None = None
 
     def prepare(self, implementation: str) -> Documents:
-        """Build what `attend` will read for this implementation; returns self."""
-        if implementation == "flash_attention_2":
-            self.varlen()
-        else:
-            self.mask()
+        """Choose the kernel for this implementation and device, build what it reads; returns self."""
+        self.kernel = document_kernel(implementation, self.ids.device)
+        {"varlen": self.varlen, "flex": self.block_mask, "dense": self.mask}[self.kernel]()
         return self
 
     def mask(self) -> torch.Tensor:
@@ -63,33 +92,105 @@ class Documents:
             self._mask = (same & causal)[:, None]
         return self._mask
 
+    def firsts(self) -> torch.Tensor:
+        """(B, T) bool: the token begins a document (a row start is a document start)."""
+        first = torch.ones_like(self.ids, dtype=torch.bool)
+        first[:, 1:] = self.ids[:, 1:] != self.ids[:, :-1]
+        return first
+
+    def starts(self) -> torch.Tensor:
+        """(B, T) int64: the index of the first token of each token's document."""
+        B, T = self.ids.shape
+        index = torch.arange(T, device=self.ids.device).expand(B, T)
+        return torch.where(self.firsts(), index, 0).cummax(dim=1).values
+
     def varlen(self) -> tuple[torch.Tensor, int]:
         """flash-attn's (cu_seqlens, max_seqlen) over the flattened (B * T) tokens: every document
-        of every row is its own sequence."""
+        of every row is its own sequence. cu_seqlens int32 on the ids' device, max_seqlen an int."""
         if self._varlen is not None:
             return self._varlen
         B, T = self.ids.shape
-        starts = torch.ones_like(self.ids, dtype=torch.bool)
-        starts[:, 1:] = self.ids[:, 1:] != self.ids[:, :-1]  # a row start is a document start
-        first = starts.reshape(-1).nonzero().squeeze(-1)
+        first = self.firsts().reshape(-1).nonzero().squeeze(-1)
         cu = torch.cat([first, torch.tensor([B * T], device=first.device)]).to(torch.int32)
         self._varlen = cu, int((cu[1:] - cu[:-1]).max())
         return self._varlen
+
+    def block_mask(self) -> BlockMask:
+        """FlexAttention's mask: query q sees key k iff start[q] <= k <= q. Built from the (B, T)
+        document starts at tile level -- (B, 1, T/128, T/128) -- never as a T x T tensor: a tile
+        is skipped when its keys all precede its queries' documents, full (no mask evaluated)
+        when every key precedes every query and lies inside all their documents."""
+        if self._block_mask is not None:
+            return self._block_mask
+        B, T = self.ids.shape
+        n = -(-T // FLEX_BLOCK)
+        start = F.pad(self.starts(), (0, n * FLEX_BLOCK - T))  # padded rows/columns are never read back
+        tile = torch.arange(n, device=self.ids.device)
+        first, last = tile * FLEX_BLOCK, ((tile + 1) * FLEX_BLOCK).clamp(max=T) - 1  # each tile's tokens
+        q_tile, kv_tile = tile[:, None], tile[None, :]
+        # (B, n, n): some query of the tile sees some key of the tile / every query every key
+        some = (kv_tile <= q_tile) & (start[:, first, None] <= last[None, None, :])
+        full = (kv_tile < q_tile) & (start[:, last, None] <= first[None, None, :])
+        partial = some & ~full
+
+        def ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # per query tile: how many key tiles, and their indices first (stable: ascending)
+            count = tiles.sum(-1, dtype=torch.int32)[:, None]  # (B, 1, n)
+            order = tiles.to(torch.int32).argsort(dim=-1, descending=True, stable=True)
+            return count, order.to(torch.int32)[:, None]  # (B, 1, n, n)
+
+        def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            return (kv <= q) & (kv >= start[b, q])
+
+        self._block_mask = BlockMask.from_kv_blocks(
+            *ordered(partial), *ordered(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(T, T)
+        )
+        return self._block_mask
+
+
+def _flash_dtype(q: torch.Tensor) -> torch.dtype:
+    """The one dtype flash-attn gets: autocast's (what the projections produced), else the
+    tensors' own when half, else bf16 (fp32: flash-attn has no fp32 kernel)."""
+    device = q.device.type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in FLASH_DTYPES:
+        return torch.get_autocast_dtype(device)
+    if q.dtype in FLASH_DTYPES:
+        return q.dtype
+    warnings.warn(
+        "attn_implementation='flash_attention_2' under fp32: flash-attn has no fp32 kernel, so "
+        "attention runs in bf16 (its result cast back to fp32); use 'sdpa' for fp32 attention",
+        stacklevel=3,
+    )
+    return torch.bfloat16
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None) -> torch.Tensor:
     import flash_attn  # optional, checked at build time
 
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, T, heads, head_dim); GQA built in
+    dtype = _flash_dtype(q)
+    back = q.dtype if not torch.is_autocast_enabled(q.device.type) else dtype  # 32-true: fp32 out
+    # (B, T, heads, head_dim), one dtype; GQA built in
+    q, k, v = (t.transpose(1, 2).to(dtype) for t in (q, k, v))
     if documents is None:
-        return flash_attn.flash_attn_func(q, k, v, causal=True).transpose(1, 2)
+        return flash_attn.flash_attn_func(q, k, v, causal=True).transpose(1, 2).to(back)
     B, T = q.shape[:2]
     cu, longest = documents.varlen()
     flat = [t.reshape(B * T, *t.shape[2:]) for t in (q, k, v)]
     y = flash_attn.flash_attn_varlen_func(
         *flat, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest, causal=True
     )
-    return y.reshape(B, T, *y.shape[1:]).transpose(1, 2)
+    return y.reshape(B, T, *y.shape[1:]).transpose(1, 2).to(back)
+
+
+@functools.cache
+def _compiled_flex():  # noqa: ANN202 (a compiled callable)
+    """flex_attention compiled once per process: uncompiled it materialises the scores."""
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents) -> torch.Tensor:
+    fn = _compiled_flex() if q.device.type == "cuda" else flex_attention  # CPU: forward-only tests
+    return fn(q, k, v, block_mask=documents.block_mask(), enable_gqa=q.size(1) != k.size(1))
 
 
 def attend(
@@ -97,6 +198,10 @@ def attend(
 ) -> torch.Tensor:
     if implementation == "flash_attention_2":
         return _flash(q, k, v, documents)
+    if documents is not None and documents.kernel is None:
+        documents.prepare(implementation)
+    if documents is not None and documents.kernel == "flex":
+        return _flex(q, k, v, documents)
     r = q.size(1) // k.size(1)
     mask = documents.mask() if documents is not None else None
     if implementation == "sdpa" and _SDPA_HAS_GQA:

@@ -7,7 +7,9 @@ of tokens computes its logits, its loss and, when training, its gradients at onc
 minus the one-hot *is* the gradient of the logits, so the chunk's contribution to d hidden and
 d weight is taken right away and its logits are dropped. Only d hidden (tokens x hidden) and
 d weight (the head's size) are kept for backward, which scales them by the incoming gradient.
-A chunk sized to the CPU cache is also faster than the whole tensor (`scripts/bench_model.py`).
+On CPU a chunk is large (64 MB of logits): every chunk is a round of small kernels, and with
+two threads on a busy machine 174-row chunks (a 4 MB budget) ran the head + loss 2x slower
+than one 1024-row chunk (vocab 6000, hidden 320; equal on one thread).
 
 Numerics are those of ``F.cross_entropy(logits.float(), labels, ignore_index=-100)``: logits in
 the compute dtype (autocast's, or the inputs'), softmax in fp32, the mean (or, with
@@ -23,13 +25,12 @@ import torch
 from torch import Tensor
 
 IGNORE_INDEX = -100
-CHUNK_BYTES = {"cpu": 4 << 20, "cuda": 256 << 20}  # fp32 logits per chunk: cache-sized / memory-bounded
+CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 256 << 20}  # fp32 logits per chunk: few chunks / memory-bounded
 
 
 def chunk_rows(vocab: int, hidden: int, device: torch.device) -> int:
     """Tokens per chunk: the logits budget of the device, but at least `hidden / 2` rows so that
-    each chunk's update of d weight (vocab x hidden) stays small next to its logits (measured on
-    CPU: 128 rows best at vocab 8192 for hidden 128 and 256; at vocab 49152, hidden 576, ~300)."""
+    each chunk's update of d weight (vocab x hidden) stays small next to its logits."""
     budget = CHUNK_BYTES.get(device.type, CHUNK_BYTES["cuda"])
     return max(budget // (4 * vocab), hidden // 2, 1)
 
@@ -46,9 +47,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     the module doc)."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, rows: int, mean: bool) -> Tensor:
+    def forward(
+        ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, rows: int, mean: bool, grad_enabled: bool
+    ) -> Tensor:
         dtype = _compute_dtype(hidden, weight)
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # `needs_input_grad` says only which inputs require grad; under no_grad (validation) no
+        # backward will come, so the caller's grad mode decides whether to take gradients
+        want_h, want_w = (grad_enabled and ctx.needs_input_grad[i] for i in (0, 1))
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             valid = labels != IGNORE_INDEX
@@ -97,7 +102,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # runs once, and these buffers were made for it
         dh = d_hidden.mul_(grad_out) if d_hidden is not None else None
         dw = d_weight.mul_(grad_out).to(ctx.weight_dtype) if d_weight is not None else None
-        return dh, dw, None, None, None
+        return dh, dw, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -113,4 +118,6 @@ def linear_cross_entropy(
     h = hidden.reshape(-1, hidden.shape[-1])
     if rows is None:
         rows = chunk_rows(weight.shape[0], weight.shape[1], hidden.device)
-    return _LinearCrossEntropy.apply(h, weight, labels.reshape(-1), rows, reduction == "mean")
+    return _LinearCrossEntropy.apply(
+        h, weight, labels.reshape(-1), rows, reduction == "mean", torch.is_grad_enabled()
+    )

@@ -14,7 +14,8 @@ optimizer_state AdamW's two moments per parameter; ZeRO-1 (`zero.py`) keeps 1/dp
 activations     what autograd saves per decoder block (`block_activation_bytes`, op by op below),
                 times the chunk activations the schedule keeps alive at its peak (walking
                 `stage_schedule` itself), plus the first stage's token ids and the last stage's
-                norm and loss.
+                norm and loss. Under pp the last stage's received inputs outlive their backward:
+                the loss the runner keeps until the step's end still references its graph's leaf.
 communication   pipeline sends: `StageP2P` keeps every tensor it sends alive until the step's
                 end (`finish` waits for them), so a stage holds all its step's outgoing
                 activations and gradients by then.
@@ -138,10 +139,10 @@ def chunk_activation_bytes(work: Workload, layout: Layout, stage: int) -> list[i
             n += 8 * N  # token ids (int64), saved by the embedding
         if g == p * v - 1:
             n += r * x * h + 4 * x  # final norm: input, rstd
-            if tp == 1:  # fused head + loss: d hidden and fp32 d weight kept for backward
+            if tp * p == 1:  # the plain model's fused head + loss: d hidden and fp32 d weight
                 n += r * N * h + 4 * c.vocab_size * h
-            else:  # head input (gathered) and the vocab-parallel loss's softmax over this rank's vocab
-                n += a * N * h + 4 * N * c.vocab_size // tp + 8 * N
+            else:  # a sharded model's head input (gathered) and vocab-parallel loss: fp32 softmax
+                n += a * N * h + 4 * N * c.vocab_size // tp + 10 * N  # over its vocab; labels, masks
         out.append(n)
     return out
 
@@ -165,6 +166,8 @@ def schedule_peaks(work: Workload, layout: Layout, stage: int) -> tuple[int, int
         elif kind == BACKWARD:
             live -= chunks[c]
             sent += boundary if g != 0 else 0
+            if g == p * v - 1:  # the loss the runner keeps till the step's end holds its graph's leaf:
+                live += boundary  # the received input stays alive (`pipeline/runner.py`, micro.loss)
         peak = max(peak, live)
     return peak, sent
 

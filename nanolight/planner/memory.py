@@ -37,6 +37,7 @@ matmul outputs and the attention kernel's outputs (`recompute._keep`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache, lru_cache
 
 from nanolight.models.flops import stage_costs
 from nanolight.models.llama_config import LlamaConfig
@@ -69,11 +70,21 @@ class Workload:
 
 def chunk_layers(config: LlamaConfig, layout: Layout) -> list[list[range]]:
     """Per pipeline rank, the decoder layers of each of its chunks (the split the code makes)."""
-    p, v = layout.pp, layout.pp_virtual
+    return _chunk_layers(config.num_hidden_layers, stage_costs(config), layout.pp, layout.pp_virtual)
+
+
+@cache
+def _chunk_layers(layers: int, costs: tuple[float, float, float], p: int, v: int) -> list[list[range]]:
     if p == 1:
-        return [[range(config.num_hidden_layers)]]
-    ranges = balanced_layer_split(config.num_hidden_layers, p * v, *stage_costs(config))
+        return [[range(layers)]]
+    ranges = balanced_layer_split(layers, p * v, *costs)
     return [[ranges[r + c * p] for c in range(v)] for r in range(p)]
+
+
+@lru_cache(maxsize=4096)
+def _schedule(name: str, m: int, p: int, stage: int, v: int) -> tuple:
+    """The stage's chunk-level list, kept: the planner walks the same few thousand times."""
+    return tuple(stage_schedule(name, m, p, stage, v))
 
 
 def rank_parameters(config: LlamaConfig, layout: Layout, stage: int) -> int:
@@ -158,7 +169,7 @@ def schedule_peaks(work: Workload, layout: Layout, stage: int) -> tuple[int, int
     tokens = layout.micro_batch_size * work.seq_len
     boundary = r * (tokens // layout.tp if layout.sequence_parallel else tokens) * work.config.hidden_size
     live = peak = sent = 0
-    for kind, _, c in stage_schedule(layout.pp_schedule, m, p, stage, v):
+    for kind, _, c in _schedule(layout.pp_schedule, m, p, stage, v):
         g = stage + c * p
         if kind == FORWARD:
             live += chunks[c]

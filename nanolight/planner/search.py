@@ -135,7 +135,7 @@ def plan(
             "+plan.global_batch_tokens, or pin fewer knobs"
         )
     predictions = [predict(work, layout, hw) for layout in layouts]
-    predictions.sort(key=lambda p: (not p.fits, round(p.step_time_s, 6), p.memory_bytes["total"]))
+    predictions.sort(key=lambda p: (not p.fits, float(f"{p.step_time_s:.6g}"), p.memory_bytes["total"]))
     return predictions
 
 

@@ -17,7 +17,9 @@ direction, the rate a ring collective's every step runs at):
 `efficiency` is the fraction of the peak the model's matmuls reach. No GPU is at hand to measure
 it, so it is the MFU ballpark published for Llama-size dense training at these scales (Megatron-LM,
 torchtitan, nanotron's SmolLM3 runs: 40-55%, before pipeline and communication losses, which the
-time model adds itself): 0.55. `link_efficiency`: NCCL's bus bandwidth reaches ~80% of the link.
+time model adds itself): 0.55. `link_efficiency`: NCCL's bus bandwidth reaches ~80% of the link; `latency`: a small message or
+collective costs ~10-20 us with NCCL within a node and across InfiniBand (nccl-tests' small sizes),
+so each collective is charged latency + bytes / bandwidth (Hockney's model).
 The `cpu` entry is calibrated instead (`calibrate_cpu`): its peak *is* the measured matmul rate.
 """
 
@@ -51,6 +53,7 @@ class Hardware:
     link_efficiency: float = 0.8
     device: str = "cuda"
     shared_cores: int = 0  # cpu: the ranks of one machine share this many cores
+    latency: float = 15e-6  # seconds one small collective or message costs, whatever its size
 
     def flops(self, precision: str) -> float:
         """Peak matmul rate for a precision mode (bf16 compute for every bf16 mode)."""
@@ -115,16 +118,17 @@ def calibrate_cpu(size: int = 256, copy_mb: int = 64) -> Hardware:
         torch.set_num_threads(threads)
     cores = os.cpu_count() or 1
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    link = gloo_bandwidth()
+    link, latency = gloo_bandwidth()
     return Hardware(
         "cpu", flops, flops, total, copy, link, link, gpus_per_node=max(cores, 64), efficiency=1.0,
-        link_efficiency=1.0, device="cpu", shared_cores=cores,
+        link_efficiency=1.0, device="cpu", shared_cores=cores, latency=latency,
     )  # fmt: skip
 
 
-def gloo_bandwidth(megabytes: int = 16) -> float:
-    """Bytes/s of a two-rank gloo all-reduce on this machine (algorithm bandwidth: message size
-    over time), measured in a short-lived pair of processes."""
+def gloo_bandwidth(megabytes: int = 16) -> tuple[float, float]:
+    """(bytes/s, seconds of latency) of a two-rank gloo all-reduce on this machine: a large
+    buffer's size over its time, and a one-element all-reduce's time, measured in a short-lived
+    pair of processes."""
     import socket
 
     import torch.multiprocessing as mp
@@ -150,11 +154,13 @@ def _allreduce_rank(rank: int, megabytes: int, out: object, port: int) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    x = torch.ones(megabytes * 2**18)  # fp32
+    x, tiny = torch.ones(megabytes * 2**18), torch.ones(1)  # fp32
     # the two ranks all-reduce one buffer a few times: the measured rate stands for every gloo link
     seconds = _rate(lambda: dist.all_reduce(x), 3)
+    # and a one-element buffer: what any collective or message costs before its bytes
+    latency = _rate(lambda: dist.all_reduce(tiny), 50)
     if rank == 0:
-        out.put(x.numel() * 4 / seconds)
+        out.put((x.numel() * 4 / seconds, latency))
     dist.destroy_process_group()
 
 

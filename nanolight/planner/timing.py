@@ -15,7 +15,9 @@ head on the last stage); recompute adds a block's forward again (`full`; `select
 only elementwise ops, and eager attention's score matmuls). tp collectives (`tensor_parallel/
 comm.py`) run inline with the compute: two all-reduces (or all-gather + reduce-scatter under
 sequence parallelism, the same bytes) per block forward, two per backward. A ring moves
-2(n-1)/n of an all-reduced buffer per rank, (n-1)/n of a reduce-scattered or all-gathered one.
+2(n-1)/n of an all-reduced buffer per rank, (n-1)/n of a reduce-scattered or all-gathered one,
+after the hardware's latency; a pipeline chunk's forward and backward each cost two messages'
+latency (a receive and a send), so interleaving pays v times as many.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ from nanolight.planner.memory import Workload, chunk_layers, rank_parameters
 ADAMW_BYTES_PER_ELEMENT = 28  # fp32 p, g, m, v read (16) + p, m, v written (12)
 
 
-def _ring(n: int, nbytes: float, bandwidth: float, all_reduce: bool = True) -> float:
-    """Seconds of a ring collective over `n` ranks moving a buffer of `nbytes`."""
+def _ring(n: int, nbytes: float, bandwidth: float, latency: float, all_reduce: bool = True) -> float:
+    """Seconds of a ring collective over `n` ranks moving a buffer of `nbytes` (its latency once)."""
     if n == 1:
         return 0.0
-    return (2 if all_reduce else 1) * (n - 1) / n * nbytes / bandwidth
+    return latency + (2 if all_reduce else 1) * (n - 1) / n * nbytes / bandwidth
 
 
 def rank_rate(hw: Hardware, layout: Layout) -> float:
@@ -61,7 +63,9 @@ def micro_batch_work(work: Workload, layout: Layout, hw: Hardware, stage: int) -
     seconds = tokens * flops / tp / rank_rate(hw, layout)
     _, _, act, _ = PRECISION_BYTES[layout.precision]
     collectives = 4 + (2 if mode == "full" else 0)  # per block and micro-batch
-    seconds += layers * collectives * _ring(tp, tokens * c.hidden_size * act, hw.link(tp))
+    seconds += layers * collectives * _ring(tp, tokens * c.hidden_size * act, hw.link(tp), hw.latency)
+    if layout.pp > 1:  # each chunk's forward and backward posts a receive and sends: two messages each
+        seconds += 4 * layout.pp_virtual * hw.latency
     return seconds
 
 
@@ -77,11 +81,11 @@ def step_time(work: Workload, layout: Layout, hw: Hardware) -> dict[str, float]:
     n = max(rank_parameters(work.config, layout, s) for s in range(p))
     dp_link = hw.link(layout.world_size)
     if layout.zero_stage == 1:
-        reduce = _ring(dp, n * g_bytes, dp_link, all_reduce=False)
-        gather = _ring(dp, n * w_bytes, dp_link, all_reduce=False)
+        reduce = _ring(dp, n * g_bytes, dp_link, hw.latency, all_reduce=False)
+        gather = _ring(dp, n * w_bytes, dp_link, hw.latency, all_reduce=False)
         stepped = n / dp
     else:
-        reduce, gather, stepped = _ring(dp, n * g_bytes, dp_link), 0.0, n
+        reduce, gather, stepped = _ring(dp, n * g_bytes, dp_link, hw.latency), 0.0, n
     last_backward = busiest * 2 / 3  # the buckets' window: the last micro-batch's backward
     exposed = max(reduce - last_backward, reduce * 0.1) if reduce else 0.0  # the last bucket always shows
     optimizer = (ADAMW_BYTES_PER_ELEMENT * stepped + n * g_bytes) / hw.memory_bandwidth  # + the norm's read

@@ -22,7 +22,7 @@ from nanolight.planner.layout import Layout
 from nanolight.planner.memory import Workload, rank_memory
 from nanolight.strategies import Parallel3DStrategy
 
-MICRO, T = 2, 32
+MICRO, T = 2, 48  # 96 tokens per micro-batch: no size coincides with hidden (64) or vocab (256)
 CHECKED = ("parameters", "gradients", "optimizer_state", "activations", "communication")
 
 

@@ -103,7 +103,7 @@ def _rate(work: object, repeats: int) -> float:
 
 
 def calibrate_cpu(size: int = 256, copy_mb: int = 64) -> Hardware:
-    """This machine, measured in about a second: one thread's fp32 matmul rate at the tiny
+    """This machine, measured in a few seconds: one thread's fp32 matmul rate at the tiny
     models' sizes (as the ranks of a gloo test run: one thread each), memcpy bandwidth, and the
     gloo all-reduce rate of two local ranks (`gloo_bandwidth`)."""
     threads = torch.get_num_threads()

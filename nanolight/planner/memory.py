@@ -22,7 +22,8 @@ communication   pipeline sends: `StageP2P` keeps every tensor it sends alive unt
 transient       what lives only for a moment at the peak: under recompute, one block's full
                 activations rebuilt in backward; after backward, ZeRO-1's all-gather buffers (a
                 full bucket per bucket, in the parameter dtype) while activations are gone.
-allocator       CUDA caching-allocator slack (fragmentation, rounding): a fixed fraction on GPUs.
+allocator       CUDA caching-allocator slack (fragmentation, rounding): a fixed allowance on GPUs,
+                to be checked against `torch.cuda.max_memory_allocated` when a GPU is at hand.
 
 The block's saved tensors (fp32 units: x = tokens on this rank between tp regions, N = tokens
 of the micro-batch, q/kv = query/key-value widths, I = MLP width, all / tp where tp splits them):
@@ -30,7 +31,9 @@ norm inputs x*h and rstd x (twice), the two column linears' gathered inputs N*h,
 (v is a view of it), rope'd q and k, SDPA's output and log-sum-exp, gate_up (2I), silu (I) and
 the product (I); eager attention instead saves q, the GQA-expanded k and v, the (T, T) mask and
 the softmax (b, heads, T, T). On CPU the SwiGLU's regrouped gate_up weight (`_blocked_gate_up`)
-is saved too. `full` recompute keeps the block input only; `selective` keeps the input, the
+is saved too. The head: one process runs the fused head + loss (`fused_loss.py`: d hidden and an
+fp32 d weight kept); a sharded model (tp or pp) the vocab-parallel loss (fp32 softmax over its
+vocabulary shard). `full` recompute keeps the block input only; `selective` keeps the input, the
 matmul outputs and the attention kernel's outputs (`recompute._keep`).
 """
 
@@ -46,7 +49,7 @@ from nanolight.parallel.pipeline.schedules import BACKWARD, FORWARD, stage_sched
 from nanolight.parallel.pipeline.split import balanced_layer_split
 from nanolight.planner.layout import PRECISION_BYTES, Layout
 
-ALLOCATOR_MARGIN = {"cuda": 0.08, "cpu": 0.0}  # fraction of the rest (measured CUDA fragmentation: 5-10%)
+ALLOCATOR_MARGIN = {"cuda": 0.08, "cpu": 0.0}  # of the rest: an allowance, not measured (no GPU here)
 PARTS = (
     "parameters",
     "gradients",
@@ -60,7 +63,8 @@ PARTS = (
 
 @dataclass(frozen=True)
 class Workload:
-    """The model and what one micro-batch row looks like; `device` picks CPU- or GPU-only kernels."""
+    """The model and one sequence's length; `device` picks CPU- or GPU-only kernels; the dp
+    reduction's bucket size is the code's (`data_parallel.py`)."""
 
     config: LlamaConfig
     seq_len: int

@@ -6,7 +6,8 @@ link bandwidths, overlapped where the code overlaps it, the pipeline bubble from
                                               tp collectives), stretched by `bubble_fraction`
          + pipeline fill                      (p-1) activation hops nothing overlaps
          + exposed dp reduction               buckets go out during the last micro-batch's
-                                              backward (`data_parallel.py`); what exceeds it shows
+                                              backward (`data_parallel.py`); what exceeds it shows,
+                                              and the last bucket (25 MB) always does
          + ZeRO-1 all-gather                  after the optimizer step, nothing to hide behind
          + optimizer step                     AdamW reads p, g, m, v and writes p, m, v: memory-bound
 
@@ -87,7 +88,8 @@ def step_time(work: Workload, layout: Layout, hw: Hardware) -> dict[str, float]:
     else:
         reduce, gather, stepped = _ring(dp, n * g_bytes, dp_link, hw.latency), 0.0, n
     last_backward = busiest * 2 / 3  # the buckets' window: the last micro-batch's backward
-    exposed = max(reduce - last_backward, reduce * 0.1) if reduce else 0.0  # the last bucket always shows
+    last_bucket = min(work.bucket_bytes, n * g_bytes) / (n * g_bytes) * reduce  # launched after backward
+    exposed = max(reduce - last_backward, last_bucket) if reduce else 0.0
     optimizer = (ADAMW_BYTES_PER_ELEMENT * stepped + n * g_bytes) / hw.memory_bandwidth  # + the norm's read
     parts = {
         "compute": m * busiest,

@@ -67,9 +67,10 @@ def parse(argv: list[str]) -> tuple[Workload, int, int, str, dict[str, Any], int
         )
     seq_len = raw["trainer"]["seq_len"]
     if seq_len > raw["model"]["max_position_embeddings"]:  # planning a longer context than the preset's
-        print(
+        note = (
             f"(planning at trainer.seq_len={seq_len}: to run it add model.max_position_embeddings={seq_len})"
         )
+        print(note, file=sys.stderr)  # stdout stays the table or the JSON
         raw["model"]["max_position_embeddings"] = seq_len
     config = load_config(raw)  # every recipe key validated as the recipe does
     pinned = {}

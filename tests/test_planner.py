@@ -40,10 +40,11 @@ def _plan_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_plan_script_json_rows_best_first() -> None:
     out = _plan_cli(
-        "model=smollm-360m", "trainer.seq_len=2048", "+cluster.gpus=8", "+cluster.gpu=h100-sxm",
+        "model=smollm-360m", "trainer.seq_len=4096", "+cluster.gpus=8", "+cluster.gpu=h100-sxm",
         "+plan.global_batch_tokens=524288", "trainer.precision=bf16-mixed", "--json",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
+    assert "max_position_embeddings=4096" in out.stderr  # beyond the preset's 2048: said, off stdout
     rows = json.loads(out.stdout)
     assert rows and all(r["precision"] == "bf16-mixed" for r in rows)  # the pinned knob is not varied
     for key in ("tp", "pp", "pp_schedule", "pp_virtual", "cp", "dp", "zero_stage", "activation_checkpointing",
@@ -53,7 +54,7 @@ def test_plan_script_json_rows_best_first() -> None:
         parts = r["memory_bytes"]
         assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
         assert r["tp"] * r["pp"] * r["dp"] == 8
-        assert r["micro_batch_size"] * r["accumulate_grad_batches"] * r["dp"] * 2048 == 524288
+        assert r["micro_batch_size"] * r["accumulate_grad_batches"] * r["dp"] * 4096 == 524288
         assert r["fits"] == (parts["total"] <= H100.memory_bytes)
     fits = [r["fits"] for r in rows]
     assert fits == sorted(fits, reverse=True)  # fitting layouts first

@@ -1,0 +1,167 @@
+"""The accelerators the planner knows: published figures, and this machine's CPU, measured.
+
+Figures are per GPU, from the vendors' datasheets (dense, i.e. without 2:4 sparsity; links per
+direction, the rate a ring collective's every step runs at):
+
+- H100 SXM / PCIe: NVIDIA H100 Tensor Core GPU datasheet (2023): BF16 989 / 756 TFLOPS, TF32
+  495 / 378, 80 GB HBM at 3.35 / 2.0 TB/s, NVLink 900 GB/s (450 each way) on SXM; the PCIe card
+  talks over PCIe Gen5 x16 (64 GB/s each way; its NVLink bridge joins pairs only).
+- H200 SXM: NVIDIA H200 datasheet: BF16 989 TFLOPS, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
+- A100 SXM 40 / 80 GB: NVIDIA A100 datasheet: BF16 312 TFLOPS, TF32 156, HBM2(e) at 1.555 /
+  2.039 TB/s, NVLink 600 GB/s (300 each way).
+- B200: NVIDIA HGX B200 / DGX B200 datasheets: 180 GB HBM3e at 8 TB/s, FP8 72 PFLOPS sparse per
+  8 GPUs, i.e. BF16 2.25 PFLOPS dense per GPU (TF32 1.1), NVLink 5 at 1.8 TB/s (900 each way).
+- Between nodes: DGX H100 / H200 / B200 give each GPU a 400 Gb/s ConnectX-7 port (50 GB/s), DGX
+  A100 a 200 Gb/s HDR port (25 GB/s).
+
+`efficiency` is the fraction of the peak the model's matmuls reach. No GPU is at hand to measure
+it, so it is the MFU ballpark published for Llama-size dense training at these scales (Megatron-LM,
+torchtitan, nanotron's SmolLM3 runs: 40-55%, before pipeline and communication losses, which the
+time model adds itself): 0.55. `link_efficiency`: NCCL's bus bandwidth reaches ~80% of the link; `latency`: a small message or
+collective costs ~10-20 us with NCCL within a node and across InfiniBand (nccl-tests' small sizes),
+so each collective is charged latency + bytes / bandwidth (Hockney's model).
+The `cpu` entry is calibrated instead (`calibrate_cpu`): its peak *is* the measured matmul rate.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from nanolight.errors import UsageError
+
+GB = 10**9
+TERA = 10**12
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator (and its links) as the time and memory models see it."""
+
+    name: str
+    bf16_flops: float  # dense peak, FLOP/s
+    fp32_flops: float  # the rate 32-true's matmuls run at (TF32 on GPUs)
+    memory_bytes: int
+    memory_bandwidth: float  # bytes/s
+    intra_node_bandwidth: float  # bytes/s per GPU per direction (NVLink / PCIe)
+    inter_node_bandwidth: float  # bytes/s per GPU (InfiniBand)
+    gpus_per_node: int = 8
+    efficiency: float = 0.55
+    link_efficiency: float = 0.8
+    device: str = "cuda"
+    shared_cores: int = 0  # cpu: the ranks of one machine share this many cores
+    latency: float = 15e-6  # seconds one small collective or message costs, whatever its size
+
+    def flops(self, precision: str) -> float:
+        """Peak matmul rate for a precision mode (bf16 compute for every bf16 mode)."""
+        return self.fp32_flops if precision == "32-true" else self.bf16_flops
+
+    def link(self, span: int) -> float:
+        """Effective bandwidth of a group whose ranks lie within `span` consecutive ranks."""
+        raw = self.intra_node_bandwidth if span <= self.gpus_per_node else self.inter_node_bandwidth
+        return raw * self.link_efficiency
+
+
+def _gpu(
+    name: str, bf16: float, tf32: float, mem_gb: float, hbm_tb: float, nvlink: float, ib: float
+) -> Hardware:
+    return Hardware(
+        name, bf16 * TERA, tf32 * TERA, int(mem_gb * GB), hbm_tb * 1000 * GB, nvlink * GB, ib * GB
+    )
+
+
+HARDWARE: dict[str, Hardware] = {
+    "h100-sxm": _gpu("h100-sxm", 989, 495, 80, 3.35, 450, 50),
+    "h100-pcie": _gpu("h100-pcie", 756, 378, 80, 2.0, 64, 50),
+    "h200": _gpu("h200", 989, 495, 141, 4.8, 450, 50),
+    "a100-40gb": _gpu("a100-40gb", 312, 156, 40, 1.555, 300, 25),
+    "a100-80gb": _gpu("a100-80gb", 312, 156, 80, 2.039, 300, 25),
+    "b200": _gpu("b200", 2250, 1100, 180, 8.0, 900, 50),
+}
+
+
+def hardware(name: str) -> Hardware:
+    """A table entry by name, or `cpu` measured now."""
+    if name == "cpu":
+        return calibrate_cpu()
+    if name not in HARDWARE:
+        raise UsageError(
+            f"unknown GPU {name!r} (+cluster.gpu); choose one of {', '.join([*HARDWARE, 'cpu'])}"
+        )
+    return HARDWARE[name]
+
+
+def _rate(work: object, repeats: int) -> float:
+    work()  # warm-up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        work()
+    return (time.perf_counter() - start) / repeats
+
+
+def calibrate_cpu(size: int = 256, copy_mb: int = 64) -> Hardware:
+    """This machine, measured in a few seconds: one thread's fp32 matmul rate at the tiny
+    models' sizes (as the ranks of a gloo test run: one thread each), memcpy bandwidth, and the
+    gloo all-reduce rate of two local ranks (`gloo_bandwidth`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        flops = 2 * size**3 / _rate(lambda: a @ b, 50)
+        src = torch.empty(copy_mb * 2**20, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        copy = 2 * src.numel() / _rate(lambda: dst.copy_(src), 5)  # read + write
+    finally:
+        torch.set_num_threads(threads)
+    cores = os.cpu_count() or 1
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    link, latency = gloo_bandwidth()
+    return Hardware(
+        "cpu", flops, flops, total, copy, link, link, gpus_per_node=max(cores, 64), efficiency=1.0,
+        link_efficiency=1.0, device="cpu", shared_cores=cores, latency=latency,
+    )  # fmt: skip
+
+
+def gloo_bandwidth(megabytes: int = 16) -> tuple[float, float]:
+    """(bytes/s, seconds of latency) of a two-rank gloo all-reduce on this machine: a large
+    buffer's size over its time, and a one-element all-reduce's time, measured in a short-lived
+    pair of processes."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")  # no re-import of torch: the pair starts in milliseconds
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, megabytes, out, port)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        rate = out.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+    return rate
+
+
+def _allreduce_rank(rank: int, megabytes: int, out: object, port: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    x, tiny = torch.ones(megabytes * 2**18), torch.ones(1)  # fp32
+    # the two ranks all-reduce one buffer a few times: the measured rate stands for every gloo link
+    seconds = _rate(lambda: dist.all_reduce(x), 3)
+    # and a one-element buffer: what any collective or message costs before its bytes
+    latency = _rate(lambda: dist.all_reduce(tiny), 50)
+    if rank == 0:
+        out.put((x.numel() * 4 / seconds, latency))
+    dist.destroy_process_group()
+
+
+__all__ = ["HARDWARE", "Hardware", "calibrate_cpu", "gloo_bandwidth", "hardware"]

@@ -1,0 +1,222 @@
+"""Peak memory of one rank under a `Layout`, as parts, derived from what the code allocates.
+
+Every figure here is read off the code that holds the memory, so a change there shows up as a
+failing comparison in `tests/test_planner_memory.py` (predicted vs measured on real runs):
+
+parameters      this rank's slice: decoder blocks split by the pipeline (`pipeline/split.py`, the
+                busiest rank), matrices split by tp (norm weights are replicated), the embedding on
+                the first stage and the head on the last (a tied embedding is kept on both ends).
+gradients       one per parameter, in the gradient dtype (`data_parallel.py` buckets under dp: the
+                padding to dp slices is a few elements); ZeRO-1 adds this rank's reduced 1/dp shard.
+optimizer_state AdamW's two moments per parameter; ZeRO-1 (`zero.py`) keeps 1/dp of them and of
+                the fp32 master weights (fp32 whatever the parameter dtype); bf16-master keeps the
+                fp32 master copy on every rank without ZeRO.
+activations     what autograd saves per decoder block (`block_activation_bytes`, op by op below),
+                times the chunk activations the schedule keeps alive at its peak (walking
+                `stage_schedule` itself), plus the first stage's token ids and the last stage's
+                norm and loss. Under pp the last stage's received inputs outlive their backward:
+                the loss the runner keeps until the step's end still references its graph's leaf.
+communication   pipeline sends: `StageP2P` keeps every tensor it sends alive until the step's
+                end (`finish` waits for them), so a stage holds all its step's outgoing
+                activations and gradients by then.
+transient       what lives only for a moment at the peak: under recompute, one block's full
+                activations rebuilt in backward; after backward, ZeRO-1's all-gather buffers (a
+                full bucket per bucket, in the parameter dtype) while activations are gone.
+allocator       CUDA caching-allocator slack (fragmentation, rounding): a fixed allowance on GPUs,
+                to be checked against `torch.cuda.max_memory_allocated` when a GPU is at hand.
+
+The block's saved tensors (fp32 units: x = tokens on this rank between tp regions, N = tokens
+of the micro-batch, q/kv = query/key-value widths, I = MLP width, all / tp where tp splits them):
+norm inputs x*h and rstd x (twice), the two column linears' gathered inputs N*h, the qkv output
+(v is a view of it), rope'd q and k, SDPA's output and log-sum-exp, gate_up (2I), silu (I) and
+the product (I); eager attention instead saves q, the GQA-expanded k and v, the (T, T) mask and
+the softmax (b, heads, T, T). On CPU the SwiGLU's regrouped gate_up weight (`_blocked_gate_up`)
+is saved too. The head: one process runs the fused head + loss (`fused_loss.py`: d hidden and an
+fp32 d weight kept); a sharded model (tp or pp) the vocab-parallel loss (fp32 softmax over its
+vocabulary shard). `full` recompute keeps the block input only; `selective` keeps the input, the
+matmul outputs and the attention kernel's outputs (`recompute._keep`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache, lru_cache
+
+from nanolight.models.flops import stage_costs
+from nanolight.models.llama_config import LlamaConfig
+from nanolight.parallel.data_parallel import DEFAULT_BUCKET_BYTES
+from nanolight.parallel.pipeline.schedules import BACKWARD, FORWARD, stage_schedule
+from nanolight.parallel.pipeline.split import balanced_layer_split
+from nanolight.planner.layout import PRECISION_BYTES, Layout
+
+ALLOCATOR_MARGIN = {"cuda": 0.08, "cpu": 0.0}  # of the rest: an allowance, not measured (no GPU here)
+PARTS = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "communication",
+    "transient",
+    "allocator",
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model and one sequence's length; `device` picks CPU- or GPU-only kernels; the dp
+    reduction's bucket size is the code's (`data_parallel.py`)."""
+
+    config: LlamaConfig
+    seq_len: int
+    device: str = "cuda"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+
+def chunk_layers(config: LlamaConfig, layout: Layout) -> list[list[range]]:
+    """Per pipeline rank, the decoder layers of each of its chunks (the split the code makes)."""
+    return _chunk_layers(config.num_hidden_layers, stage_costs(config), layout.pp, layout.pp_virtual)
+
+
+@cache
+def _chunk_layers(layers: int, costs: tuple[float, float, float], p: int, v: int) -> list[list[range]]:
+    if p == 1:
+        return [[range(layers)]]
+    ranges = balanced_layer_split(layers, p * v, *costs)
+    return [[ranges[r + c * p] for c in range(v)] for r in range(p)]
+
+
+@lru_cache(maxsize=4096)
+def _schedule(name: str, m: int, p: int, stage: int, v: int) -> tuple:
+    """The stage's chunk-level list, kept: the planner walks the same few thousand times."""
+    return tuple(stage_schedule(name, m, p, stage, v))
+
+
+def rank_parameters(config: LlamaConfig, layout: Layout, stage: int) -> int:
+    """Parameters (elements) held by a rank of pipeline stage `stage`."""
+    c, tp = config, layout.tp
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    block = (c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size) // tp
+    block += 2 * c.hidden_size  # the two norms, replicated over tp
+    layers = sum(len(r) for r in chunk_layers(config, layout)[stage])
+    vocab = c.vocab_size * c.hidden_size // tp
+    first, last = stage == 0, stage == layout.pp - 1
+    n = layers * block
+    n += vocab if first else 0
+    if last:
+        n += c.hidden_size  # final norm
+        n += vocab if (not c.tie_word_embeddings or layout.pp > 1) else 0  # head, or the tied copy
+    return n
+
+
+def block_activation_bytes(work: Workload, layout: Layout, mode: str | None = None) -> int:
+    """Bytes autograd saves for one decoder block and one micro-batch (see the module docstring)."""
+    c, tp, b, T = work.config, layout.tp, layout.micro_batch_size, work.seq_len
+    w_bytes, _, a, r = PRECISION_BYTES[layout.precision]
+    N, h = b * T, c.hidden_size
+    x = N // tp if layout.sequence_parallel else N  # tokens between tp regions
+    q, kv = c.num_attention_heads * c.head_dim // tp, c.num_key_value_heads * c.head_dim // tp
+    heads, inter = c.num_attention_heads // tp, c.intermediate_size // tp
+    mode = mode or layout.activation_checkpointing
+    block_input = r * x * h
+    if mode == "full":
+        return block_input
+    cpu_weight = (
+        2 * inter * h * (w_bytes if layout.precision == "32-true" else a) if work.device == "cpu" else 0
+    )
+    if c.attn_implementation == "eager":
+        attn_out = a * N * q
+        attention = a * N * q * 3 + T * T + a * b * heads * T * T + attn_out
+        kernel_outputs = 0  # eager's matmuls are bmm: recomputed under `selective`
+    else:
+        attn_out = a * N * q
+        attention = a * N * q + a * N * kv + a * N * (q + 2 * kv) + 4 * b * heads * T + attn_out
+        kernel_outputs = attn_out + 4 * b * heads * T
+    if mode == "selective":  # block input + matmul outputs (qkv, o, gate_up, down) + attention kernel's
+        return block_input + a * N * (q + 2 * kv) + 2 * a * N * h + a * N * 2 * inter + kernel_outputs
+    norms = 2 * (r * x * h + 4 * x)
+    linear_inputs = 2 * a * N * h
+    mlp = a * N * 2 * inter + 2 * a * N * inter
+    return norms + linear_inputs + attention + mlp + cpu_weight
+
+
+def chunk_activation_bytes(work: Workload, layout: Layout, stage: int) -> list[int]:
+    """Bytes saved by one micro-batch's forward through each of this rank's chunks."""
+    c, p, v = work.config, layout.pp, layout.pp_virtual
+    _, _, a, r = PRECISION_BYTES[layout.precision]
+    N, h, tp = layout.micro_batch_size * work.seq_len, c.hidden_size, layout.tp
+    x = N // tp if layout.sequence_parallel else N
+    block = block_activation_bytes(work, layout)
+    out = []
+    for ci, layers in enumerate(chunk_layers(c, layout)[stage]):
+        g = stage + ci * p  # global virtual stage
+        n = len(layers) * block + 2 * r * work.seq_len * c.head_dim  # + this forward's rope cos, sin tables
+        if g == 0:
+            n += 8 * N  # token ids (int64), saved by the embedding
+        if g == p * v - 1:
+            n += r * x * h + 4 * x  # final norm: input, rstd
+            if tp * p == 1:  # the plain model's fused head + loss: d hidden and fp32 d weight
+                n += r * N * h + 4 * c.vocab_size * h
+            else:  # a sharded model's head input (gathered) and vocab-parallel loss: fp32 softmax
+                n += a * N * h + 4 * N * c.vocab_size // tp + 10 * N  # over its vocab; labels, masks
+        out.append(n)
+    return out
+
+
+def schedule_peaks(work: Workload, layout: Layout, stage: int) -> tuple[int, int]:
+    """(peak saved activations, pipeline send bytes held at the step's end) for rank `stage`,
+    walking the stage's own schedule."""
+    p, v, m = layout.pp, layout.pp_virtual, layout.accumulate_grad_batches
+    chunks = chunk_activation_bytes(work, layout, stage)
+    if p == 1:
+        return chunks[0], 0
+    _, _, _, r = PRECISION_BYTES[layout.precision]
+    tokens = layout.micro_batch_size * work.seq_len
+    boundary = r * (tokens // layout.tp if layout.sequence_parallel else tokens) * work.config.hidden_size
+    live = peak = sent = 0
+    for kind, _, c in _schedule(layout.pp_schedule, m, p, stage, v):
+        g = stage + c * p
+        if kind == FORWARD:
+            live += chunks[c]
+            sent += boundary if g != p * v - 1 else 0
+        elif kind == BACKWARD:
+            live -= chunks[c]
+            sent += boundary if g != 0 else 0
+            if g == p * v - 1:  # the loss the runner keeps till the step's end holds its graph's leaf:
+                live += boundary  # the received input stays alive (`pipeline/runner.py`, micro.loss)
+        peak = max(peak, live)
+    return peak, sent
+
+
+def rank_memory(work: Workload, layout: Layout, stage: int) -> dict[str, int]:
+    """The parts (bytes) of pipeline stage `stage`'s ranks, and their `total`."""
+    w_bytes, g_bytes, _, _ = PRECISION_BYTES[layout.precision]
+    n = rank_parameters(work.config, layout, stage)
+    dp, zero = layout.dp, layout.zero_stage == 1
+    grads = n * g_bytes + (n // dp * g_bytes if zero else 0)
+    if zero:
+        optimizer = 12 * n // dp  # fp32 master + two fp32 moments, 1/dp of each
+    elif layout.precision == "bf16-master":
+        optimizer = 12 * n
+    else:
+        optimizer = 2 * n * w_bytes
+    activations, sent = schedule_peaks(work, layout, stage)
+    recompute = (
+        block_activation_bytes(work, layout, "none") if layout.activation_checkpointing != "none" else 0
+    )
+    gather = n * w_bytes if zero else 0  # after backward: no activations then
+    parts = {
+        "parameters": n * w_bytes,
+        "gradients": grads,
+        "optimizer_state": optimizer,
+        "activations": activations,
+        "communication": sent,
+        "transient": max(recompute, gather - activations - sent),
+    }
+    parts["allocator"] = int(ALLOCATOR_MARGIN.get(work.device, 0.0) * sum(parts.values()))
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def peak_memory(work: Workload, layout: Layout) -> dict[str, int]:
+    """The most loaded rank's parts (pipeline stages differ; tp and dp ranks are alike)."""
+    return max((rank_memory(work, layout, s) for s in range(layout.pp)), key=lambda parts: parts["total"])

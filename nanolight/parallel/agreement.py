@@ -12,7 +12,7 @@ small messages per rank, whatever N: for a maximum,
     start   add(count, 1)  [+ compare_set(max) when this rank's value is > 0 -- rare]
             the rank that brings the count to N sets `done`
     wait    wait(done) -- long set when read one step later -- and get(max); add(read, 1), and
-            the last reader deletes the round's keys
+            rank 0 (the store's host) waits until every rank has read, then deletes the round's keys
 
 i.e. per rank 1 connection and 4 messages per agreement (the last arriver/reader 1-3 more); the
 store's host serves O(N) small requests per agreement, as it does for the heartbeats. Every rank
@@ -78,10 +78,19 @@ class StoreAgreements:
         return obj
 
     def done_reading(self, key: str, names: tuple[str, ...]) -> None:
-        """The round's last reader deletes its keys, so the store does not grow with the steps."""
-        if self.store.add(f"{key}/read", 1) == self.world_size:
-            for name in names:
-                self.store.delete_key(f"{key}/{name}")
+        """This rank has read the round. Rank 0 -- the store's host under `tcp://` / `env://`
+        rendezvous -- returns only once every rank has: a rank still reading after the host's
+        process ended would find no store (connection reset). It then deletes the round's keys, so
+        the store does not grow with the steps."""
+        reads = self.store.add(f"{key}/read", 1)
+        if self.rank != 0:
+            if reads == self.world_size:  # the last reader tells rank 0
+                self.store.set(f"{key}/all_read", "1")
+            return
+        if reads < self.world_size:  # another rank reads last: wait for its word
+            self.store.wait([f"{key}/all_read"], self.timeout)
+        for name in (*names, "all_read"):
+            self.store.delete_key(f"{key}/{name}")
 
 
 class PendingMax:

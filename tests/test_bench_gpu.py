@@ -8,6 +8,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,14 @@ def test_peak_flops_by_device_name(name: str, tflops: int | None) -> None:
     """NVIDIA's datasheet figures (with sparsity, halved): H100 SXM 1979, PCIe 1513, NVL 1671."""
     peak = _load_bench().peak_bf16(name)
     assert (peak if peak is None else round(peak / 1e12)) == tflops
+
+
+def test_the_time_limit_skips_a_run_that_would_end_past_it() -> None:
+    """A run starts only if the longest one so far would still end before the deadline."""
+    bench = _load_bench()
+    limit = bench.TimeLimit(deadline=time.perf_counter() + 600)
+    assert limit.allows_another()
+    limit.record(30.0)
+    assert limit.allows_another()
+    limit.record(3600.0)  # a run of an hour would not end in time
+    assert not limit.allows_another()

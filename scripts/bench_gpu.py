@@ -24,8 +24,9 @@ The micro-batch is the largest power of two up to --micro-batch at which transfo
 (full logits, nothing recomputed: the most memory) fits; every run of a model uses it. Printed
 per run: tokens/s, MFU (`models/flops.py`: 6N + 12 L H Q T per token, over the dense bf16 peak:
 989 TFLOP/s for H100/H200 SXM, 756 for H100 PCIe, 835 for NVL, or --peak-tflops), peak memory, step time; then nanolight/transformers
-ratios on the same shapes. Imports only torch, transformers and nanolight's model-side modules
-(no hydra, omegaconf, wandb, datasets or lightning-utilities): a bare GPU box runs it.
+ratios on the same shapes. Imports only torch, transformers, safetensors and nanolight's model,
+parallel and strategy modules (no hydra, omegaconf, wandb, datasets or lightning-utilities: a
+test runs it where they are missing): a bare GPU box runs it.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "bf16-master")
@@ -73,6 +72,9 @@ class Precision:
         """``bf16-true`` / ``bf16-master``: floating-point inputs become bf16 to match the weights."""
         if self.compute_dtype != torch.bfloat16:
             return batch
+        # imported here: the model-side scripts (scripts/bench_gpu.py) run bf16-master without it
+        from lightning_utilities.core.apply_func import apply_to_collection
+
         return apply_to_collection(
             batch, torch.Tensor, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t
         )

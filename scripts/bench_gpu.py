@@ -1,24 +1,32 @@
-"""Training throughput on one GPU: nanolight's model vs transformers' LlamaForCausalLM, bf16-mixed.
+"""Training throughput on one GPU: nanolight's model (bf16-master) vs transformers' LlamaForCausalLM (bf16-mixed).
 
     python scripts/bench_gpu.py                          # smollm-1.7b and smollm-360m, T=2048 (~7 min, H200)
     python scripts/bench_gpu.py --device cpu --preset smollm-tiny --seq-len 64 --micro-batch 2 \\
         --steps 2 --warmup 1 --compile off               # the same code path on a CPU, in seconds
 
 One process, synthetic tokens, the recipe's model and optimizer (AdamW with the recipe's
-hyperparameters and decay groups, fused on CUDA / foreach on CPU; clipping at 1.0) in the same
-plain loop for both models, no host synchronisation inside the timed steps. nanolight runs with
+hyperparameters and decay groups, fused on CUDA / foreach on CPU; clipping at 1.0), no host
+synchronisation inside the timed steps. Each side runs its best usual setting: nanolight the
+recipe's GPU default ``--precision bf16-master`` -- bf16 weights and activations, fp32 masters
+and AdamW state, fp32 gradient accumulation -- through the very objects `SingleDeviceStrategy`
+builds for it (`precision.py`, `parallel/zero.py`'s one-shard `ZeroOptimizer`, its fp32 gradient
+buckets; the strategy's backward, clipping on the fp32 gradients, step and zero_grad);
+transformers ``--peer-precision bf16-mixed`` (fp32 weights, ``torch.autocast``), as Lightning and
+HF's Trainer run it. ``bf16-mixed`` and ``32-true`` for nanolight are the same plain loop as the
+peer's. Every row prints its precision. nanolight runs with
 compile off/on (each decoder block, `parallel/compile.py`) x activation checkpointing
 none/selective/full (`parallel/recompute.py`); transformers runs with SDPA (flash-attn when
 installed, for both) eager and with each decoder layer compiled -- the same per-block compile.
 Both models start from the same weights (nanolight's init, converted), and their first losses
-are printed side by side.
+are printed side by side (equal at the same precision; within bf16 rounding across precisions).
 
 The micro-batch is the largest power of two up to --micro-batch at which transformers eager
 (full logits, nothing recomputed: the most memory) fits; every run of a model uses it. Printed
 per run: tokens/s, MFU (`models/flops.py`: 6N + 12 L H Q T per token, over the dense bf16 peak:
 989 TFLOP/s for H100/H200 SXM, 756 for H100 PCIe, 835 for NVL, or --peak-tflops), peak memory, step time; then nanolight/transformers
-ratios on the same shapes. Imports only torch, transformers and nanolight's model-side modules
-(no hydra, omegaconf, wandb, datasets or lightning-utilities): a bare GPU box runs it.
+ratios on the same shapes. Imports only torch, transformers, safetensors and nanolight's model,
+parallel and strategy modules (no hydra, omegaconf, wandb, datasets or lightning-utilities: a
+test runs it where they are missing): a bare GPU box runs it.
 """
 
 from __future__ import annotations
@@ -28,7 +36,6 @@ import gc
 import statistics
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +46,8 @@ from nanolight.checkpoint.hf import nanolight_to_hf_state_dict  # noqa: E402
 from nanolight.models import LlamaConfig, LlamaForCausalLM, flash_attn_available, flops_per_token  # noqa: E402
 from nanolight.parallel.compile import compile_blocks  # noqa: E402
 from nanolight.parallel.recompute import apply_activation_checkpointing  # noqa: E402
+from nanolight.precision import Precision  # noqa: E402
+from nanolight.strategies.single_device import SingleDeviceStrategy  # noqa: E402
 
 # Dense bf16 peak (NVIDIA's datasheets halve the "with sparsity" figure), by a piece of
 # torch.cuda.get_device_name, most specific first: the PCIe and NVL boards run at lower clocks and
@@ -69,6 +78,7 @@ class Result:
     impl: str
     compiled: bool
     recompute: str
+    precision: str
     micro_batch: int
     tokens_s: float | None = None
     mfu: float | None = None
@@ -119,6 +129,42 @@ def build(impl: str, config: LlamaConfig, device: torch.device, compiled: bool, 
     return model, lambda ids: model(ids, labels=ids)
 
 
+class TrainStep:
+    """One optimizer step of `model` (forward, backward, clipping at `CLIP`, AdamW, zero_grad) at
+    `precision`. ``bf16-master``: a `SingleDeviceStrategy` sets the model and its optimizer up as
+    it does for the trainer (fp32 masters in a one-shard `ZeroOptimizer`, fused AdamW on them on
+    CUDA, fp32 gradient buckets, then the weights cast to bf16) and runs the step's backward,
+    clipping (the fp32 gradients), optimizer step and zero_grad. Otherwise the plain loop, under
+    the precision's autocast (``bf16-mixed``) or none (``32-true``)."""
+
+    def __init__(self, model: torch.nn.Module, loss_of, precision: str, device: torch.device) -> None:
+        self.loss_of = loss_of
+        self.autocast = Precision(precision).autocast(device)
+        self.optimizer = optimizer(model, device)
+        self.strategy: SingleDeviceStrategy | None = None
+        if Precision(precision).master_weights:
+            self.strategy = SingleDeviceStrategy(device, precision=precision)
+            self.strategy.setup_module(model)
+            (self.optimizer,) = self.strategy.setup_optimizers([self.optimizer])
+        self.params = list(model.parameters())
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        with self.autocast:
+            loss = self.loss_of(ids)
+        if self.strategy is not None:
+            self.strategy.backward(loss)
+            self.strategy.finish_backward()
+            self.strategy.clip_gradients(CLIP)
+            self.strategy.optimizer_step(self.optimizer)
+            self.strategy.zero_grad(self.optimizer)
+        else:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.params, CLIP, foreach=True)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -127,29 +173,19 @@ def sync(device: torch.device) -> None:
 def run(args: argparse.Namespace, r: Result, config: LlamaConfig, device: torch.device) -> Result:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model, loss_of = build(r.impl, config, device, r.compiled, r.recompute)
-    opt = optimizer(model, device)
+    step = TrainStep(*build(r.impl, config, device, r.compiled, r.recompute), r.precision, device)
     g = torch.Generator(device=device).manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (r.micro_batch, args.seq_len), device=device, generator=g)
-    autocast = (
-        torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16-mixed" else nullcontext()
-    )
     losses, times = [], []
     for i in range(args.warmup + args.steps):
         sync(device)
         t0 = time.perf_counter()
-        with autocast:
-            loss = loss_of(ids)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        losses.append(step(ids))
         sync(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-    step = statistics.median(times)
-    r.step_ms, r.tokens_s = 1e3 * step, r.micro_batch * args.seq_len / step
+    median = statistics.median(times)
+    r.step_ms, r.tokens_s = 1e3 * median, r.micro_batch * args.seq_len / median
     r.first_loss = float(losses[0])
     if args.peak is not None:
         r.mfu = flops_per_token(config, args.seq_len) * r.tokens_s / args.peak
@@ -176,13 +212,33 @@ def plan(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
     return runs
 
 
-def bench_model(args: argparse.Namespace, preset: str, device: torch.device, deadline: float) -> list[Result]:
+@dataclass
+class TimeLimit:
+    """`--time-limit` as a bound on the whole benchmark, not only on when the last run starts: a
+    run starts only if the longest run so far (model build, compilation and steps) would still
+    end in time (`scripts/gpu_check.py` fits the benchmark into its budget this way)."""
+
+    deadline: float
+    longest: float = 0.0
+
+    def allows_another(self) -> bool:
+        return time.perf_counter() + self.longest <= self.deadline
+
+    def record(self, seconds: float) -> None:
+        self.longest = max(self.longest, seconds)
+
+
+def bench_model(
+    args: argparse.Namespace, preset: str, device: torch.device, limit: TimeLimit
+) -> list[Result]:
     config = LlamaConfig.preset(preset, attn_implementation=args.attn)
     mb = args.micro_batch or DEFAULT_MICRO_BATCH.get(preset, 2)
     results: list[Result] = []
     for impl, compiled, recompute in plan(args):
-        r = Result(preset, impl, compiled, recompute, mb)
-        if time.perf_counter() > deadline:
+        precision = args.precision if impl == "nanolight" else args.peer_precision
+        r = Result(preset, impl, compiled, recompute, precision, mb)
+        started = time.perf_counter()
+        if not limit.allows_another():
             r.status = "skipped (time limit)"
         else:
             while True:
@@ -201,6 +257,7 @@ def bench_model(args: argparse.Namespace, preset: str, device: torch.device, dea
                     break
                 r.micro_batch //= 2
                 mb = r.micro_batch
+            limit.record(time.perf_counter() - started)
         results.append(r)
         print(row(r), flush=True)
     return results
@@ -211,7 +268,8 @@ def row(r: Result) -> str:
         return format(v, spec) if v is not None else "-"
 
     return (
-        f"{r.model:<12} {r.impl:<13} {'on' if r.compiled else 'off':<7} {r.recompute:<9} {r.micro_batch:>3} "
+        f"{r.model:<12} {r.impl:<13} {'on' if r.compiled else 'off':<7} {r.recompute:<9} {r.precision:<11} "
+        f"{r.micro_batch:>3} "
         f"{f(r.tokens_s, ',.0f'):>10} {f(r.mfu and 100 * r.mfu, '.1f'):>6} {f(r.peak_gib, '.1f'):>7} "
         f"{f(r.step_ms, '.0f'):>8} {f(r.first_loss, '.4f'):>8}  {r.status}"
     )
@@ -227,12 +285,13 @@ def ratios(results: list[Result]) -> None:
             same = next((r for r in ours if r.compiled == compiled and r.recompute == "none"), None)
             if same:
                 print(f"{preset}: nanolight/transformers, compile {'on' if compiled else 'off'}, "
-                      f"nothing recomputed: {same.tokens_s / peer.tokens_s:.3f}")  # fmt: skip
+                      f"nothing recomputed ({same.precision} vs {peer.precision}): "
+                      f"{same.tokens_s / peer.tokens_s:.3f}")  # fmt: skip
         if ours:
             best = max(ours, key=lambda r: r.tokens_s)
             mfu = f", MFU {100 * best.mfu:.1f}%" if best.mfu else ""
-            print(f"{preset}: best nanolight: compile {'on' if best.compiled else 'off'}, recompute "
-                  f"{best.recompute}: {best.tokens_s:,.0f} tokens/s{mfu}")  # fmt: skip
+            print(f"{preset}: best nanolight ({best.precision}): compile {'on' if best.compiled else 'off'}, "
+                  f"recompute {best.recompute}: {best.tokens_s:,.0f} tokens/s{mfu}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> list[Result]:
@@ -245,9 +304,17 @@ def main(argv: list[str] | None = None) -> list[Result]:
     p.add_argument("--compile", choices=["off", "on", "both"], default="both")
     p.add_argument("--recompute", default="none,selective,full", help="activation checkpointing modes")
     p.add_argument("--attn", choices=["auto", "sdpa", "flash_attention_2"], default="auto")
-    p.add_argument("--precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed")
+    p.add_argument("--precision", choices=["bf16-master", "bf16-mixed", "32-true"], default="bf16-master",
+                   help="nanolight's rows")  # fmt: skip
+    p.add_argument("--peer-precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed",
+                   help="transformers' rows (autocast or fp32)")  # fmt: skip
     p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: by GPU name)")
-    p.add_argument("--time-limit", type=float, default=450.0, help="seconds; later runs are skipped")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=450.0,
+        help="seconds for the whole benchmark: a run that would end later is skipped",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -257,12 +324,13 @@ def main(argv: list[str] | None = None) -> list[Result]:
         args.attn = "flash_attention_2" if device.type == "cuda" and flash_attn_available() else "sdpa"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     args.peak = 1e12 * args.peak_tflops if args.peak_tflops else peak_bf16(name)
-    print(f"{name}, torch {torch.__version__}, {args.precision}, attn={args.attn}, T={args.seq_len}, "
+    print(f"{name}, torch {torch.__version__}, nanolight {args.precision}, transformers {args.peer_precision}, "
+          f"attn={args.attn}, T={args.seq_len}, "
           f"{args.steps} timed steps (median), peak {args.peak / 1e12 if args.peak else '-'} TFLOP/s")  # fmt: skip
-    print(f"{'model':<12} {'impl':<13} {'compile':<7} {'recompute':<9} {'mb':>3} {'tokens/s':>10} "
+    print(f"{'model':<12} {'impl':<13} {'compile':<7} {'recompute':<9} {'precision':<11} {'mb':>3} {'tokens/s':>10} "
           f"{'MFU%':>6} {'peakGiB':>7} {'step ms':>8} {'loss0':>8}")  # fmt: skip
-    deadline = time.perf_counter() + args.time_limit
-    results = [r for preset in presets for r in bench_model(args, preset, device, deadline)]
+    limit = TimeLimit(time.perf_counter() + args.time_limit)
+    results = [r for preset in presets for r in bench_model(args, preset, device, limit)]
     ratios(results)
     return results
 

@@ -8,9 +8,11 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "scripts" / "bench_gpu.py"
@@ -30,9 +32,10 @@ runpy.run_path({str(BENCH)!r}, run_name="__main__")
 """
 
 
-def test_bench_gpu_runs_on_cpu_without_the_trainer_dependencies() -> None:
+def _bench(*extra: str) -> tuple[list[list[str]], str]:
+    """Run the bench on CPU, tiny, on a bare interpreter; its table rows (split) and stdout."""
     args = ["--device", "cpu", "--preset", "smollm-tiny", "--seq-len", "32", "--micro-batch", "1",
-            "--steps", "1", "--warmup", "1", "--compile", "off", "--recompute", "none,full"]  # fmt: skip
+            "--steps", "1", "--warmup", "1", "--compile", "off", "--recompute", "none,full", *extra]  # fmt: skip
     done = subprocess.run([sys.executable, "-c", RUN, *args], capture_output=True, text=True, timeout=300,
                           cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -43,8 +46,69 @@ def test_bench_gpu_runs_on_cpu_without_the_trainer_dependencies() -> None:
         ("nanolight", "full"),
     ]
     assert all(r[-1] == "ok" for r in rows), done.stdout
-    assert len({r[-2] for r in rows}) == 1, done.stdout  # the same weights: the same first loss
-    assert "nanolight/transformers, compile off, nothing recomputed:" in done.stdout
+    return rows, done.stdout
+
+
+def test_bench_gpu_runs_on_cpu_without_the_trainer_dependencies() -> None:
+    rows, out = _bench("--precision", "bf16-mixed")
+    assert [r[4] for r in rows] == ["bf16-mixed"] * 3, out
+    assert len({r[-2] for r in rows}) == 1, out  # the same weights and precision: the same first loss
+    assert "nanolight/transformers, compile off, nothing recomputed (bf16-mixed vs bf16-mixed):" in out
+
+
+def test_bench_gpu_bf16_master_by_default_on_a_bare_interpreter() -> None:
+    """nanolight's rows run bf16-master (no lightning-utilities needed), transformers' stay bf16-mixed."""
+    rows, out = _bench()
+    assert [r[4] for r in rows] == ["bf16-mixed", "bf16-master", "bf16-master"], out
+    peer, *ours = (float(r[-2]) for r in rows)
+    assert len(set(ours)) == 1, out  # recomputing changes nothing in the forward
+    assert abs(ours[0] - peer) / peer < 1e-2, out  # the same weights, bf16 rounding apart
+    assert "nothing recomputed (bf16-master vs bf16-mixed):" in out
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_gpu"] = bench  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bf16_master_step_is_adamw_on_fp32_masters_with_fp32_gradients() -> None:
+    """The bench's bf16-master step against torch's own: AdamW (the same groups) stepping an fp32
+    copy of the weights with the bf16 model's gradient taken in fp32, clipped by
+    ``clip_grad_norm_``. The masters match it in fp32, the compute weights are them cast to bf16."""
+    from nanolight.models import LlamaConfig
+    from nanolight.parallel.zero import ZeroOptimizer
+
+    bench = _load_bench()
+    device = torch.device("cpu")
+    config = LlamaConfig.preset("smollm-tiny", attn_implementation="sdpa")
+    ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    model = bench.nanolight_model(config, device)
+    reference = bench.nanolight_model(config, device)  # the same seed: the same fp32 weights
+    compute = bench.nanolight_model(config, device).to(torch.bfloat16)
+
+    step = bench.TrainStep(model, lambda x: model(x, labels=x), "bf16-master", device)
+    assert isinstance(step.optimizer, ZeroOptimizer) and step.optimizer.master_weights
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    step(ids)
+
+    compute(ids, labels=ids).backward()
+    for p, q in zip(reference.parameters(), compute.parameters(), strict=True):
+        p.grad = q.grad.float()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), bench.CLIP)  # the loss is ~10: it clips
+    bench.optimizer(reference, device).step()
+
+    names = [n for n, _ in model.named_parameters()]
+    with step.strategy.weights_in_fp32():
+        masters = [p.detach().clone() for p in model.parameters()]
+    for name, got, want, weight in zip(
+        names, masters, reference.parameters(), model.parameters(), strict=True
+    ):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6, msg=name)
+        assert torch.equal(weight.detach(), got.to(torch.bfloat16)), name
 
 
 @pytest.mark.parametrize(
@@ -63,9 +127,16 @@ def test_bench_gpu_runs_on_cpu_without_the_trainer_dependencies() -> None:
 )
 def test_peak_flops_by_device_name(name: str, tflops: int | None) -> None:
     """NVIDIA's datasheet figures (with sparsity, halved): H100 SXM 1979, PCIe 1513, NVL 1671."""
-    spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_gpu"] = bench  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
-    peak = bench.peak_bf16(name)
+    peak = _load_bench().peak_bf16(name)
     assert (peak if peak is None else round(peak / 1e12)) == tflops
+
+
+def test_the_time_limit_skips_a_run_that_would_end_past_it() -> None:
+    """A run starts only if the longest one so far would still end before the deadline."""
+    bench = _load_bench()
+    limit = bench.TimeLimit(deadline=time.perf_counter() + 600)
+    assert limit.allows_another()
+    limit.record(30.0)
+    assert limit.allows_another()
+    limit.record(3600.0)  # a run of an hour would not end in time
+    assert not limit.allows_another()

@@ -58,6 +58,8 @@ def test_cpu_dry_run_passes_every_cpu_check() -> None:
     for name in (
         "sync-free model step",
         "sync-free trainer steps",
+        "sync-free trainer master",
+        "bf16-master vs bf16-mixed",
         "compile",
         "activation checkpointing",
         "fused AdamW",
@@ -75,15 +77,44 @@ def test_cpu_dry_run_on_a_box_with_only_torch_transformers_safetensors() -> None
     assert status["sync-free trainer steps"] == "SKIP" and "dependencies are not installed" in done.stdout
 
 
-def test_a_failed_check_fails_the_run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def _load_gpu_check():
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     gpu_check = importlib.util.module_from_spec(spec)
     sys.modules["gpu_check"] = gpu_check
     spec.loader.exec_module(gpu_check)
-    for name in ("sync_free_model", "sync_free_trainer", "compiled", "recompute", "bf16_master"):
+    return gpu_check
+
+
+def test_a_failed_check_fails_the_run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    gpu_check = _load_gpu_check()
+    for name in ("sync_free_model", "compiled", "recompute", "bf16_master"):
         monkeypatch.setattr(gpu_check.Checks, name, lambda self: (True, 0.0, "stand-in"))
+    monkeypatch.setattr(
+        gpu_check.Checks, "sync_free_trainer", lambda self, precision: (True, 0.0, "stand-in")
+    )
     monkeypatch.setattr(gpu_check.Checks, "flash", lambda self, documents: (True, 0.0, "stand-in"))
     monkeypatch.setattr(gpu_check.Checks, "fused_adamw", lambda self: (False, 0.5, "stand-in failure"))
     assert gpu_check.main(["--cpu-dry-run"]) == 1
     out = capsys.readouterr().out
     assert "FAIL  fused AdamW" in out and "gpu_check: 1 failed: fused AdamW" in out
+
+
+def test_the_benchmark_gets_what_is_left_of_the_budget(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """bench_gpu's --time-limit is the budget left less its start-up, and it is killed at the
+    budget: an overrun is a failed check, not a run past the time the GPU is lent for."""
+    gpu_check = _load_gpu_check()
+    calls = []
+
+    def overrun(cmd: list[str], cwd: Path, timeout: float) -> None:
+        calls.append((cmd, timeout))
+        raise subprocess.TimeoutExpired(cmd, timeout)
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", overrun)
+    checks = gpu_check.Checks(torch.device("cpu"), 8, dry_run=True)
+    gpu_check.run_bench(checks, left=300.0)
+    ((cmd, timeout),) = calls
+    assert cmd[-2:] == ["--time-limit", f"{300 - gpu_check.BENCH_START_UP:.0f}"] and timeout == 300.0
+    assert checks.failed == ["bench_gpu"]
+    assert "FAIL  bench_gpu.py" in capsys.readouterr().out

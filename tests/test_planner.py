@@ -21,7 +21,13 @@ from nanolight.models.llama_config import LlamaConfig
 from nanolight.parallel.pipeline.schedules import bubble_fraction, check_micro_batches
 from nanolight.planner.hardware import HARDWARE
 from nanolight.planner.layout import Layout
-from nanolight.planner.memory import Workload, chunk_activation_bytes, rank_memory, schedule_peaks
+from nanolight.planner.memory import (
+    SEND_BOUND_GRADIENTS,
+    Workload,
+    chunk_activation_bytes,
+    rank_memory,
+    schedule_peaks,
+)
 from nanolight.planner.search import candidate_layouts, plan
 from nanolight.planner.timing import micro_batch_work, step_time
 
@@ -107,12 +113,11 @@ def test_activations_follow_the_schedule() -> None:
         lay = Layout(pp=p, accumulate_grad_batches=m)
         chunk = chunk_activation_bytes(work, lay, stage)[0]
         peak, sent = schedule_peaks(work, lay, stage)
-        if stage < p - 1:
-            assert peak == (p - stage) * chunk  # 1F1B: stage s holds p - s micro-batches
-        else:  # one at a time, plus the inputs the kept losses hold (see memory.py)
-            assert peak == chunk + (m - 1) * boundary
-        ends = (stage > 0) + (stage < p - 1)  # sends per micro-batch: an activation on, a gradient back
-        assert sent == m * ends * boundary
+        assert peak == ((p - stage) if stage < p - 1 else 1) * chunk  # 1F1B: stage s holds p - s
+        # sends held: the in-flight outputs sent on (kept for their backward), plus at most two
+        # gradients sent back before their completion is seen
+        outputs = (p - stage) * boundary if stage < p - 1 else 0
+        assert sent == outputs + (SEND_BOUND_GRADIENTS * boundary if stage > 0 else 0)
         afab = Layout(pp=p, pp_schedule="afab", accumulate_grad_batches=m)
         assert schedule_peaks(work, afab, stage)[0] == m * chunk  # AFAB: all m
     # recompute shrinks what each micro-batch keeps; ZeRO-1 shards the optimizer state

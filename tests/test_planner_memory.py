@@ -4,7 +4,7 @@ For each layout of the matrix a one-step run on gloo CPU ranks measures what eac
 parameters and gradients (distinct storages of the tensors), optimizer state (the optimizer's
 per-element tensors; ZeRO-1's master shards included), the activations autograd saved
 (`saved_tensors_hooks`, peak over the step, plus selective recompute's cache) and the tensors the
-pipeline sends (alive until the step's end). `nanolight.planner.memory.rank_memory` predicts the
+pipeline sends (activations alive until their backward; gradients until sent, a bound). `nanolight.planner.memory.rank_memory` predicts the
 same parts for that rank's pipeline stage: each within 15%, their sum within 10%. The tiny model
 runs in seconds; tp2 and pp2 1F1B run by default, the rest of the matrix is marked slow.
 """
@@ -99,6 +99,16 @@ def _check(layout: Layout, attn: str = "sdpa") -> None:
     for rank, (stage, measured, predicted) in enumerate(out):
         where = f"rank {rank} (stage {stage}) of {layout}"
         for part in CHECKED:
+            if part == "communication" and layout.pp > 1 and stage > 0:
+                # sent gradients are held until their sends complete, which depends on the peer's
+                # timing: the prediction is a bound, reached within one gradient
+                tokens = MICRO * T // (layout.tp if layout.sequence_parallel else 1)
+                gradient = 4 * tokens * _config("sdpa").hidden_size
+                assert predicted[part] - gradient - 512 <= measured[part] <= predicted[part] + 512, (
+                    where,
+                    measured,
+                )
+                continue
             assert measured[part] == pytest.approx(predicted[part], rel=0.15, abs=512), (
                 part,
                 where,

@@ -14,11 +14,11 @@ optimizer_state AdamW's two moments per parameter; ZeRO-1 (`zero.py`) keeps 1/dp
 activations     what autograd saves per decoder block (`block_activation_bytes`, op by op below),
                 times the chunk activations the schedule keeps alive at its peak (walking
                 `stage_schedule` itself), plus the first stage's token ids and the last stage's
-                norm and loss. Under pp the last stage's received inputs outlive their backward:
-                the loss the runner keeps until the step's end still references its graph's leaf.
-communication   pipeline sends: `StageP2P` keeps every tensor it sends alive until the step's
-                end (`finish` waits for them), so a stage holds all its step's outgoing
-                activations and gradients by then.
+                norm and loss.
+communication   pipeline sends: a sent activation is the chunk's output, alive until that
+                micro-batch's backward (the schedule's in-flight outputs); a sent gradient is
+                dropped as its send completes (`parallel/p2p.SendsInFlight`): at most two, a
+                bound (how many are held at once depends on the peer's timing).
 transient       what lives only for a moment at the peak: under recompute, one block's full
                 activations rebuilt in backward; after backward, ZeRO-1's all-gather buffers (a
                 full bucket per bucket, in the parameter dtype) while activations are gone.
@@ -49,6 +49,7 @@ from nanolight.parallel.pipeline.schedules import BACKWARD, FORWARD, stage_sched
 from nanolight.parallel.pipeline.split import balanced_layer_split
 from nanolight.planner.layout import PRECISION_BYTES, Layout
 
+SEND_BOUND_GRADIENTS = 2  # sent gradients held at once, at most (see `schedule_peaks`)
 ALLOCATOR_MARGIN = {"cuda": 0.08, "cpu": 0.0}  # of the rest: an allowance, not measured (no GPU here)
 PARTS = (
     "parameters",
@@ -163,7 +164,7 @@ def chunk_activation_bytes(work: Workload, layout: Layout, stage: int) -> list[i
 
 
 def schedule_peaks(work: Workload, layout: Layout, stage: int) -> tuple[int, int]:
-    """(peak saved activations, pipeline send bytes held at the step's end) for rank `stage`,
+    """(peak saved activations, peak pipeline send bytes held) for rank `stage`,
     walking the stage's own schedule."""
     p, v, m = layout.pp, layout.pp_virtual, layout.accumulate_grad_batches
     chunks = chunk_activation_bytes(work, layout, stage)
@@ -172,18 +173,24 @@ def schedule_peaks(work: Workload, layout: Layout, stage: int) -> tuple[int, int
     _, _, _, r = PRECISION_BYTES[layout.precision]
     tokens = layout.micro_batch_size * work.seq_len
     boundary = r * (tokens // layout.tp if layout.sequence_parallel else tokens) * work.config.hidden_size
-    live = peak = sent = 0
+    live = peak = outputs = sent = 0
+    sends_back = any(stage + c * p != 0 for c in range(v))  # some chunk's input came from a stage
     for kind, _, c in _schedule(layout.pp_schedule, m, p, stage, v):
         g = stage + c * p
         if kind == FORWARD:
             live += chunks[c]
-            sent += boundary if g != p * v - 1 else 0
+            outputs += boundary if g != p * v - 1 else 0
         elif kind == BACKWARD:
             live -= chunks[c]
-            sent += boundary if g != 0 else 0
-            if g == p * v - 1:  # the loss the runner keeps till the step's end holds its graph's leaf:
-                live += boundary  # the received input stays alive (`pipeline/runner.py`, micro.loss)
+            outputs -= boundary if g != p * v - 1 else 0
         peak = max(peak, live)
+        sent = max(sent, outputs)
+    # A sent activation is the chunk's output, which the stage keeps for that micro-batch's
+    # backward anyway: the forward stream holds the in-flight outputs, exactly. A sent gradient is
+    # dropped once its send completes (`parallel/p2p.SendsInFlight`); the previous stage posts its
+    # receives ahead, so one is in transit and at most one more issued before that completion is
+    # seen: a bound (`SEND_BOUND_GRADIENTS`), the one part that depends on the peer's timing.
+    sent += SEND_BOUND_GRADIENTS * boundary if sends_back and m > 0 else 0
     return peak, sent
 
 

@@ -212,7 +212,13 @@ class StepRun:
             torch.autograd.backward(out, grad)  # d loss / d output from the next virtual stage
         if g == 0:
             return []
-        return self.p2p.send_backward(x.grad, (micro.key, g))  # d loss / d input to the previous one
+        grad, x.grad = x.grad, None
+        # The received input is a leaf of a graph whose root -- the loss, kept for the step's
+        # metrics by the trainer and `micro.loss` -- outlives this backward, and the root's nodes
+        # reference their leaves: without this the last stage would hold every micro-batch's input
+        # (and its gradient) until the step ends. Nothing reads x again.
+        x.data = torch.empty(0, dtype=x.dtype, device=x.device)
+        return self.p2p.send_backward(grad, (micro.key, g))  # d loss / d input to the previous one
 
     def _check_returned(self, i: int, micro: _Micro) -> None:
         """Once per run: the trainer back-propagates the placeholder unchanged (now the loss)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,19 +27,18 @@ PINNED_KERNELS = {
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
 }
-RENAMES = [  # the whole port, in the order that keeps the longer names intact
-    ("lightning.pytorch.callbacks", "nanolight.callbacks"),
-    ("lightning.pytorch.loggers", "nanolight.loggers"),
-    ("import lightning as L", "import nanolight as L"),
-    ("L.LightningModule", "L.NanoModule"),
-    ("L.LightningDataModule", "L.NanoDataModule"),
-    ("L.Trainer", "L.NanoTrainer"),
+RENAMES = [  # the whole port (regular expressions, applied in order)
+    (r"\blightning\.pytorch\b", "nanolight"),  # callbacks, loggers, demos, utilities, core, ...
+    (r"\bimport lightning as L\b", "import nanolight as L"),
+    (r"\bLightningDataModule\b", "NanoDataModule"),
+    (r"\bLightningModule\b", "NanoModule"),
+    (r"\bTrainer\b", "NanoTrainer"),
 ]
 
 
 def port(source: str) -> str:
     for old, new in RENAMES:
-        source = source.replace(old, new)
+        source = re.sub(old, new, source)
     return source
 
 

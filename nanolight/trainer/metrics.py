@@ -108,6 +108,8 @@ class MetricStore:
         if on_step and self.active.training:  # seen at once by later hooks of this batch (unsynced)
             self.callback_metrics[name] = tensor
             self.callback_metrics[meta.forked(True)] = tensor
+        elif on_epoch and hook in ("on_validation_epoch_end", "on_test_epoch_end"):
+            self.callback_metrics[name] = tensor  # seen at once by the callbacks after this one (Lightning)
 
     # ---- publishing (Lightning's on_batch_end / on_epoch_end) -----------------------------
     def publish(self, results: Results, on_step: bool) -> dict[str, torch.Tensor]:

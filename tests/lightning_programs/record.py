@@ -30,7 +30,18 @@ sys.path.insert(0, str(HERE.parent))
 from lightning_compare import PINNED_KERNELS  # noqa: E402  (the same kernel path as the test run)
 
 FIXTURES = HERE.parent / "fixtures" / "lightning"
-PROGRAMS = ["classifier", "regression_resume", "gan_manual", "flags_plateau", "hook_order", "trainer_args"]
+PROGRAMS = [
+    "classifier",
+    "regression_resume",
+    "gan_manual",
+    "flags_plateau",
+    "hook_order",
+    "trainer_args",
+    "boring_surface",
+    "hook_recorder",
+    "manual_plateau",
+    "silent_diffs",
+]
 
 
 def run_once(program: str) -> dict[str, Any]:

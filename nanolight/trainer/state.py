@@ -16,6 +16,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from nanolight.checkpoint.atomic import LAST_POINTER, resolve_checkpoint
 from nanolight.checkpoint.files import CheckpointError, MissingCheckpointFile, with_hint
 from nanolight.checkpoint.intact import newest_intact
+from nanolight.checkpoint.reader import TRAINER_FILE
 from nanolight.errors import UsageError
 from nanolight.module.hparams import plain_hparams
 from nanolight.module.loading import HPARAMS_KEY
@@ -98,6 +99,11 @@ def restore_training_state(trainer: NanoTrainer, path: Path, state: dict[str, An
             "from a full checkpoint"
         )
     with _naming_an_intact_one(path):
+        if "progress" not in state:  # a model directory, or a checkpoint whose trainer state is gone
+            raise MissingCheckpointFile(
+                f"checkpoint file {path / TRAINER_FILE} is missing: {path} holds no trainer state to resume "
+                "training from; restore the file or resume from an earlier checkpoint"
+            )
         trainer.strategy.load_optimizer_checkpoint(path)
     scheds = state.get("schedulers", [])
     if len(scheds) != len(trainer.lr_scheduler_configs):

@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 from _data_helpers import DOCS, prepared, write_docs
 
-from nanolight.data import DataConfig, DataError, build_datamodule
+from nanolight.data import DataConfig, DataError, build_datamodule, load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytest_plugins = ["_data_helpers"]  # the tok / tok_dir fixtures
 
@@ -85,3 +92,36 @@ def test_stream_damaged_midway_names_the_file_when_read(tmp_path, tok_dir) -> No
     with pytest.raises(DataError, match=r"could not read .*late\.jsonl"):
         for _ in train:
             pass
+
+
+def test_missing_data_and_tokenizers_are_one_data_error(tmp_path, tok_dir, monkeypatch) -> None:
+    """No such path, a directory without data files, a tokenizer directory without a tokenizer, a
+    hub tokenizer that is neither cached nor reachable: a DataError each (the recipe prints it as
+    one line), in seconds -- not a FileNotFoundError/OSError traceback or a minute of retries."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for path in (str(tmp_path / "nope"), str(empty)):
+        with pytest.raises(DataError, match=r"data.path=.*matches no data file"):
+            build_datamodule(DataConfig(path=path, tokenizer=tok_dir), seq_len=8, micro_batch_size=1)
+    with pytest.raises(DataError, match=r"holds no loadable tokenizer"):
+        load_tokenizer(str(empty))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # as on a machine whose network is simply down
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "https://hub.invalid")
+    start = time.monotonic()
+    with pytest.raises(
+        DataError, match=r"not in the local Hugging Face cache and hub.invalid is unreachable"
+    ):
+        load_tokenizer("nanolight-tests/no-such-tokenizer")
+    assert time.monotonic() - start < 10
+
+
+def test_the_recipe_prints_a_missing_data_path_as_one_line(tmp_path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "recipes" / "smollm.py"), f"data.path={tmp_path / 'nope.jsonl'}",
+         f"trainer.default_root_dir={tmp_path / 'run'}", "logger=csv"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.startswith("nanolight: error: data.path=") and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
-from nanolight.data.config import DataConfig, DataError
+from nanolight.data.config import DataConfig, DataError, DataNotFound
 
 T = TypeVar("T")
 _PEEK = 1 << 16  # bytes of each text file read up front to tell a data file from garbage
@@ -32,7 +32,8 @@ _BUILDERS: dict[str, tuple[str, dict[str, Any]]] = {
 def local_files(path: str, key: str = "data.path") -> list[str] | None:
     """Sorted data files `path` names, or None when `path` is not local (a hub dataset name).
 
-    Raises FileNotFoundError naming the path and the fix when it looks local but matches nothing.
+    Raises DataNotFound (a FileNotFoundError) naming the path and the fix when it looks local but
+    matches nothing.
     """
     expanded = os.path.expanduser(path)
     is_glob = any(c in expanded for c in "*?[")
@@ -52,7 +53,7 @@ def local_files(path: str, key: str = "data.path") -> list[str] | None:
         candidates = [expanded] if os.path.isfile(expanded) else []
     files = sorted(os.path.abspath(f) for f in candidates if os.path.splitext(f)[1] in _BUILDERS)
     if not files:
-        raise FileNotFoundError(
+        raise DataNotFound(
             f"{key}={path!r} matches no data file (supported: {', '.join(_BUILDERS)}). "
             f"Fix the path or glob, or use {key}=embedded or a hub dataset name"
         )

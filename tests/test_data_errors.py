@@ -125,3 +125,28 @@ def test_the_recipe_prints_a_missing_data_path_as_one_line(tmp_path) -> None:
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stderr.startswith("nanolight: error: data.path=") and "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_a_prepared_directory_without_its_index_is_named_and_prepared_again(tmp_path, tok_dir) -> None:
+    """Not globbed as raw data (its tokenizer/tokenizer.json blamed), and prepare_data.py rebuilds
+    it instead of refusing the directory."""
+    src, out = write_docs(str(tmp_path / "docs.jsonl"), DOCS), str(tmp_path / "prep")
+    first = prepared(src, out, tok_dir, cache_dir=str(tmp_path / "c"))
+    os.remove(os.path.join(out, "index.json"))
+    with pytest.raises(DataError, match=r"holds prepared shards but no index.json .* --out") as err:
+        build_datamodule(DataConfig(path=out, tokenizer=tok_dir), seq_len=8, micro_batch_size=1)
+    assert "tokenizer.json" not in str(err.value)
+    again = prepared(src, out, tok_dir, cache_dir=str(tmp_path / "c"))
+    assert again["shards"] == first["shards"]
+    build_datamodule(DataConfig(path=out), seq_len=8, micro_batch_size=1)
+
+
+def test_garbage_lines_are_one_message(tmp_path, tok_dir, capfd) -> None:
+    """`datasets` logs the parse error it then raises; only nanolight's DataError says it."""
+    path = tmp_path / "garbage.jsonl"
+    path.write_text("".join(json.dumps({"text": f"a b c {i}"}) + "\n" for i in range(50)) + "garbage here\n")
+    cfg = DataConfig(path=str(path), tokenizer=tok_dir, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(DataError, match=r"could not read .*garbage.jsonl"):
+        build_datamodule(cfg, seq_len=8, micro_batch_size=1)
+    out, err = capfd.readouterr()
+    assert "garbage.jsonl" not in out + err, out + err

@@ -28,7 +28,16 @@ from nanolight.data.cache import write_atomically
 from nanolight.data.config import EMBEDDED, DataConfig, DataError
 from nanolight.data.corpus import embedded_corpus
 from nanolight.data.shard_writer import ShardWriter
-from nanolight.data.shards import FORMAT, INDEX, PROGRESS, VERSION, check_shards, is_prepared_dir, read_index
+from nanolight.data.shards import (
+    FORMAT,
+    INDEX,
+    PROGRESS,
+    VERSION,
+    check_shards,
+    is_prepared_dir,
+    prepared_leftovers,
+    read_index,
+)
 from nanolight.data.sources import check_text_field, local_files, local_identity, open_hub, open_local
 from nanolight.data.tokenize import Encoder, tokenize_rows
 from nanolight.data.tokenizer import resolve_tokenizer, tokenizer_identity
@@ -227,8 +236,16 @@ def _resume_state(out: str, inputs: dict[str, Any]) -> dict[str, Any] | str | No
             state = json.load(f)
         _check_same_inputs(out, state["inputs"], inputs)
         return state
-    if [n for n in os.listdir(out) if n != "tokenizer"]:
+    leftovers = prepared_leftovers(out)  # shards whose index is gone: nothing says they are whole
+    if [n for n in os.listdir(out) if n != "tokenizer" and n not in leftovers]:
         raise DataError(f"--out {out} is not empty and holds no preparation: pick a new or empty directory")
+    for name in leftovers:
+        os.remove(os.path.join(out, name))
+    if leftovers:
+        print(
+            f"{out}: {len(leftovers)} shard files without {INDEX}: preparing again from the start",
+            file=sys.stderr,
+        )
     return None
 
 

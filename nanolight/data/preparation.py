@@ -11,10 +11,12 @@ one whose shards were later damaged is repaired from the first damaged shard on.
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -85,6 +87,28 @@ class PrepareConfig:
         )  # fmt: skip
 
 
+_FORKING = [0]  # the pid of the process forking now (read by the child: its parent)
+
+
+def children_die_with_their_parent() -> None:
+    """Every process forked from here on (datasets' map workers, its manager process) ends when
+    its parent does: a SIGKILLed prepare_data.py runs no cleanup, and they would wait for work
+    for ever. Linux's parent-death signal, armed in each child; elsewhere nothing. Idempotent."""
+    if _FORKING[0] or not sys.platform.startswith("linux"):
+        return
+    _FORKING[0] = os.getpid()
+    os.register_at_fork(before=lambda: _FORKING.__setitem__(0, os.getpid()), after_in_child=_arm_parent_death)
+
+
+def _arm_parent_death() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != _FORKING[0]:  # the parent died before the signal was armed
+        os._exit(1)
+
+
 def prepare(
     cfg: PrepareConfig, *, progress: bool = True, after_commit: Callable[[int], None] | None = None
 ) -> dict[str, Any]:
@@ -93,6 +117,8 @@ def prepare(
     `after_commit(next_row)` runs after every committed chunk (tests use it to stop a run midway).
     """
     out = os.path.abspath(os.path.expanduser(cfg.out))
+    if cfg.num_proc > 1:
+        children_die_with_their_parent()
     tok, ds, files = _open_source(cfg)
     dtype = token_dtype(len(tok))
     inputs = {

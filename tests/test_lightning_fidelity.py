@@ -25,6 +25,8 @@ PROGRAM_NAMES = [
     "hook_recorder",
     "manual_plateau",
     "silent_diffs",
+    "logging_page",
+    "autoencoder_datamodule",
 ]
 
 

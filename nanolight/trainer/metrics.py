@@ -104,7 +104,7 @@ class MetricStore:
         tensor = to_scalar_tensor(name, value)
         if batch_size is None:
             batch_size = (batch_size_of(self.batch) or 1) if fx == "mean" and on_epoch else 1
-        self.active.log(meta, tensor, batch_size)
+        self.active.log(meta, tensor, batch_size, self.dataloader_idx)
         if on_step and self.active.training:  # seen at once by later hooks of this batch (unsynced)
             self.callback_metrics[name] = tensor
             self.callback_metrics[meta.forked(True)] = tensor
@@ -118,7 +118,7 @@ class MetricStore:
             results.sync_step(self.reduce)
         else:
             results.compute_epoch(self.reduce)
-        log, callback, pbar = results.values(on_step)
+        log, callback, pbar = results.values(on_step, self.dataloader_idx)
         self.callback_metrics.update(callback)
         self.progress_bar_metrics.update(pbar)
         self.logged_metrics.update(log)

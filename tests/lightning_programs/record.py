@@ -41,6 +41,8 @@ PROGRAMS = [
     "hook_recorder",
     "manual_plateau",
     "silent_diffs",
+    "logging_page",
+    "autoencoder_datamodule",
 ]
 
 

@@ -27,6 +27,7 @@ PROGRAM_NAMES = [
     "silent_diffs",
     "logging_page",
     "autoencoder_datamodule",
+    "checkpointing_page",
 ]
 
 

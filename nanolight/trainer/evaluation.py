@@ -91,7 +91,7 @@ def run_evaluation(trainer: NanoTrainer, kind: str, loaders: list[Any], sanity: 
                 step_log = metrics.publish(results, on_step=True)
                 if step_log and not sanity:  # on_step values in an evaluation: one row per batch
                     trainer.log_metrics(dict(step_log), step=trainer.eval_rows(dl_idx))
-            log = metrics.publish(results, on_step=False)  # this dataloader's epoch values
+            log = metrics.publish(results, on_step=False, update=not sanity)  # this dataloader's epoch values
             per_loader.append({k: v for k, v in log.items() if k not in seen})
             seen |= set(log)
         metrics.dataloader_idx = None

@@ -112,13 +112,16 @@ class MetricStore:
             self.callback_metrics[name] = tensor  # seen at once by the callbacks after this one (Lightning)
 
     # ---- publishing (Lightning's on_batch_end / on_epoch_end) -----------------------------
-    def publish(self, results: Results, on_step: bool) -> dict[str, torch.Tensor]:
-        """Update callback / progress-bar / logged metrics; returns the values for a logger row."""
+    def publish(self, results: Results, on_step: bool, update: bool = True) -> dict[str, torch.Tensor]:
+        """Update callback / progress-bar / logged metrics (unless not `update`); returns the values
+        for a logger row."""
         if on_step:
             results.sync_step(self.reduce)
         else:
             results.compute_epoch(self.reduce)
         log, callback, pbar = results.values(on_step, self.dataloader_idx)
+        if not update:
+            return log
         self.callback_metrics.update(callback)
         self.progress_bar_metrics.update(pbar)
         self.logged_metrics.update(log)

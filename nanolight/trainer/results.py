@@ -162,7 +162,8 @@ class Results:
             forked = m.meta.forked(on_step)
             if m.meta.logger:
                 log[forked] = value
-            if self.training or (m.meta.on_epoch and not on_step):
+            # an epoch value is a callback metric while its own loader's (or, unsplit, the epoch's) are read
+            if self.training or (m.meta.on_epoch and not on_step and m.dataloader_idx == dataloader_idx):
                 callback[m.meta.name] = value
                 callback[forked] = value
             if m.meta.prog_bar:

@@ -43,6 +43,7 @@ PROGRAMS = [
     "silent_diffs",
     "logging_page",
     "autoencoder_datamodule",
+    "checkpointing_page",
 ]
 
 

@@ -44,8 +44,7 @@ class Second(L.Callback):
         self.seen: list[list[str]] = []
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: Any) -> None:
-        if not trainer.sanity_checking:  # the sanity check's view with two loaders is not pinned
-            self.seen.append(sorted(trainer.callback_metrics))
+        self.seen.append(sorted(trainer.callback_metrics))
 
 
 class StopWatch(L.Callback):

@@ -93,7 +93,8 @@ class RunLifecycle:
             seed_everything(self.seed, verbose=False)
         self._prepare_data()
         self.call_setup_hook("setup", fn)
-        if is_overridden("configure_model", module, NanoModule):  # Lightning asks the class, as for prepare_data
+        # Lightning calls configure_model (as prepare_data) only when the class overrides it
+        if is_overridden("configure_model", module, NanoModule):
             with strategy.model_init_context():  # every call, as Lightning (it must be idempotent)
                 self.call_module_hook("configure_model")
         if strategy.module is not module:  # parallelised once per trainer

@@ -44,7 +44,24 @@ if TYPE_CHECKING:
     from nanolight.trainer import NanoTrainer
 
 
+_SUBPACKAGES = ("callbacks", "core", "demos", "loggers", "utilities")  # ``L.demos.BoringModel``
+
+_LOGO = """
+   +---------------------------------------+
+   |   nanolight  --  Lightning's loop,    |
+   |   nanotron's 3D parallelism           |
+   +---------------------------------------+
+"""
+
+
+def cli_lightning_logo() -> None:
+    """Print nanolight's banner (Lightning's example scripts call this first)."""
+    print(_LOGO)
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"nanolight.{name}")
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value  # later lookups skip this hook
@@ -57,6 +74,7 @@ __all__ = [
     "NanoDataModule",
     "NanoModule",
     "NanoTrainer",
+    "cli_lightning_logo",
     "load_pretrained",
     "save_pretrained",
     "seed_everything",

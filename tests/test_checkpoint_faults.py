@@ -125,3 +125,45 @@ def test_a_full_disk_names_the_file_and_keeps_last(small_disk: Path) -> None:
     ckpts = small_disk / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["last", "step-2"]  # the temporary directory is gone
     shutil.rmtree(ckpts / "step-2")
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (
+            lambda d: (d / "trainer_state.pt").unlink(),
+            r"checkpoint file .*step-4/trainer_state.pt is missing",
+        ),
+        (lambda d: (d / "model.safetensors").unlink(), r"step-4 has no index.json: .*model.safetensors"),
+        (
+            lambda d: (d / "checksums.json").write_bytes((d / "checksums.json").read_bytes()[:20]),
+            r"checksums file .*step-4/checksums.json is truncated or damaged \(not UTF-8 JSON",
+        ),
+        (
+            lambda d: (d / "checksums.json").write_bytes(b"\xc7\xff" + os.urandom(60)),
+            r"checksums file .*step-4/checksums.json is truncated or damaged \(not UTF-8 JSON",
+        ),
+    ],
+    ids=["no-trainer-state", "no-weights", "checksums-truncated", "checksums-garbage"],
+)
+def test_a_missing_or_garbled_file_is_named_with_the_newest_intact_checkpoint(
+    tmp_path: Path, damage, message: str
+) -> None:
+    """Resuming from the damaged step or from `last` (which points at it) names what is wrong and
+    the intact step-2 -- never "resume from `last`", never a raw JSON/Unicode/scheduler-count error."""
+    _fit(tmp_path, max_steps=4)
+    damage(tmp_path / "checkpoints" / "step-4")
+    for ckpt_path in (str(tmp_path / "checkpoints" / "step-4"), "last"):
+        with pytest.raises(CheckpointError, match=message) as info:
+            _fit(tmp_path, max_steps=6, ckpt_path=ckpt_path)
+        text = str(info.value)
+        assert f"the newest intact checkpoint is {tmp_path / 'checkpoints' / 'step-2'}" in text
+        assert "`last`" not in text and "\n" not in text
+
+
+def test_a_non_utf8_index_is_named(tmp_path: Path) -> None:
+    from nanolight.checkpoint.reader import CheckpointReader
+
+    (tmp_path / "index.json").write_bytes(b'{"format": "\xff\xfe garbage')
+    with pytest.raises(CheckpointError, match=r"checkpoint index .*index.json is unreadable"):
+        CheckpointReader.open(tmp_path)

@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
+import transformers
 from _data_helpers import DOCS, prepared, write_docs
 
-from nanolight.data import DataConfig, DataError, build_datamodule
+from nanolight.data import DataConfig, DataError, build_datamodule, load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytest_plugins = ["_data_helpers"]  # the tok / tok_dir fixtures
 
@@ -85,3 +92,68 @@ def test_stream_damaged_midway_names_the_file_when_read(tmp_path, tok_dir) -> No
     with pytest.raises(DataError, match=r"could not read .*late\.jsonl"):
         for _ in train:
             pass
+
+
+def test_missing_data_and_tokenizers_are_one_data_error(tmp_path, tok_dir, monkeypatch) -> None:
+    """No such path, a directory without data files, a tokenizer directory without a tokenizer, a
+    hub tokenizer that is neither cached nor reachable: a DataError each (the recipe prints it as
+    one line) -- not a FileNotFoundError/OSError traceback or a minute of hub retries."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for path in (str(tmp_path / "nope"), str(empty)):
+        with pytest.raises(DataError, match=r"data.path=.*matches no data file"):
+            build_datamodule(DataConfig(path=path, tokenizer=tok_dir), seq_len=8, micro_batch_size=1)
+    with pytest.raises(DataError, match=r"holds no loadable tokenizer"):
+        load_tokenizer(str(empty))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # as on a machine whose network is simply down
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "https://hub.invalid")
+    calls: list[dict] = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def spy(*args, **kwargs):  # the hub client's retries (a minute) happen only without local_files_only
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
+    with pytest.raises(
+        DataError, match=r"not in the local Hugging Face cache and hub.invalid is unreachable"
+    ):
+        load_tokenizer("nanolight-tests/no-such-tokenizer")
+    assert calls == [{"local_files_only": True}]
+
+
+def test_the_recipe_prints_a_missing_data_path_as_one_line(tmp_path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "recipes" / "smollm.py"), f"data.path={tmp_path / 'nope.jsonl'}",
+         f"trainer.default_root_dir={tmp_path / 'run'}", "logger=csv"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.startswith("nanolight: error: data.path=") and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_a_prepared_directory_without_its_index_is_named_and_prepared_again(tmp_path, tok_dir) -> None:
+    """Not globbed as raw data (its tokenizer/tokenizer.json blamed), and prepare_data.py rebuilds
+    it instead of refusing the directory."""
+    src, out = write_docs(str(tmp_path / "docs.jsonl"), DOCS), str(tmp_path / "prep")
+    first = prepared(src, out, tok_dir, cache_dir=str(tmp_path / "c"))
+    os.remove(os.path.join(out, "index.json"))
+    with pytest.raises(DataError, match=r"holds prepared shards but no index.json .* --out") as err:
+        build_datamodule(DataConfig(path=out, tokenizer=tok_dir), seq_len=8, micro_batch_size=1)
+    assert "tokenizer.json" not in str(err.value)
+    again = prepared(src, out, tok_dir, cache_dir=str(tmp_path / "c"))
+    assert again["shards"] == first["shards"]
+    build_datamodule(DataConfig(path=out), seq_len=8, micro_batch_size=1)
+
+
+def test_garbage_lines_are_one_message(tmp_path, tok_dir, capfd) -> None:
+    """`datasets` logs the parse error it then raises; only nanolight's DataError says it."""
+    path = tmp_path / "garbage.jsonl"
+    path.write_text("".join(json.dumps({"text": f"a b c {i}"}) + "\n" for i in range(50)) + "garbage here\n")
+    cfg = DataConfig(path=str(path), tokenizer=tok_dir, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(DataError, match=r"could not read .*garbage.jsonl"):
+        build_datamodule(cfg, seq_len=8, micro_batch_size=1)
+    out, err = capfd.readouterr()
+    assert "garbage.jsonl" not in out + err, out + err

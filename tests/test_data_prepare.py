@@ -129,6 +129,50 @@ def test_sigkilled_cli_run_resumes_to_identical_bytes(tmp_path, tok_dir) -> None
     assert shard_bytes(str(out)) == shard_bytes(str(tmp_path / "ref"))
 
 
+def _children(pid: int) -> list[int]:
+    """Live (not zombie) processes whose parent is `pid`, from /proc."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if stat[1] == str(pid) and stat[0] != "Z":
+            kids.append(int(entry.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_sigkilled_cli_run_leaves_no_worker_behind(tmp_path, tok_dir) -> None:
+    """`--num-proc 2`: SIGKILL of prepare_data.py runs no cleanup; its map's processes must end too."""
+    src = write_docs(str(tmp_path / "docs.jsonl"), DOCS * 300)
+    cmd = [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--source", src, "--tokenizer", tok_dir,
+           "--out", str(tmp_path / "out"), "--num-proc", "2", "--chunk-docs", "400", "--cache-dir", str(tmp_path / "c")]  # fmt: skip
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline, workers = time.time() + 120, []
+    while time.time() < deadline and proc.poll() is None and len(workers) < 3:
+        workers = _children(proc.pid)  # a tokenizing map at work: its 2 workers and its manager
+        time.sleep(0.02)
+    assert len(workers) >= 3, "no map at work seen before the run ended"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(_alive(w) for w in workers):
+        time.sleep(0.05)
+    left = [w for w in workers if _alive(w)]
+    for w in left:  # do not leave them to the next test either
+        os.kill(w, signal.SIGKILL)
+    assert not left, f"map workers {left} outlived the killed prepare_data.py"
+
+
 def test_damaged_shards_are_named_then_repaired_by_a_rerun(tmp_path, tok_dir) -> None:
     src = write_docs(str(tmp_path / "docs.jsonl"), DOCS * 2)
     out = str(tmp_path / "out")

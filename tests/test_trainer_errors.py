@@ -131,3 +131,18 @@ def test_bad_trainer_args():
         NanoTrainer(max_step=3)
     with pytest.raises(ValueError, match="precision"):
         NanoTrainer(precision="16-mixed")
+
+
+def test_another_model_size_is_a_short_message_with_the_remedy():
+    """Resuming a run with another model size: every block differs, so a few examples, the count,
+    and what to do -- not a list of 26 tensors and no remedy."""
+    from nanolight.checkpoint.load import check_matches
+
+    model = {f"layers.{i}.mlp.weight": (64, 32) for i in range(26)}
+    stored = {f"layers.{i}.mlp.weight": (128, 64) for i in range(26)}
+    with pytest.raises(ValueError) as info:
+        check_matches(model, stored)
+    text = str(info.value)
+    assert "shape mismatch: layers.0.mlp.weight: checkpoint (128, 64) vs model (64, 32)" in text
+    assert "(26 in all)" in text and text.count("vs model") == 3
+    assert "the model it was saved from" in text and "checkpoint.resume=null" in text

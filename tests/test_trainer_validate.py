@@ -28,8 +28,9 @@ def test_validate_from_checkpoint(tmp_path):
     ).fit(trained, loader(ds, 4))
     with torch.no_grad():
         expected = torch.stack([trained.loss(b) for b in loader(ds, 8)]).mean()
+    # another trainer has no ModelCheckpoint with a last_model_path: name the `last` pointer itself
     metrics = _trainer(tmp_path, enable_checkpointing=False).validate(
-        MLPModule(), loader(ds, 8), ckpt_path="last"
+        MLPModule(), loader(ds, 8), ckpt_path=tmp_path / "checkpoints" / "last"
     )
     assert metrics == [{"val/loss": pytest.approx(float(expected), abs=1e-6)}]  # one dict per dataloader
 

@@ -13,6 +13,7 @@ which file and how many bytes when the disk is full.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import zlib
@@ -143,6 +144,18 @@ def load_torch(path: Path, what: str = "checkpoint file", device: str | torch.de
         raise
     except Exception as exc:  # a truncated zip, a pickle of something else: name the file
         raise CheckpointError(f"{what} {path} is truncated or damaged ({exc}); {_FIX}") from exc
+
+
+def load_json(path: Path, what: str = "checkpoint file") -> Any:
+    """`path` parsed as UTF-8 JSON; a truncated or garbled file is an error naming it."""
+    try:
+        return json.loads(require(path, what).read_bytes().decode("utf-8"))
+    except CheckpointError:
+        raise
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(
+            f"{what} {path} is truncated or damaged (not UTF-8 JSON: {exc}); {_FIX}"
+        ) from exc
 
 
 def open_tensors(path: Path, what: str = "checkpoint shard") -> Any:

@@ -37,14 +37,18 @@ def check_matches(expected: dict[str, tuple[int, ...]], stored: dict[str, tuple[
     if not (missing or unexpected or shapes):
         return
 
-    def head(items: list[str]) -> str:
-        return ", ".join(items[:8]) + (f", ... ({len(items)} total)" if len(items) > 8 else "")
+    def head(items: list[str]) -> str:  # a few examples: another model size differs in every block
+        return ", ".join(items[:3]) + (f", ... ({len(items)} in all)" if len(items) > 3 else "")
 
     parts = [f"missing in checkpoint: {head(missing)}"] if missing else []
     parts += [f"unexpected in checkpoint: {head(unexpected)}"] if unexpected else []
     parts += [f"shape mismatch: {head(shapes)}"] if shapes else []
     raise UsageError(
-        "checkpoint does not match the model (was it saved from another model?) -- " + "; ".join(parts)
+        "checkpoint does not match the model (was it saved from another model?) -- "
+        + "; ".join(parts)
+        + ". Load it into the model it was saved from (the same model preset/config as that run), or "
+        "train this model from scratch in another directory (trainer.default_root_dir=..., or "
+        "checkpoint.resume=null)"
     )
 
 

@@ -17,7 +17,6 @@ other thousands (`verify_all` checks every file, for `intact.py`).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from nanolight.checkpoint.files import (
     CheckpointError,
     InMemoryTensors,
     MissingCheckpointFile,
+    load_json,
     load_torch,
     open_tensors,
     verify,
@@ -64,16 +64,17 @@ class CheckpointReader:
         path = Path(path)
         if is_sharded_checkpoint(path):
             index_file = path / INDEX_FILE
-            return cls(path, CheckpointIndex.from_json(index_file.read_text(), index_file), True)
+            text = index_file.read_text(errors="replace")  # not UTF-8: from_json names the file
+            return cls(path, CheckpointIndex.from_json(text, index_file), True)
         if (path / WEIGHTS_FILE).is_file():
             index = CheckpointIndex(dict(ONE_PROCESS), {}, {})
             manifest = path / CHECKSUMS_FILE  # absent in checkpoints written before checksums
-            for name, rec in (json.loads(manifest.read_text()) if manifest.is_file() else {}).items():
+            for name, rec in (load_json(manifest, "checksums file") if manifest.is_file() else {}).items():
                 index.files[name], index.checksums[name] = rec["size"], rec["crc32"]
             return cls(path, index, False)._index_weights()
         raise MissingCheckpointFile(
             f"{path} has no {INDEX_FILE}: not a complete sharded checkpoint (an interrupted save leaves "
-            f"no index), nor a one-process one ({WEIGHTS_FILE}); resume from `last` or an earlier step"
+            f"no index), nor a one-process one ({WEIGHTS_FILE}); resume from an earlier checkpoint"
         )
 
     # ---- building the in-memory index of a one-process checkpoint ----------------------------

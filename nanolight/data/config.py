@@ -23,6 +23,10 @@ class DataError(UsageError):
     names the file or key and says how to fix it."""
 
 
+class DataNotFound(DataError, FileNotFoundError):
+    """A data path or tokenizer directory that is not there (a FileNotFoundError to callers too)."""
+
+
 @dataclass
 class MixtureSource:
     """One entry of `data.mixture`: a directory made by scripts/prepare_data.py and its weight."""

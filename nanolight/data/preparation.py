@@ -11,10 +11,12 @@ one whose shards were later damaged is repaired from the first damaged shard on.
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -28,7 +30,16 @@ from nanolight.data.cache import write_atomically
 from nanolight.data.config import EMBEDDED, DataConfig, DataError
 from nanolight.data.corpus import embedded_corpus
 from nanolight.data.shard_writer import ShardWriter
-from nanolight.data.shards import FORMAT, INDEX, PROGRESS, VERSION, check_shards, is_prepared_dir, read_index
+from nanolight.data.shards import (
+    FORMAT,
+    INDEX,
+    PROGRESS,
+    VERSION,
+    check_shards,
+    is_prepared_dir,
+    prepared_leftovers,
+    read_index,
+)
 from nanolight.data.sources import check_text_field, local_files, local_identity, open_hub, open_local
 from nanolight.data.tokenize import Encoder, tokenize_rows
 from nanolight.data.tokenizer import resolve_tokenizer, tokenizer_identity
@@ -76,6 +87,28 @@ class PrepareConfig:
         )  # fmt: skip
 
 
+_FORKING = [0]  # the pid of the process forking now (read by the child: its parent)
+
+
+def children_die_with_their_parent() -> None:
+    """Every process forked from here on (datasets' map workers, its manager process) ends when
+    its parent does: a SIGKILLed prepare_data.py runs no cleanup, and they would wait for work
+    for ever. Linux's parent-death signal, armed in each child; elsewhere nothing. Idempotent."""
+    if _FORKING[0] or not sys.platform.startswith("linux"):
+        return
+    _FORKING[0] = os.getpid()
+    os.register_at_fork(before=lambda: _FORKING.__setitem__(0, os.getpid()), after_in_child=_arm_parent_death)
+
+
+def _arm_parent_death() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != _FORKING[0]:  # the parent died before the signal was armed
+        os._exit(1)
+
+
 def prepare(
     cfg: PrepareConfig, *, progress: bool = True, after_commit: Callable[[int], None] | None = None
 ) -> dict[str, Any]:
@@ -84,6 +117,8 @@ def prepare(
     `after_commit(next_row)` runs after every committed chunk (tests use it to stop a run midway).
     """
     out = os.path.abspath(os.path.expanduser(cfg.out))
+    if cfg.num_proc > 1:
+        children_die_with_their_parent()
     tok, ds, files = _open_source(cfg)
     dtype = token_dtype(len(tok))
     inputs = {
@@ -227,8 +262,16 @@ def _resume_state(out: str, inputs: dict[str, Any]) -> dict[str, Any] | str | No
             state = json.load(f)
         _check_same_inputs(out, state["inputs"], inputs)
         return state
-    if [n for n in os.listdir(out) if n != "tokenizer"]:
+    leftovers = prepared_leftovers(out)  # shards whose index is gone: nothing says they are whole
+    if [n for n in os.listdir(out) if n != "tokenizer" and n not in leftovers]:
         raise DataError(f"--out {out} is not empty and holds no preparation: pick a new or empty directory")
+    for name in leftovers:
+        os.remove(os.path.join(out, name))
+    if leftovers:
+        print(
+            f"{out}: {len(leftovers)} shard files without {INDEX}: preparing again from the start",
+            file=sys.stderr,
+        )
     return None
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,11 +40,19 @@ def shard_names(i: int) -> tuple[str, str]:
 
 
 def is_prepared_dir(path: str) -> bool:
-    """A directory prepare_data.py made or started (so it is never globbed as raw data files)."""
+    """A directory prepare_data.py made or started (so it is never globbed as raw data files):
+    its index, its progress file, or shards it wrote (an index lost after the shards were written)."""
     p = os.path.expanduser(path)
     return os.path.isdir(p) and (
-        os.path.exists(os.path.join(p, INDEX)) or os.path.exists(os.path.join(p, PROGRESS))
+        os.path.exists(os.path.join(p, INDEX))
+        or os.path.exists(os.path.join(p, PROGRESS))
+        or bool(prepared_leftovers(p))
     )
+
+
+def prepared_leftovers(path: str) -> list[str]:
+    """The shard files prepare_data.py writes that `path` holds (``shard-NNNNN.bin`` / ``.doc``)."""
+    return sorted(n for n in os.listdir(path) if re.fullmatch(r"shard-\d{5}\.(bin|doc)", n))
 
 
 def read_index(path: str) -> dict[str, Any]:
@@ -55,6 +64,11 @@ def read_index(path: str) -> dict[str, Any]:
             raise DataError(
                 f"{p} is an unfinished preparation (no {INDEX}, only {PROGRESS}): scripts/prepare_data.py was "
                 "stopped; run it again with the same arguments to finish it"
+            )
+        if prepared_leftovers(p):
+            raise DataError(
+                f"{p} holds prepared shards but no {INDEX} (deleted, or lost before the preparation ended): "
+                f"run scripts/prepare_data.py again with the same arguments and --out {p} to rebuild it"
             )
         raise DataError(f"{p} has no {INDEX}: it is not a directory made by scripts/prepare_data.py")
     try:

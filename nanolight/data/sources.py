@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from nanolight.data.config import DataConfig, DataError
+from nanolight.data.config import DataConfig, DataError, DataNotFound
 
 T = TypeVar("T")
 _PEEK = 1 << 16  # bytes of each text file read up front to tell a data file from garbage
@@ -32,7 +34,8 @@ _BUILDERS: dict[str, tuple[str, dict[str, Any]]] = {
 def local_files(path: str, key: str = "data.path") -> list[str] | None:
     """Sorted data files `path` names, or None when `path` is not local (a hub dataset name).
 
-    Raises FileNotFoundError naming the path and the fix when it looks local but matches nothing.
+    Raises DataNotFound (a FileNotFoundError) naming the path and the fix when it looks local but
+    matches nothing.
     """
     expanded = os.path.expanduser(path)
     is_glob = any(c in expanded for c in "*?[")
@@ -52,7 +55,7 @@ def local_files(path: str, key: str = "data.path") -> list[str] | None:
         candidates = [expanded] if os.path.isfile(expanded) else []
     files = sorted(os.path.abspath(f) for f in candidates if os.path.splitext(f)[1] in _BUILDERS)
     if not files:
-        raise FileNotFoundError(
+        raise DataNotFound(
             f"{key}={path!r} matches no data file (supported: {', '.join(_BUILDERS)}). "
             f"Fix the path or glob, or use {key}=embedded or a hub dataset name"
         )
@@ -139,20 +142,35 @@ def open_local(files: list[str], *, streaming: bool, cache_dir: str, num_proc: i
     try:
         if num_proc and num_proc > 1 and not streaming:
             kwargs["num_proc"] = num_proc  # converts the files to arrow in parallel
-        return datasets.load_dataset(
-            builder, data_files=files, split="train", streaming=streaming, cache_dir=cache_dir, **kwargs
-        )
+        with reader_logs_silenced():
+            return datasets.load_dataset(
+                builder, data_files=files, split="train", streaming=streaming, cache_dir=cache_dir, **kwargs
+            )
     except DataError:
         raise
     except Exception as err:  # damage past the first 64 KB surfaces here, in many exception types
         raise read_error(files, err) from err
 
 
+@contextmanager
+def reader_logs_silenced() -> Iterator[None]:
+    """`datasets`' file readers log the error they then raise (on stdout and stderr under the
+    recipe's logging); the DataError made from it says it once, with what to do."""
+    log = logging.getLogger("datasets.packaged_modules")
+    previous = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(previous)
+
+
 def guard_reads(items: Iterable[T], files: list[str]) -> Iterator[T]:
     """`items` (an iteration that reads `files`), with a library error while reading turned into a
     DataError naming the files (our own DataErrors pass through)."""
     try:
-        yield from items
+        with reader_logs_silenced():
+            yield from items
     except DataError:
         raise
     except Exception as err:

@@ -11,12 +11,14 @@ import hashlib
 import itertools
 import json
 import os
+import socket
 from collections.abc import Callable, Iterator
+from urllib.parse import urlparse
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from nanolight.data.cache import build_once, fingerprint
-from nanolight.data.config import EMBEDDED, DataConfig
+from nanolight.data.config import EMBEDDED, DataConfig, DataError, DataNotFound
 
 EOS = "<|endoftext|>"
 _FORMAT = 1
@@ -87,21 +89,45 @@ def embedded_tokenizer_dir(
     return build_once(path, build, barrier=barrier, is_builder=is_builder)
 
 
+def _unreachable_hub(timeout_s: float = 3.0) -> str | None:
+    """The hub's host when one TCP connection to it fails within `timeout_s` (None: reachable, or
+    offline mode / a proxy already decides how the hub client behaves)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or any(
+        os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY")
+    ):
+        return None
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout_s).close()
+    except OSError:
+        return host
+    return None
+
+
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """`AutoTokenizer.from_pretrained` with fix-it errors; the tokenizer must define an EOS token."""
     looks_local = name_or_path.startswith(("/", "./", "../", "~")) or os.path.isdir(name_or_path)
     path = os.path.expanduser(name_or_path)
     if looks_local and not os.path.isdir(path):
-        raise FileNotFoundError(
+        raise DataNotFound(
             f"data.tokenizer={name_or_path!r}: no such directory. Point it at a directory written by "
             "save_pretrained (with tokenizer.json), a hub name like HuggingFaceTB/SmolLM-135M, or `embedded`"
         )
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
+    hub = None if looks_local else _unreachable_hub()
+    try:  # an unreachable hub: only the local cache (the hub client would retry for a minute)
+        tok = AutoTokenizer.from_pretrained(path, **({"local_files_only": True} if hub else {}))
     except (OSError, ValueError) as err:
-        raise OSError(
-            f"data.tokenizer={name_or_path!r} could not be loaded ({err}). Check the name/path and, for a "
-            "hub name, the network; use data.tokenizer=embedded to train a local one offline"
+        if looks_local:
+            why = f"{path} holds no loadable tokenizer (tokenizer.json or a slow tokenizer's files)"
+        elif hub:
+            why = f"it is not in the local Hugging Face cache and {hub} is unreachable (offline?)"
+        else:
+            why = f"{err}".splitlines()[0]
+        raise DataError(
+            f"data.tokenizer={name_or_path!r} could not be loaded: {why}. Point it at a directory written "
+            "by save_pretrained, a reachable hub name, or use data.tokenizer=embedded (trained locally, offline)"
         ) from err
     if tok.eos_token_id is None:
         raise ValueError(

@@ -53,12 +53,8 @@ def _scheduler(obj: Any, where: Any, monitor: str | None = None) -> SchedulerCon
         unknown = set(obj) - {"scheduler", "interval", "frequency", "monitor", "name", "strict"}
         if unknown:
             raise _bad(where, f"unknown lr_scheduler keys {sorted(unknown)}")
-        cfg = SchedulerConfig(**{"monitor": monitor, **obj})
-    else:
-        cfg = SchedulerConfig(obj, monitor=monitor)
-    if cfg.reduce_on_plateau and cfg.monitor is None:
-        raise _bad(where, 'a ReduceLROnPlateau scheduler needs the metric it watches: add "monitor": "val_loss"')
-    return cfg
+        return SchedulerConfig(**{"monitor": monitor, **obj})
+    return SchedulerConfig(obj, monitor=monitor)
 
 
 def _from_dict(d: dict, where: Any) -> tuple[torch.optim.Optimizer, list[SchedulerConfig]]:
@@ -76,8 +72,17 @@ def _from_dict(d: dict, where: Any) -> tuple[torch.optim.Optimizer, list[Schedul
     return opt, scheds
 
 
-def parse_optimizers(out: Any) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
-    """Return (optimizers, schedulers) or raise a TypeError that lists the accepted forms."""
+def parse_optimizers(out: Any, manual: bool = False) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
+    """Return (optimizers, schedulers) or raise a TypeError that lists the accepted forms. Under
+    manual optimization the program steps its schedulers itself, so a ReduceLROnPlateau needs no
+    ``monitor`` (Lightning); automatic optimization steps it with the monitored metric."""
+    optimizers, schedulers = _parse(out)
+    if not manual and any(cfg.reduce_on_plateau and cfg.monitor is None for cfg in schedulers):
+        raise _bad(out, 'a ReduceLROnPlateau scheduler needs the metric it watches: add "monitor": "val_loss"')
+    return optimizers, schedulers
+
+
+def _parse(out: Any) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
     if out is None:
         raise _bad(out, "nothing was returned (did you forget `return`?)")
     if isinstance(out, torch.optim.Optimizer):

@@ -86,12 +86,12 @@ def run_evaluation(trainer: NanoTrainer, kind: str, loaders: list[Any], sanity: 
                 with ExitStack() as stack:
                     stack.enter_context(_grad_mode(trainer))
                     stack.enter_context(trainer.strategy.autocast())
-                    out = trainer.call_module_hook(f"{name}_step", batch, batch_idx, *extra)
+                    out = trainer.call_step(f"{name}_step", batch, batch_idx, *extra)
                 hook(f"on_{name}_batch_end", out, batch, batch_idx, *extra)
                 step_log = metrics.publish(results, on_step=True)
                 if step_log and not sanity:  # on_step values in an evaluation: one row per batch
                     trainer.log_metrics(dict(step_log), step=trainer.eval_rows(dl_idx))
-            log = metrics.publish(results, on_step=False)  # this dataloader's epoch values
+            log = metrics.publish(results, on_step=False, update=not sanity)  # this dataloader's epoch values
             per_loader.append({k: v for k, v in log.items() if k not in seen})
             seen |= set(log)
         metrics.dataloader_idx = None
@@ -142,7 +142,7 @@ def run_predict(trainer: NanoTrainer, loaders: list[Any], return_predictions: bo
                 with ExitStack() as stack:
                     stack.enter_context(_grad_mode(trainer))
                     stack.enter_context(trainer.strategy.autocast())
-                    out = trainer.call_module_hook("predict_step", batch, batch_idx, *extra)
+                    out = trainer.call_step("predict_step", batch, batch_idx, *extra)
                 hook("on_predict_batch_end", out, batch, batch_idx, *extra)
                 if return_predictions:
                     preds.append(out)

@@ -17,6 +17,7 @@ from nanolight.callbacks.early_stopping import EarlyStopping
 from nanolight.callbacks.model_checkpoint import ModelCheckpoint
 from nanolight.module.datamodule import NanoDataModule
 from nanolight.module.module import NanoModule
+from nanolight.utilities.signature_utils import is_param_in_hook_signature
 
 if TYPE_CHECKING:
     from nanolight.trainer.trainer import NanoTrainer
@@ -25,6 +26,12 @@ CALLBACK_ONLY = frozenset(
     {"on_sanity_check_start", "on_sanity_check_end", "on_exception"}
 )  # the module has no hook of these names
 BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+
+
+def _defines(obj: Any, name: str, base: type) -> bool:
+    """`obj` has its own `name`: its class overrides `base`'s, or the hook was attached to the
+    instance (Lightning calls hooks whatever their origin; its hook-order tests attach them so)."""
+    return name in getattr(obj, "__dict__", {}) or is_overridden(name, obj, base)
 
 
 def order_callbacks(callbacks: list[Callback]) -> list[Callback]:
@@ -66,9 +73,9 @@ class HookCaller:
     def _resolve(self: NanoTrainer, name: str) -> list[tuple[Any, bool]]:
         module = self.lightning_module
         monitoring = (ModelCheckpoint, EarlyStopping)
-        cbs = [cb for cb in self.callbacks if is_overridden(name, cb, Callback)]
+        cbs = [cb for cb in self.callbacks if _defines(cb, name, Callback)]
         targets = [(getattr(cb, name), True) for cb in cbs]
-        if name not in CALLBACK_ONLY and is_overridden(name, module, NanoModule):
+        if name not in CALLBACK_ONLY and _defines(module, name, NanoModule):
             targets.append((getattr(module, name), False))
         if name == "on_train_epoch_end":  # monitoring callbacks see what the module logged there
             targets = [t for t, cb in zip(targets, cbs + [None], strict=False) if not isinstance(cb, monitoring)]
@@ -84,9 +91,16 @@ class HookCaller:
         finally:
             self.metrics.hook = previous
 
+    def call_step(self: NanoTrainer, name: str, batch: Any, batch_idx: int, *extra: Any) -> Any:
+        """``training_step`` / ``validation_step`` / ...: ``batch_idx`` is passed only when the
+        signature takes it, as Lightning does (``def training_step(self, batch)`` is valid)."""
+        fn = getattr(self.lightning_module, name)
+        takes_idx = is_param_in_hook_signature(fn, "batch_idx", min_args=2)
+        return self.call_module_hook(name, batch, *((batch_idx,) if takes_idx else ()), *extra)
+
     def call_datamodule_hook(self: NanoTrainer, name: str, *args: Any) -> Any:
         dm = self.datamodule
-        if dm is None or not is_overridden(name, dm, NanoDataModule):
+        if dm is None or not _defines(dm, name, NanoDataModule):
             return None
         previous, self.metrics.hook = self.metrics.hook, name
         try:
@@ -106,7 +120,7 @@ class HookCaller:
         for name in BATCH_HOOKS:
             args = (batch, device, dataloader_idx) if name == "transfer_batch_to_device" else (batch, dataloader_idx)
             dm = self.datamodule
-            if dm is not None and is_overridden(name, dm, NanoDataModule):
+            if dm is not None and _defines(dm, name, NanoDataModule):
                 batch = self.call_datamodule_hook(name, *args)
             else:
                 batch = self.call_module_hook(name, *args)

@@ -10,10 +10,11 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
+from lightning_utilities.core.overrides import is_overridden
 from lightning_utilities.core.rank_zero import rank_zero_info
 
 from nanolight.errors import UsageError
-from nanolight.module import NanoModule
+from nanolight.module import NanoDataModule, NanoModule
 from nanolight.seed import capture_rng_state, restore_rng_state, seed_everything
 from nanolight.trainer.builders import check_module, set_determinism
 from nanolight.trainer.evaluation import run_evaluation
@@ -29,6 +30,7 @@ class RunLifecycle:
             if self.detect_anomaly:
                 stack.enter_context(torch.autograd.set_detect_anomaly(True))
             self.call_hook("on_fit_start")
+            self.lightning_module.zero_grad()  # before the stage, as for validate/test/predict
             if (
                 self.enable_validation
                 and self.config.num_sanity_val_steps != 0
@@ -53,7 +55,9 @@ class RunLifecycle:
         check_module(module, fn, self.strategy)
         self.state.fn, self.state.stage, self.state.status = fn, None, "running"
         self.lightning_module, module.trainer, self.datamodule = module, self, self.data.datamodule
-        self.should_stop, self._hook_targets, self._eval_rows = False, {}, {}
+        self._hook_targets, self._eval_rows = {}, {}
+        if fn == "fit":  # only fit clears it: a later test still sees an EarlyStopping's stop (Lightning)
+            self.should_stop = False
         self.callbacks = merge_model_callbacks(
             self._base_callbacks, self.call_module_hook("configure_callbacks")
         )
@@ -63,6 +67,8 @@ class RunLifecycle:
             try:
                 self._setup(fn, module, ckpt_path, model_given)
                 with self.strategy.watch(f"{fn} (a collective outside the watched training step)"):
+                    if fn != "fit":  # Lightning zeroes the module's gradients before every stage
+                        module.zero_grad()
                     stage()
                 self.state.status = "finished"
                 for lg in self.loggers if self.is_global_zero else []:
@@ -87,8 +93,10 @@ class RunLifecycle:
             seed_everything(self.seed, verbose=False)
         self._prepare_data()
         self.call_setup_hook("setup", fn)
-        with strategy.model_init_context():  # every call, as Lightning (it must be idempotent)
-            self.call_module_hook("configure_model")
+        # Lightning calls configure_model (as prepare_data) only when the class overrides it
+        if is_overridden("configure_model", module, NanoModule):
+            with strategy.model_init_context():  # every call, as Lightning (it must be idempotent)
+                self.call_module_hook("configure_model")
         if strategy.module is not module:  # parallelised once per trainer
             strategy.setup_module(module)
         self.metrics.always_sync = strategy.pipelined  # only the last pipeline stage has the loss
@@ -107,13 +115,16 @@ class RunLifecycle:
         """``prepare_data`` on local rank 0 of each node (or global rank 0), the others wait."""
         module, dm = self.lightning_module, self.datamodule
         per_node = getattr(dm if dm is not None else module, "prepare_data_per_node", True)
-        if (self.local_rank if per_node else self.global_rank) == 0:
-            self.call_datamodule_hook("prepare_data")
-            self.call_module_hook("prepare_data")
+        if (self.local_rank if per_node else self.global_rank) == 0:  # only overrides, as Lightning
+            if dm is not None and is_overridden("prepare_data", dm, NanoDataModule):
+                self.call_datamodule_hook("prepare_data")
+            if is_overridden("prepare_data", module, NanoModule):
+                self.call_module_hook("prepare_data")
         self.strategy.barrier("prepare_data")
 
     def _log_hyperparams(self, module: NanoModule) -> None:
-        """The module's and datamodule's saved hparams to every logger (rank 0), when there are any."""
+        """The module's and datamodule's saved hparams to every logger (rank 0), when there are any;
+        every logger saves, so its version directory exists from the call's start (Lightning)."""
         if not (self.enable_autolog_hparams and self.is_global_zero and self.loggers):
             return
         params: dict[str, Any] = {}
@@ -127,10 +138,9 @@ class RunLifecycle:
                         f"the module and datamodule save different values for the hparams {clash}"
                     )
                 params.update(owner.hparams_initial)
-        if not params:
-            return
-        for lg in self.loggers:
-            lg.log_hyperparams(params)
+        for lg in self.loggers:  # saved even without hparams: each trainer call has its log directory
+            if params:
+                lg.log_hyperparams(params)
             lg.save()
 
 

@@ -47,6 +47,12 @@ class FitLoop:
         self._resume_rng: dict[str, Any] | None = None
         self._told_min = False
         self.window_open = False  # between a window's step and its `stepped` count (checkpoints)
+        self.batch_idx = -1  # the training batch being run (set by the step), -1 before the first
+
+    @property
+    def is_last_batch(self) -> bool:
+        """The batch being run is the epoch's last (known for loaders with a length)."""
+        return self.batch_idx == self.max_batches - 1
 
     # ---- checkpoint state ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -174,6 +180,7 @@ class FitLoop:
             self._resume_rng = None
         if resume is None:
             trainer.progress["batch_idx"] = 0
+        self.batch_idx = -1
         return iterator
 
     def _epoch(self) -> None:

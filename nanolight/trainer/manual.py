@@ -36,11 +36,11 @@ class ManualStep:
         trainer = self.trainer
         (raw,) = batches
         batch = trainer.transfer_batch(raw)
-        trainer.metrics.batch = batch
+        trainer.metrics.batch, trainer.fit_loop.batch_idx = batch, first
         if trainer.call_hook("on_train_batch_start", batch, first, returns=True) == END_EPOCH:
             return False
         with trainer.strategy.autocast():
-            output = trainer.call_module_hook("training_step", batch, first)
+            output = trainer.call_step("training_step", batch, first)
         count_consumed(trainer.progress, batches, trainer.strategy.data_parallel_size)
         trainer.publish_step(sync=True)
         trainer.call_hook("on_train_batch_end", manual_outputs(output), batch, first)

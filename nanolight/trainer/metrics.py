@@ -104,19 +104,24 @@ class MetricStore:
         tensor = to_scalar_tensor(name, value)
         if batch_size is None:
             batch_size = (batch_size_of(self.batch) or 1) if fx == "mean" and on_epoch else 1
-        self.active.log(meta, tensor, batch_size)
+        self.active.log(meta, tensor, batch_size, self.dataloader_idx)
         if on_step and self.active.training:  # seen at once by later hooks of this batch (unsynced)
             self.callback_metrics[name] = tensor
             self.callback_metrics[meta.forked(True)] = tensor
+        elif on_epoch and hook in ("on_validation_epoch_end", "on_test_epoch_end"):
+            self.callback_metrics[name] = tensor  # seen at once by the callbacks after this one (Lightning)
 
     # ---- publishing (Lightning's on_batch_end / on_epoch_end) -----------------------------
-    def publish(self, results: Results, on_step: bool) -> dict[str, torch.Tensor]:
-        """Update callback / progress-bar / logged metrics; returns the values for a logger row."""
+    def publish(self, results: Results, on_step: bool, update: bool = True) -> dict[str, torch.Tensor]:
+        """Update callback / progress-bar / logged metrics (unless not `update`); returns the values
+        for a logger row."""
         if on_step:
             results.sync_step(self.reduce)
         else:
             results.compute_epoch(self.reduce)
-        log, callback, pbar = results.values(on_step)
+        log, callback, pbar = results.values(on_step, self.dataloader_idx)
+        if not update:
+            return log
         self.callback_metrics.update(callback)
         self.progress_bar_metrics.update(pbar)
         self.logged_metrics.update(log)

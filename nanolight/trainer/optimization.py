@@ -30,7 +30,8 @@ class Optimization:
         """``configure_optimizers`` -> the strategy's (wrapped) optimizers, the schedulers, and the
         ``self.optimizers()`` objects, whose ``step`` goes through `_optimizer_step`."""
         check_manual(module, self.config, self.strategy)
-        optimizers, self.lr_scheduler_configs = parse_optimizers(self.call_module_hook("configure_optimizers"))
+        manual = not module.automatic_optimization
+        optimizers, self.lr_scheduler_configs = parse_optimizers(self.call_module_hook("configure_optimizers"), manual)
         if module.automatic_optimization and len(optimizers) > 1:
             raise UsageError(
                 f"configure_optimizers returned {len(optimizers)} optimizers: several optimizers need manual "

@@ -74,6 +74,12 @@ class TrainerProperties:
         return n > 0 and ((self.log_step + 1) % n == 0 or self.should_stop)
 
     @property
+    def is_last_batch(self: NanoTrainer) -> bool:
+        """Lightning's flag: fit is running its epoch's last training batch (stays True through
+        that epoch's end hooks)."""
+        return self.fit_loop.is_last_batch
+
+    @property
     def is_global_zero(self: NanoTrainer) -> bool:
         return self.strategy.is_global_zero
 

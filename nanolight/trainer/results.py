@@ -51,6 +51,7 @@ class _Metric:
         self.acc: torch.Tensor | None = None  # sum(value * batch size) / sum / max / min
         self.weight: torch.Tensor | None = None  # sum of batch sizes (mean)
         self.epoch: torch.Tensor | None = None  # computed epoch value (cached until a new log)
+        self.dataloader_idx: int | None = None  # the evaluation dataloader that logged it (several)
 
     def update(self, value: torch.Tensor, batch_size: int) -> None:
         fx = self.meta.reduce_fx
@@ -96,7 +97,9 @@ class Results:
         self.training = training
         self.metrics: dict[str, _Metric] = {}
 
-    def log(self, meta: Meta, value: torch.Tensor, batch_size: int) -> None:
+    def log(
+        self, meta: Meta, value: torch.Tensor, batch_size: int, dataloader_idx: int | None = None
+    ) -> None:
         metric = self.metrics.get(meta.name)
         if metric is None or metric.meta != meta:
             if metric is not None and metric.last is not None:
@@ -106,6 +109,7 @@ class Results:
                 )
             metric = self.metrics[meta.name] = _Metric(meta)
         metric.update(value, batch_size)
+        metric.dataloader_idx = dataloader_idx
 
     def sync_step(self, reduce: Reduce) -> None:
         """Reduce the unsynced ``sync_dist`` step values over ranks, in one collective."""
@@ -137,14 +141,20 @@ class Results:
                 for m, v in zip(group, out.unbind(), strict=True):
                     m.epoch = v
 
-    def values(self, on_step: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def values(
+        self, on_step: bool, dataloader_idx: int | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(for the loggers, for callback_metrics, for the progress bar), as Lightning's
-        ``_ResultCollection.metrics``: step values when `on_step`, else epoch values."""
+        ``_ResultCollection.metrics``: step values when `on_step` (only `dataloader_idx`'s while
+        one of several evaluation loaders runs), else epoch values."""
         log: dict[str, torch.Tensor] = {}
         callback: dict[str, torch.Tensor] = {}
         pbar: dict[str, torch.Tensor] = {}
         for m in self.metrics.values():
-            value = m.last if on_step and m.meta.on_step else None
+            other_loader = (
+                None not in (dataloader_idx, m.dataloader_idx) and m.dataloader_idx != dataloader_idx
+            )
+            value = m.last if on_step and m.meta.on_step and not other_loader else None
             if not on_step and m.meta.on_epoch:
                 value = m.epoch
             if value is None:
@@ -152,7 +162,8 @@ class Results:
             forked = m.meta.forked(on_step)
             if m.meta.logger:
                 log[forked] = value
-            if self.training or (m.meta.on_epoch and not on_step):
+            # an epoch value is a callback metric while its own loader's (or, unsplit, the epoch's) are read
+            if self.training or (m.meta.on_epoch and not on_step and m.dataloader_idx == dataloader_idx):
                 callback[m.meta.name] = value
                 callback[forked] = value
             if m.meta.prog_bar:

@@ -16,6 +16,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from nanolight.checkpoint.atomic import LAST_POINTER, resolve_checkpoint
 from nanolight.checkpoint.files import CheckpointError, MissingCheckpointFile, with_hint
 from nanolight.checkpoint.intact import newest_intact
+from nanolight.checkpoint.reader import TRAINER_FILE
 from nanolight.errors import UsageError
 from nanolight.module.hparams import plain_hparams
 from nanolight.module.loading import HPARAMS_KEY
@@ -98,6 +99,11 @@ def restore_training_state(trainer: NanoTrainer, path: Path, state: dict[str, An
             "from a full checkpoint"
         )
     with _naming_an_intact_one(path):
+        if "progress" not in state:  # a model directory, or a checkpoint whose trainer state is gone
+            raise MissingCheckpointFile(
+                f"checkpoint file {path / TRAINER_FILE} is missing: {path} holds no trainer state to resume "
+                "training from; restore the file or resume from an earlier checkpoint"
+            )
         trainer.strategy.load_optimizer_checkpoint(path)
     scheds = state.get("schedulers", [])
     if len(scheds) != len(trainer.lr_scheduler_configs):
@@ -130,7 +136,9 @@ def _naming_an_intact_one(path: Path) -> Iterator[None]:
 def resolve_ckpt_path(trainer: NanoTrainer, ckpt_path: str | Path | None, fn: str, model_given: bool) -> Path | None:
     """Lightning's rules: None restores nothing (fit, or a model was passed) or else the best
     checkpoint of the fit before; ``"best"`` -> the first ModelCheckpoint's best; ``"last"`` ->
-    the newest complete checkpoint (None + a warning if there is none); else a directory."""
+    for fit, the newest complete checkpoint (the ``last`` pointer: resuming), otherwise the
+    ModelCheckpoints' ``last_model_path`` as Lightning (None + a warning if there is none); else a
+    directory."""
     if ckpt_path is None and (fn == "fit" or model_given):
         return None
     if ckpt_path is None:
@@ -149,7 +157,17 @@ def resolve_ckpt_path(trainer: NanoTrainer, ckpt_path: str | Path | None, fn: st
                 f"directory as {fn}(ckpt_path=...)"
             )
         ckpt_path = cb.best_model_path
-    elif str(ckpt_path) == LAST_POINTER:
+    elif str(ckpt_path) == LAST_POINTER and fn != "fit":
+        # Lightning: the ModelCheckpoints' last_model_path (set by save_last), else the weights in memory
+        last = [cb.last_model_path for cb in trainer.checkpoint_callbacks if cb.last_model_path]
+        found = next((p for p in map(resolve_checkpoint, last) if p is not None), None)
+        if found is None:
+            rank_zero_warn(
+                f'.{fn}(ckpt_path="last") is set, but there is no last checkpoint available: the weights in '
+                "memory are used. Set ModelCheckpoint(..., save_last=True) to have one"
+            )
+        return found
+    elif str(ckpt_path) == LAST_POINTER:  # resuming: the newest complete checkpoint
         dirs = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if cb.dirpath is not None]
         dirs.append(Path(trainer.default_root_dir) / "checkpoints")
         for d in dirs:

@@ -105,7 +105,7 @@ class AutomaticStep:
                 self._backward(i, n, first)
                 continue
             self.batches[i] = batch = trainer.transfer_batch(batches[i])
-            trainer.metrics.batch = batch
+            trainer.metrics.batch, trainer.fit_loop.batch_idx = batch, first + i
             if hook("on_train_batch_start", batch, first + i, returns=True) == END_EPOCH:
                 if strategy.pipelined:
                     raise UsageError(
@@ -128,7 +128,7 @@ class AutomaticStep:
     def _forward(self, i: int, first: int) -> None:
         trainer = self.trainer
         with trainer.strategy.forward_context(i):
-            output = trainer.call_module_hook("training_step", self.batches[i], first + i)
+            output = trainer.call_step("training_step", self.batches[i], first + i)
         loss = extract_loss(output)
         if loss is None and trainer.strategy.pipelined:
             raise UsageError(

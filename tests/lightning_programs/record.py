@@ -2,11 +2,12 @@
 
 Re-run (Lightning lives in its own virtualenv, never in nanolight's dependencies)::
 
-    python -m venv --system-site-packages /work/lightning-venv
-    /work/lightning-venv/bin/pip install "lightning==2.6.6"     # reuses the system torch
-    /work/lightning-venv/bin/python tests/lightning_programs/record.py [PROGRAM ...]
+    python -m venv /work/venv-lit     # with torch 2.13.0 (or a .pth to the project's site-packages)
+    /work/venv-lit/bin/pip install --no-deps "lightning==2.6.6" torchmetrics
+    /work/venv-lit/bin/python tests/lightning_programs/record.py [PROGRAM ...]
 
-Recorded with lightning 2.6.6 and torch 2.13.0+cpu (CPU, fp32); both versions are also stored in
+Recorded with lightning 2.6.6 and torch 2.13.0+cpu (CPU, fp32, the kernels pinned by
+``lightning_compare.PINNED_KERNELS`` as in the test run); both versions are also stored in
 each fixture under ``"versions"``. Each program runs twice in fresh temporary directories and the
 two ``observed.json`` must be identical (the programs are deterministic: fixed seeds, private data
 generators, no timings or absolute paths in the output); the fixture is then written to
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -24,15 +26,36 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from lightning_compare import PINNED_KERNELS  # noqa: E402  (the same kernel path as the test run)
+
 FIXTURES = HERE.parent / "fixtures" / "lightning"
-PROGRAMS = ["classifier", "regression_resume", "gan_manual", "flags_plateau", "hook_order", "trainer_args"]
+PROGRAMS = [
+    "classifier",
+    "regression_resume",
+    "gan_manual",
+    "flags_plateau",
+    "hook_order",
+    "trainer_args",
+    "boring_surface",
+    "hook_recorder",
+    "manual_plateau",
+    "silent_diffs",
+    "logging_page",
+    "autoencoder_datamodule",
+    "checkpointing_page",
+]
 
 
 def run_once(program: str) -> dict[str, Any]:
     """Run one program in a fresh directory and return its observed.json."""
     with tempfile.TemporaryDirectory(prefix=f"lightning-{program}-") as tmp:
         proc = subprocess.run(
-            [sys.executable, str(HERE / f"{program}.py"), tmp], cwd=tmp, capture_output=True, text=True
+            [sys.executable, str(HERE / f"{program}.py"), tmp],
+            cwd=tmp,
+            capture_output=True,
+            text=True,
+            env={**os.environ, **PINNED_KERNELS},
         )
         if proc.returncode != 0:
             raise SystemExit(f"{program} failed:\n{proc.stdout}\n{proc.stderr}")

@@ -1,0 +1,24 @@
+"""Lightning's ``lightning.pytorch.utilities`` names a program imports: the rank-zero helpers (from
+lightning-utilities, whose ``rank_zero_only.rank`` the strategy sets), ``is_overridden``, the
+hook-signature check and the ``imports`` flags. Only what nanolight itself has a use for or a
+ported program needs; nothing here imports the trainer at import time."""
+
+from nanolight.utilities.model_helpers import is_overridden
+from nanolight.utilities.rank_zero import (
+    rank_zero_debug,
+    rank_zero_deprecation,
+    rank_zero_info,
+    rank_zero_only,
+    rank_zero_warn,
+)
+from nanolight.utilities.signature_utils import is_param_in_hook_signature
+
+__all__ = [
+    "is_overridden",
+    "is_param_in_hook_signature",
+    "rank_zero_debug",
+    "rank_zero_deprecation",
+    "rank_zero_info",
+    "rank_zero_only",
+    "rank_zero_warn",
+]

@@ -226,3 +226,19 @@ def test_recipe_precision_auto_is_bf16_master_on_a_gpu(monkeypatch: pytest.Monke
     assert TrainConfig(precision="bf16-mixed").run_precision == "bf16-mixed"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert TrainConfig().run_precision == "bf16-master"
+
+
+def test_recipe_precision_auto_falls_back_to_autocast_for_plain_dp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16-master keeps its masters in ZeRO-1's optimizer, which refuses dp > 1 without it: the
+    recipe's `auto` then picks bf16-mixed instead of an error at the first step."""
+    from nanolight.parallel.config import ParallelConfig
+    from nanolight.pretrain.config import PretrainConfig
+    from nanolight.pretrain.run import build_strategy
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for parallel, want in [
+        (ParallelConfig(dp=2), "bf16-mixed"),
+        (ParallelConfig(dp=2, zero_stage=1), "bf16-master"),
+        (ParallelConfig(tp=2), "bf16-master"),
+    ]:
+        assert build_strategy(PretrainConfig(parallel=parallel)).precision.mode == want, parallel

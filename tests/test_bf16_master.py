@@ -110,6 +110,27 @@ def test_masters_step_like_torch_adamw() -> None:
         assert torch.equal(dict(module.named_parameters())[name].detach(), got[name].to(torch.bfloat16))
 
 
+def _fp32_bytes_per_param(zero: Any, module: torch.nn.Module) -> float:
+    """fp32 bytes the optimizer and its reducer hold per parameter: distinct storages of the
+    main-gradient buckets, the gradient shards, the masters and the optimizer state."""
+    tensors = [b.buffer for b in zero.reducer.buckets] + list(zero.shard_grads) + list(zero.master)
+    tensors += [v for st in zero.state.values() for v in st.values() if v.dim() > 0]
+    assert {t.dtype for t in tensors} == {torch.float32}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values()) / sum(p.numel() for p in module.parameters())
+
+
+def test_one_process_holds_16_fp32_bytes_per_param() -> None:
+    """One process (dp=1): 4 B/param of fp32 main gradients (the gradient shard the masters step
+    with is the buckets themselves, not a copy) + 12 of master weights and AdamW's two moments."""
+    module = TinyLM(seed=SEED, decay_groups=True)  # two param groups: two flat shards
+    trainer = _trainer("bf16-master", steps=1, accumulate=2, clip=0.5)
+    trainer.fit(module, token_loader(4))
+    (zero,) = trainer.optimizers
+    assert len(zero.shard_grads) == 2
+    assert _fp32_bytes_per_param(zero, module) == 4 + 12
+
+
 def test_losses_within_bf16_tolerance_of_bf16_mixed() -> None:
     """The same run under bf16-mixed and bf16-master: losses and gradient norms agree to bf16
     accuracy (kernels differ by instruction set: a tolerance, not recorded values)."""

@@ -25,7 +25,8 @@ micro-batch's bf16 ``.grad`` into the fp32 bucket and drops it, so the sum over 
 the dp reduction are fp32; ``grad_view(p)`` is where p's gradient is.
 
 One rank (``group`` None, or a group of one): no collective; `finish` leaves the buckets as they
-are (``shard=True``: copied into ``shard_grads``), so a single process steps the same way.
+are (``shard=True``: ``shard_grads`` are the buckets themselves, one flat buffer per param group,
+`grad_buckets.py`; copied only for a group of several dtypes), so a single process steps the same way.
 """
 
 from __future__ import annotations
@@ -75,8 +76,13 @@ class GradReducer:
         self.shard_grads: list[Tensor] = []
         if shard:  # this rank's slice of every bucket, concatenated per param group
             for g, size in enumerate(self.shard_sizes):
-                like = next((b.buffer for b in self.buckets if b.group_index == g), torch.zeros(0))
+                first = next((b for b in self.buckets if b.group_index == g), None)
+                if first is not None and first.group_buffer is not None:
+                    self.shard_grads.append(first.group_buffer)  # dp=1: the buckets are the shard
+                    continue
+                like = first.buffer if first is not None else torch.zeros(0)
                 self.shard_grads.append(torch.zeros(size, dtype=like.dtype, device=like.device))
+        self._shard_is_buckets = [any(b.group_buffer is s for b in self.buckets) for s in self.shard_grads]
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._order = [b for b in self.buckets if not b.deferred]  # launched from hooks, in this order
         self._sync = True
@@ -138,7 +144,7 @@ class GradReducer:
         bucket.launched = True
         self.launch_log.append(bucket.index)
         if self.dp_size == 1:  # no peer: the local gradient is the mean
-            if self.shard:
+            if self.shard and bucket.group_buffer is None:  # a group of several dtypes: a copy
                 self.shard_view(bucket).copy_(bucket.buffer)
             return
         if self.shard:
@@ -168,7 +174,7 @@ class GradReducer:
         for work in self._works:
             work.wait()
         self._works = []
-        if self.shard:
+        if self.shard and self.dp_size > 1:
             for shard in self.shard_grads:
                 shard.div_(self.dp_size)
         self._reset()
@@ -189,8 +195,9 @@ class GradReducer:
             bucket.buffer.zero_()
             for p, view in zip(bucket.params, bucket.views, strict=True):
                 p.grad = None if self.main_grads else view
-        for shard in self.shard_grads:
-            shard.zero_()
+        for shard, bucket_views in zip(self.shard_grads, self._shard_is_buckets, strict=True):
+            if not bucket_views:  # (dp=1: the buckets themselves, zeroed above)
+                shard.zero_()
         self._reset()
         self.ready = False
 

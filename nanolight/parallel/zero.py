@@ -21,7 +21,8 @@ dtype: the all-gather moves bf16, one bucket at a time, asynchronously; with
 `overlap_weight_gather` each bucket is waited for in the forward pre-hook of the first module
 holding one of its parameters (launched in that order), so the gather runs under the next
 forward. One rank (``group`` None: a single process, or dp=1) is the one-shard case: the masters
-are a full copy and no collective runs. `master_weights_in_model` lends the model the fp32
+are a full copy, the gradient shards are the buckets themselves (no second fp32 copy: 4 + 12
+bytes/param under bf16-master) and no collective runs. `master_weights_in_model` lends the model the fp32
 masters for a checkpoint, so what is saved and loaded is fp32 in any precision.
 
 LR schedulers were built on the user's optimizer before the strategy wrapped it, so the wrapper
@@ -160,7 +161,8 @@ class ZeroOptimizer:
 
     @property
     def shard_grads(self) -> list[Tensor]:
-        """This rank's dp-mean gradient shard per param group (after the reduction)."""
+        """This rank's dp-mean gradient shard per param group (after the reduction; at dp=1 the
+        group's buckets themselves)."""
         return self.reducer.shard_grads
 
     def reduce_gradients(self) -> None:

@@ -7,7 +7,8 @@ parameters      this rank's slice: decoder blocks split by the pipeline (`pipeli
                 busiest rank), matrices split by tp (norm weights are replicated), the embedding on
                 the first stage and the head on the last (a tied embedding is kept on both ends).
 gradients       one per parameter, in the gradient dtype (`data_parallel.py` buckets under dp: the
-                padding to dp slices is a few elements); ZeRO-1 adds this rank's reduced 1/dp shard.
+                padding to dp slices is a few elements); ZeRO-1 adds this rank's reduced 1/dp shard
+                (at dp=1 the shard is the buckets themselves: nothing added).
 optimizer_state AdamW's two moments per parameter; ZeRO-1 (`zero.py`) keeps 1/dp of them and of
                 the fp32 master weights (fp32 whatever the parameter dtype); bf16-master keeps the
                 fp32 master copy on every rank without ZeRO.
@@ -199,7 +200,7 @@ def rank_memory(work: Workload, layout: Layout, stage: int) -> dict[str, int]:
     w_bytes, g_bytes, _, _ = PRECISION_BYTES[layout.precision]
     n = rank_parameters(work.config, layout, stage)
     dp, zero = layout.dp, layout.zero_stage == 1
-    grads = n * g_bytes + (n // dp * g_bytes if zero else 0)
+    grads = n * g_bytes + (n // dp * g_bytes if zero and dp > 1 else 0)  # dp=1: the shard is the buckets
     if zero:
         optimizer = 12 * n // dp  # fp32 master + two fp32 moments, 1/dp of each
     elif layout.precision == "bf16-master":

@@ -207,6 +207,62 @@ def test_flash_attention_needs_package_and_gpu(monkeypatch):
     assert m.model.layers[0].self_attn.attn_implementation == "flash_attention_2"
 
 
+class RecordingAttention:
+    """An attention backend written from PyTorch's own op (SDPA on kv heads repeated per group,
+    documents as a dense mask built here), recording which layer's call it served."""
+
+    name = "recording-sdpa"
+
+    def __init__(self) -> None:
+        self.prepared: list[torch.Tensor] = []
+        self.calls: list[tuple[int, ...]] = []
+
+    def prepare(self, documents: attention.Documents) -> attention.Documents:
+        self.prepared.append(documents.ids)
+        return documents
+
+    def attend(self, q, k, v, documents):  # noqa: ANN001, ANN201
+        self.calls.append(tuple(q.shape))
+        r = q.size(1) // k.size(1)
+        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+        mask = None
+        if documents is not None:
+            ids, T = documents.ids, q.size(2)
+            mask = (ids[:, :, None] == ids[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
+            mask = mask[:, None]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None
+        )
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_injected_attention_backend_serves_every_layer(implementation: str) -> None:
+    """A backend set on the built model is what every layer calls (and what prepares packed
+    documents, once per forward); the default, built from the config's name, gives the same logits."""
+    torch.manual_seed(0)
+    cfg = tiny(num_hidden_layers=3, attn_implementation=implementation)
+    model = LlamaForCausalLM(cfg).eval()
+    default = model.attention_backend
+    assert isinstance(default, attention.KernelAttention) and default.name == implementation
+    assert all(layer.self_attn.attention_backend is default for layer in model.model.layers)
+    ids = torch.randint(0, 97, (2, 13))
+    docs = torch.tensor([[0] * 5 + [1] * 8, [0] * 13])
+    with torch.no_grad():
+        before = model(ids), model(ids, document_ids=docs)
+        backend = RecordingAttention()
+        model.set_attention_backend(backend)
+        after = model(ids), model(ids, document_ids=docs)
+    assert model.attention_backend is backend
+    assert all(layer.self_attn.attention_backend is backend for layer in model.model.layers)
+    assert all(layer.self_attn.attn_implementation == "recording-sdpa" for layer in model.model.layers)
+    assert backend.calls == [(2, 4, 13, 16)] * 6  # 3 layers, two forwards
+    assert len(backend.prepared) == 1 and backend.prepared[0] is docs  # once, for the packed forward
+    for ours, reference in zip(before, after, strict=True):
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="needs an object with name, prepare"):
+        model.set_attention_backend(lambda q, k, v: q)
+
+
 def test_sharded_modules_run_unchanged():
     """A tp rank holding half the kv groups and half the MLP units runs the same forward code."""
     torch.manual_seed(0)

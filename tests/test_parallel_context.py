@@ -1,4 +1,4 @@
-"""ParallelContext: rank layout (tp innermost, then pp, then dp) and the groups built from it."""
+"""ParallelContext: rank layout (tp innermost, then pp, cp, dp) and the groups built from it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,33 @@ import torch.distributed as dist
 from _dist import run_distributed
 
 from nanolight.parallel import ParallelConfig, ParallelContext
-from nanolight.parallel.context import coordinates, group_ranks, rank_mesh
+from nanolight.parallel.context import FLATTENED, MESH_DIMS, coordinates, group_ranks, rank_mesh
+
+# What each named group spans (flattened, the first named outermost), as the design says.
+NAMED = {"dp": ("dp",), "cp": ("cp",), "pp": ("pp",), "tp": ("tp",),
+         "batch": ("dp",), "loss": ("dp", "cp"), "replica": ("dp", "cp")}  # fmt: skip
+
+
+def formula_rank(d: int, c: int, p: int, t: int, cp: int, pp: int, tp: int) -> int:
+    """The documented layout, written out: dp outermost, then cp, pp, tp (innermost)."""
+    return ((d * cp + c) * pp + p) * tp + t
+
+
+def formula_groups(dims: tuple[str, ...], dp: int, cp: int, pp: int, tp: int) -> dict[int, list[int]]:
+    """Each rank's group along `dims` (flattened, the first named outermost), by brute force: the
+    ranks whose coordinates off `dims` equal its own, ordered by their coordinates along `dims`."""
+    sizes = {"dp": dp, "cp": cp, "pp": pp, "tp": tp}
+    points = [
+        {"dp": d, "cp": c, "pp": p, "tp": t}
+        for d in range(dp) for c in range(cp) for p in range(pp) for t in range(tp)
+    ]  # fmt: skip
+    rank = {id(x): formula_rank(x["dp"], x["cp"], x["pp"], x["tp"], cp, pp, tp) for x in points}
+    out = {}
+    for me in points:
+        peers = [x for x in points if all(x[k] == me[k] for k in sizes if k not in dims)]
+        peers.sort(key=lambda x: [x[k] for k in dims])
+        out[rank[id(me)]] = [rank[id(x)] for x in peers]
+    return out
 
 
 def test_rank_layout_tp2_pp2_dp2() -> None:
@@ -30,6 +56,32 @@ def test_every_rank_in_exactly_one_group_per_dim() -> None:
         assert sorted(r for g in groups for r in g) == list(range(24))
 
 
+def test_mesh_order_is_dp_cp_pp_tp() -> None:
+    assert MESH_DIMS == ("dp", "cp", "pp", "tp")
+    dp, cp, pp, tp = 2, 2, 3, 2
+    mesh = rank_mesh(tp=tp, pp=pp, dp=dp, cp=cp)
+    assert tuple(mesh.shape) == (dp, cp, pp, tp)
+    for rank in range(dp * cp * pp * tp):
+        c = coordinates(mesh, rank)
+        assert rank == formula_rank(c["dp"], c["cp"], c["pp"], c["tp"], cp, pp, tp)
+
+
+@pytest.mark.parametrize(("dp", "cp", "pp", "tp"), [(2, 1, 2, 2), (2, 2, 3, 2), (3, 2, 1, 1)])
+def test_groups_and_flattened_groups_follow_the_formula(dp: int, cp: int, pp: int, tp: int) -> None:
+    mesh = rank_mesh(tp=tp, pp=pp, dp=dp, cp=cp)
+    assert set(NAMED) == {*MESH_DIMS, *FLATTENED}
+    for name, dims in [*NAMED.items(), ("world", MESH_DIMS)]:
+        expected = formula_groups(dims, dp, cp, pp, tp)
+        groups = group_ranks(mesh, FLATTENED.get(name, dims))
+        assert sorted(r for g in groups for r in g) == list(range(mesh.numel()))  # a partition
+        for group in groups:
+            for rank in group:
+                assert group == expected[rank], (name, rank)
+    if cp == 1:  # the loss and gradient groups are today's dp groups
+        assert group_ranks(mesh, FLATTENED["loss"]) == group_ranks(mesh, "dp")
+        assert group_ranks(mesh, FLATTENED["replica"]) == group_ranks(mesh, "dp")
+
+
 def _check_context(rank: int, world: int, tp: int, pp: int) -> dict:
     ctx = ParallelContext(tp=tp, pp=pp, dp="auto", timeout=timedelta(seconds=30))
     seen = {}
@@ -40,6 +92,24 @@ def _check_context(rank: int, world: int, tp: int, pp: int) -> dict:
         seen[dim] = members
         assert members == getattr(ctx, f"{dim}_ranks")
         assert dist.get_rank(group) == getattr(ctx, f"{dim}_rank")
+    dp = world // (tp * pp)
+    for name, dims in NAMED.items():
+        group = ctx.group(name)
+        members = [None] * dist.get_world_size(group)
+        dist.all_gather_object(members, rank, group=group)  # the named group's members exchange ranks
+        expected = formula_groups(dims, dp, 1, pp, tp)[rank]
+        assert members == ctx.ranks(name) == expected, (name, members, expected)
+        assert ctx.size(name) == len(expected) and ctx.rank_in(name) == dist.get_rank(group)
+    assert ctx.group("loss") is ctx.dp_group and ctx.group("replica") is ctx.dp_group  # cp = 1: one group
+    assert (ctx.cp_size, ctx.cp_rank, ctx.cp_ranks) == (1, 0, [rank])
+    if pp > 1:  # the tied embedding's pair: this (dp, cp, tp) coordinate at the first and last stage
+        ends = [formula_rank(ctx.dp_rank, 0, stage, ctx.tp_rank, 1, pp, tp) for stage in (0, pp - 1)]
+        pair = ctx.stage_pair_group(0, pp - 1)
+        assert (pair is not None) == (rank in ends)
+        if pair is not None:
+            members = [None] * dist.get_world_size(pair)
+            dist.all_gather_object(members, rank, group=pair)
+            assert members == ends, (members, ends)
     mesh = ctx.device_mesh()
     assert mesh["tp"].size() == tp, mesh
     assert tuple(mesh.get_coordinate()) == (ctx.dp_rank, ctx.pp_rank, ctx.tp_rank)
@@ -97,6 +167,8 @@ def test_context_world_mismatch_message() -> None:
         ({"pp": 2, "pp_virtual": 2}, "pp_virtual=2 .* needs \\+parallel.pp_schedule=interleaved_1f1b"),
         ({"pp": 2, "pp_schedule": "interleaved_1f1b"}, "pp=2, pp_virtual=1; set e.g."),
         ({"pp_schedule": "interleaved_1f1b", "pp_virtual": 2}, "got pp=1, pp_virtual=2"),
+        ({"cp": 0}, "parallel.cp=0 must be a positive integer"),
+        ({"cp": 2}, "parallel.cp=2: context parallelism is not implemented yet"),
     ],
 )
 def test_config_rejects_bad_values(kwargs: dict, match: str) -> None:

@@ -119,3 +119,14 @@ def test_pretrained_checkpoint_loads_sliced(tmp_path: Path) -> None:
     model.init_weights(torch.Generator().manual_seed(123))
     save_pretrained(model, tmp_path / "pretrained")
     assert run_distributed(_pretrained_worker, 2, str(tmp_path / "pretrained")) == [True, True]
+
+
+def test_strategy_takes_cp_and_rejects_it_until_context_parallelism_exists() -> None:
+    """cp is a layout degree (a dimension of the context's mesh) the strategy and its Hydra config
+    accept; above 1 it is one clear error, before any process starts."""
+    from nanolight.parallel import ParallelConfig
+
+    with pytest.raises(ValueError, match="parallel.cp=2: context parallelism is not implemented yet"):
+        Parallel3DStrategy(tp=2, cp=2)
+    config = ParallelConfig(tp=2, pp=2, dp=2, zero_stage=1, cp=1)
+    assert Parallel3DStrategy.from_config(config).config == config

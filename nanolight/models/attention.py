@@ -2,8 +2,13 @@
 
 `attend(q, k, v, implementation)` takes (B, heads, T, head_dim) queries and (B, kv_heads, T,
 head_dim) keys/values (grouped-query attention: each kv head serves ``heads // kv_heads``
-consecutive query heads) and returns (B, heads, T, head_dim). The model picks the implementation
-by name (`LlamaConfig.attn_implementation`); the availability check runs when the model is built.
+consecutive query heads) and returns (B, heads, T, head_dim).
+
+The model's attention layers call an `AttentionBackend` object, not a name: by default
+`KernelAttention`, the kernel named by `LlamaConfig.attn_implementation` (its availability checked
+when the model is built). A strategy may replace it on the built model
+(`LlamaForCausalLM.set_attention_backend`) -- e.g. ring attention over a context-parallel group --
+so that `models/` never imports parallel code.
 
 Packed rows with `Documents`: a token attends only to earlier tokens of its own document, so
 packing changes no document's result. Three kernels, chosen once per forward (`document_kernel`):
@@ -22,6 +27,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import warnings
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -221,3 +227,39 @@ def attend(
     att = att.masked_fill(~allowed, float("-inf"))
     att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
     return att @ v
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """What every attention layer of a model calls. `prepare` runs once per forward, before the
+    layers (so a compiled or recomputed layer only reads what it built); `attend` maps
+    (B, heads, T, head_dim) queries and (B, kv_heads, T, head_dim) keys/values to
+    (B, heads, T, head_dim), causal, keeping packed `documents` apart. `name` is for messages."""
+
+    name: str
+
+    def prepare(self, documents: Documents) -> Documents: ...
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None
+    ) -> torch.Tensor: ...
+
+
+class KernelAttention:
+    """The default backend: one local kernel chosen by name ("eager", "sdpa",
+    "flash_attention_2"); fails at construction, when the model is built, if it cannot run."""
+
+    def __init__(self, implementation: str) -> None:
+        check_attn_implementation(implementation)
+        self.name = implementation
+
+    def prepare(self, documents: Documents) -> Documents:
+        return documents.prepare(self.name)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
+        return attend(q, k, v, self.name, documents)
+
+    def __repr__(self) -> str:
+        return f"KernelAttention({self.name!r})"

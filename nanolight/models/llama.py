@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from nanolight.models.attention import Documents, attend, check_attn_implementation, flash_attn_available
+from nanolight.models.attention import AttentionBackend, Documents, KernelAttention, flash_attn_available
 from nanolight.models.flops import stage_costs
 from nanolight.models.fused_loss import linear_cross_entropy
 from nanolight.models.llama_config import LlamaConfig
@@ -71,14 +71,21 @@ class CausalSelfAttention(nn.Module):
     those kv heads, and a tensor-parallel rank's contiguous shard is self-contained.
     """
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.head_dim = config.head_dim
         self.q_per_kv = config.num_attention_heads // config.num_key_value_heads  # r
-        self.attn_implementation = config.attn_implementation
+        # the attention computation itself (`models/attention.py`); the model shares one among its layers
+        self.attention_backend = (
+            backend if backend is not None else KernelAttention(config.attn_implementation)
+        )
         n_q, n_kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, n_kv * (self.q_per_kv + 2) * hd, bias=False)
         self.o_proj = nn.Linear(n_q * hd, config.hidden_size, bias=False)
+
+    @property
+    def attn_implementation(self) -> str:
+        return self.attention_backend.name
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None
@@ -90,7 +97,7 @@ class CausalSelfAttention(nn.Module):
         q = apply_rope(q, cos, sin).flatten(2, 3)  # (B, T, n_heads_local, head_dim), contiguous
         k = apply_rope(k.squeeze(3), cos, sin)  # (B, T, n_kv_local, head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.squeeze(3).transpose(1, 2)  # heads first
-        y = attend(q, k, v, self.attn_implementation, documents)  # (B, n_heads_local, T, head_dim)
+        y = self.attention_backend.attend(q, k, v, documents)  # (B, n_heads_local, T, head_dim)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads_local * head_dim)
         return self.o_proj(y)
 
@@ -130,10 +137,10 @@ class SwiGLU(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = CausalSelfAttention(config)
+        self.self_attn = CausalSelfAttention(config, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config)
 
@@ -150,8 +157,11 @@ class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
+        self.attention_backend: AttentionBackend = KernelAttention(config.attn_implementation)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.attention_backend) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
@@ -168,7 +178,7 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary_tables(input_ids.shape, position_ids, x)
         documents = None
         if document_ids is not None:  # built here, once, not inside a (compiled) layer
-            documents = Documents(document_ids).prepare(self.config.attn_implementation)
+            documents = self.attention_backend.prepare(Documents(document_ids))
         for layer in self.layers:
             x = layer(x, cos, sin, documents)
         return x if self.norm is None else self.norm(x)
@@ -227,7 +237,6 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         config.validate()
-        check_attn_implementation(config.attn_implementation)
         self.config = config
         self.loss_fn = causal_lm_loss
         device = torch.empty(0).device  # the caller's default device (honours `with torch.device(...)`)
@@ -292,6 +301,23 @@ class LlamaForCausalLM(nn.Module):
         if divisor is None:
             divisor = (target_ids != IGNORE_INDEX).sum()  # the plain mean (NaN with no valid target)
         return loss_sum / divisor
+
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        """Make `backend` what every attention layer of this model (this pipeline stage's) calls,
+        and what prepares packed documents, from the next forward on. How a strategy plugs in e.g.
+        ring attention while `models/` imports nothing parallel; call it before compiling blocks."""
+        if not isinstance(backend, AttentionBackend):
+            raise TypeError(
+                f"set_attention_backend needs an object with name, prepare(documents) and "
+                f"attend(q, k, v, documents) (models/attention.py AttentionBackend), got {type(backend).__name__}"
+            )
+        for module in self.modules():
+            if isinstance(module, (LlamaModel, CausalSelfAttention)):
+                module.attention_backend = backend
+
+    @property
+    def attention_backend(self) -> AttentionBackend:
+        return self.model.attention_backend
 
     # ------------------------------------------------------------------ initialisation
     def init_param(self, name: str, tensor: torch.Tensor, generator: torch.Generator | None = None) -> None:

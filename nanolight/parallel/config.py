@@ -41,6 +41,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     timeout_s: int = 600  # how long a rank waits for its peers (joining, or any collective)
     pp_virtual: int = 1  # chunks (virtual stages) per pipeline rank: interleaved_1f1b only
+    cp: int = 1  # context parallelism (a ring of ranks splitting each sequence): not implemented yet
 
     def __post_init__(self) -> None:
         self.validate()
@@ -68,6 +69,14 @@ class ParallelConfig:
                 f"parallel.pp_schedule={self.pp_schedule!r} is unknown; choose one of {PP_SCHEDULES} "
                 "('1f1b' = one-forward-one-backward, 'afab' = all-forward-all-backward, "
                 "'interleaved_1f1b' = 1F1B over +parallel.pp_virtual chunks per rank)"
+            )
+        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
+            raise UsageError(f"parallel.cp={self.cp!r} must be a positive integer; only 1 works today")
+        if self.cp > 1:
+            # the mesh has the dimension (`context.py`), but no ring attention or split data uses it
+            raise UsageError(
+                f"parallel.cp={self.cp}: context parallelism is not implemented yet; remove "
+                "+parallel.cp (or set +parallel.cp=1) and split the work with dp, tp or pp"
             )
         v = self.pp_virtual
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:

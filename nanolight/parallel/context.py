@@ -1,18 +1,27 @@
-"""`ParallelContext`: the world split into tensor-, pipeline- and data-parallel process groups.
+"""`ParallelContext`: the world split into named parallel dimensions and their process groups.
 
 This is the only object in nanolight that knows ranks and process groups; everything else is
-handed the group it needs. The layout puts tp innermost (its collectives run every layer, so
-its ranks should share a node and its NVLink), then pp, then dp (the least frequent traffic):
+handed the group it needs. The ranks form an N-D array, `mesh`, with one named dimension per
+kind of parallelism, outermost first (torchtitan's `parallel_dims.py` order):
 
-    global_rank = dp_rank * (pp * tp) + pp_rank * tp + tp_rank
+    MESH_DIMS = ("dp", "cp", "pp", "tp")
+    global_rank = ((dp_rank * cp + cp_rank) * pp + pp_rank) * tp + tp_rank
 
-i.e. the ranks form a (dp, pp, tp) array, `mesh`, and a tp group is a row of it, a pp group a
-column across pipeline stages, and a dp group the ranks holding the same model shard.
+tp is innermost (its collectives run every layer, so its ranks should share a node and its
+NVLink), then pp, then cp (context parallelism: a ring of ranks holding other tokens of the same
+sequences; 1 until it is implemented, but a real dimension of the mesh), then dp (the least
+frequent traffic). A group along one dimension is the ranks that differ only in that coordinate.
+
+Some concerns span several dimensions; they get named flattened groups (`FLATTENED`): "batch" the
+ranks reading different samples (dp), "loss" the ranks holding different tokens of the global
+batch, over which the step's valid targets are counted (dp x cp), "replica" the ranks holding the
+same weights, over which gradients reduce (dp x cp). At cp = 1 "loss" and "replica" are the dp
+groups themselves (the same process group, not a copy).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
@@ -23,26 +32,37 @@ import torch.distributed as dist
 from nanolight.parallel.agreement import Agreed, PendingMax, StoreAgreements
 from nanolight.parallel.config import ParallelConfig
 
-MESH_DIMS = ("dp", "pp", "tp")
+MESH_DIMS = ("dp", "cp", "pp", "tp")  # outermost first: tp's ranks are adjacent global ranks
+FLATTENED: dict[str, tuple[str, ...]] = {
+    "batch": ("dp",),  # different samples: the sampler's replicas
+    "loss": ("dp", "cp"),  # different tokens of the global batch: the valid-target count sums here
+    "replica": ("dp", "cp"),  # the same weights: gradients reduce (and ZeRO-1 shards) here
+}
 
 
-def rank_mesh(tp: int, pp: int, dp: int) -> torch.Tensor:
-    """Global ranks laid out as a (dp, pp, tp) integer tensor (tp varies fastest)."""
-    return torch.arange(dp * pp * tp).view(dp, pp, tp)
+def rank_mesh(tp: int, pp: int, dp: int, cp: int = 1) -> torch.Tensor:
+    """Global ranks laid out as a (dp, cp, pp, tp) integer tensor (tp varies fastest)."""
+    sizes = {"dp": dp, "cp": cp, "pp": pp, "tp": tp}
+    return torch.arange(dp * cp * pp * tp).view(*(sizes[d] for d in MESH_DIMS))
 
 
-def group_ranks(mesh: torch.Tensor, dim: str) -> list[list[int]]:
-    """Every process group along mesh dimension `dim` ("dp", "pp" or "tp"), as lists of ranks.
+def group_ranks(mesh: torch.Tensor, dims: str | Sequence[str]) -> list[list[int]]:
+    """Every process group along mesh dimension(s) `dims` (e.g. "tp", or ("dp", "cp") flattened,
+    the first named outermost), as lists of ranks.
 
-    Moving `dim` last and flattening the rest gives one row per group; pure arithmetic, so the
-    layout is unit-testable without spawning processes.
+    Moving `dims` last (in their order) and flattening the rest gives one row per group; pure
+    arithmetic, so the layout is unit-testable without spawning processes.
     """
-    axis = MESH_DIMS.index(dim)
-    return mesh.movedim(axis, -1).reshape(-1, mesh.shape[axis]).tolist()
+    dims = (dims,) if isinstance(dims, str) else tuple(dims)
+    axes = [MESH_DIMS.index(d) for d in dims]
+    size = 1
+    for axis in axes:
+        size *= mesh.shape[axis]
+    return mesh.movedim(axes, list(range(-len(axes), 0))).reshape(-1, size).tolist()
 
 
 def coordinates(mesh: torch.Tensor, rank: int) -> dict[str, int]:
-    """(dp_rank, pp_rank, tp_rank) of a global rank, as a dict keyed by mesh dimension."""
+    """The coordinate of a global rank along each mesh dimension, keyed by dimension name."""
     position = (mesh == rank).nonzero()
     if position.numel() == 0:
         raise ValueError(f"rank {rank} is not in a mesh of {mesh.numel()} ranks")
@@ -50,15 +70,24 @@ def coordinates(mesh: torch.Tensor, rank: int) -> dict[str, int]:
 
 
 class ParallelContext:
-    """Process groups for one (tp, pp, dp) layout of an initialised `torch.distributed` world.
+    """Process groups for one (dp, cp, pp, tp) layout of an initialised `torch.distributed` world.
 
     Construct it on every rank, in the same order (group creation is collective). The default
     process group must already exist: `nanolight.parallel.launcher.init_distributed` makes it
     from torchrun/SLURM/subprocess environments (NCCL on GPU, gloo on CPU).
+
+    Each dimension's group, rank, size and member list are attributes (`tp_group`, `cp_rank`,
+    `dp_size`, `pp_ranks`, ...); every group, a dimension's or a flattened one's, is also asked
+    for by name: `group("loss")`, `rank_in("loss")`, `size("loss")`, `ranks("loss")`.
     """
 
     def __init__(
-        self, tp: int = 1, pp: int = 1, dp: int | str = "auto", timeout: timedelta = timedelta(minutes=10)
+        self,
+        tp: int = 1,
+        pp: int = 1,
+        dp: int | str = "auto",
+        timeout: timedelta = timedelta(minutes=10),
+        cp: int = 1,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -68,28 +97,35 @@ class ParallelContext:
         self.world_size = dist.get_world_size()
         self.global_rank = dist.get_rank()
         self.timeout = timeout  # every group's: a stopped peer ends a collective within it
-        config = ParallelConfig(tp=tp, pp=pp, dp=dp)
-        self.tp_size, self.pp_size = tp, pp
-        self.dp_size = config.resolve_dp(self.world_size)
+        config = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp)
+        self.sizes = {"dp": config.resolve_dp(self.world_size), "cp": cp, "pp": pp, "tp": tp}
         self.backend = str(dist.get_backend())
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if self.backend == "nccl"
             else torch.device("cpu")
         )
-        self.mesh = rank_mesh(self.tp_size, self.pp_size, self.dp_size)
-        coords = coordinates(self.mesh, self.global_rank)
-        self.dp_rank, self.pp_rank, self.tp_rank = coords["dp"], coords["pp"], coords["tp"]
+        self.mesh = rank_mesh(tp, pp, self.sizes["dp"], cp)
+        self.coords = coordinates(self.mesh, self.global_rank)
 
         # Every rank must call new_group for every group, in the same order, even for groups it
-        # is not a member of; it keeps the handle of the one it belongs to.
-        self.tp_group = self._new_groups("tp", timeout)
-        self.pp_group = self._new_groups("pp", timeout)
-        self.dp_group = self._new_groups("dp", timeout)
+        # is not a member of; it keeps the handle of the one it belongs to. A name whose groups
+        # hold the same ranks as an earlier name's shares its process group (at cp = 1 "loss" is dp).
+        self._groups: dict[str, Any] = {}
+        self._ranks: dict[str, list[int]] = {}
+        made: dict[tuple[tuple[int, ...], ...], Any] = {}  # partition of the world -> my group in it
+        for name, dims in [*((d, (d,)) for d in ("tp", "pp", "dp", "cp")), *FLATTENED.items()]:
+            partition = group_ranks(self.mesh, dims)
+            key = tuple(map(tuple, partition))
+            if key not in made:
+                made[key] = self._new_groups(partition)
+            self._groups[name] = made[key]
+            self._ranks[name] = next(ranks for ranks in partition if self.global_rank in ranks)
         # The pipeline's two point-to-point streams (activations forward, gradients backward), one
         # group each so that each is one FIFO per direction (`pipeline/p2p.py`); none without pp.
+        pp_partition = group_ranks(self.mesh, "pp")
         self.pp_p2p_groups = (
-            (self._new_groups("pp", timeout), self._new_groups("pp", timeout)) if pp > 1 else (None, None)
+            (self._new_groups(pp_partition), self._new_groups(pp_partition)) if pp > 1 else (None, None)
         )
         for group in self.pp_p2p_groups:
             if group is not None:
@@ -101,35 +137,66 @@ class ParallelContext:
         # store every rank already holds a connection to: no world-wide group (`agreement.py`).
         store = dist.distributed_c10d._get_default_store()
         self.agreements = StoreAgreements(store, self.global_rank, self.world_size, timeout)
-        self.tp_ranks = self.mesh[self.dp_rank, self.pp_rank, :].tolist()
-        self.pp_ranks = self.mesh[self.dp_rank, :, self.tp_rank].tolist()
-        self.dp_ranks = self.mesh[:, self.pp_rank, self.tp_rank].tolist()
 
     @classmethod
     def from_config(
         cls, config: ParallelConfig, timeout: timedelta = timedelta(minutes=10)
     ) -> ParallelContext:
-        return cls(tp=config.tp, pp=config.pp, dp=config.dp, timeout=timeout)
+        return cls(tp=config.tp, pp=config.pp, dp=config.dp, timeout=timeout, cp=config.cp)
 
-    def _new_groups(self, dim: str, timeout: timedelta) -> Any:
+    def _new_groups(self, partition: list[list[int]]) -> Any:
         mine = None
-        for ranks in group_ranks(self.mesh, dim):
-            group = dist.new_group(ranks=ranks, timeout=timeout)
+        for ranks in partition:
+            group = dist.new_group(ranks=ranks, timeout=self.timeout)
             if self.global_rank in ranks:
                 mine = group
         return mine
 
+    # ---- groups by name: a mesh dimension ("dp", "cp", "pp", "tp") or a flattened one (`FLATTENED`)
+    def group(self, name: str) -> Any:
+        """This rank's process group of `name`."""
+        return self._groups[self._known(name)]
+
+    def ranks(self, name: str) -> list[int]:
+        """The global ranks of this rank's group of `name`, in group-rank order."""
+        return list(self._ranks[self._known(name)])
+
+    def size(self, name: str) -> int:
+        return len(self._ranks[self._known(name)])
+
+    def rank_in(self, name: str) -> int:
+        """This rank's rank within its group of `name`."""
+        return self._ranks[self._known(name)].index(self.global_rank)
+
+    def _known(self, name: str) -> str:
+        if name not in self._groups:
+            raise KeyError(f"no parallel group named {name!r}; known: {sorted(self._groups)}")
+        return name
+
+    # The per-dimension names the rest of nanolight reads (`ctx.tp_group`, `ctx.dp_rank`, ...).
+    tp_size = property(lambda self: self.sizes["tp"])
+    pp_size = property(lambda self: self.sizes["pp"])
+    cp_size = property(lambda self: self.sizes["cp"])
+    dp_size = property(lambda self: self.sizes["dp"])
+    tp_rank = property(lambda self: self.coords["tp"])
+    pp_rank = property(lambda self: self.coords["pp"])
+    cp_rank = property(lambda self: self.coords["cp"])
+    dp_rank = property(lambda self: self.coords["dp"])
+    tp_group = property(lambda self: self._groups["tp"])
+    pp_group = property(lambda self: self._groups["pp"])
+    cp_group = property(lambda self: self._groups["cp"])
+    dp_group = property(lambda self: self._groups["dp"])
+    tp_ranks = property(lambda self: self.ranks("tp"))
+    pp_ranks = property(lambda self: self.ranks("pp"))
+    cp_ranks = property(lambda self: self.ranks("cp"))
+    dp_ranks = property(lambda self: self.ranks("dp"))
+
     def stage_pair_group(self, first: int, last: int) -> Any:
-        """The group of this rank's (dp, tp) coordinate at pipeline stages `first` and `last` (the
-        tied embedding's two copies). Collective: every rank creates every pair's group, in order."""
-        mine = None
-        for d in range(self.dp_size):
-            for t in range(self.tp_size):
-                ranks = [int(self.mesh[d, first, t]), int(self.mesh[d, last, t])]
-                group = dist.new_group(ranks=ranks, timeout=self.timeout)
-                if self.global_rank in ranks:
-                    mine = group
-        return mine
+        """The group of this rank's (dp, cp, tp) coordinate at pipeline stages `first` and `last`
+        (the tied embedding's two copies). Collective: every rank creates every pair's group, in order."""
+        axis = MESH_DIMS.index("pp")
+        at_first, at_last = (self.mesh.select(axis, s).reshape(-1).tolist() for s in (first, last))
+        return self._new_groups([[a, b] for a, b in zip(at_first, at_last, strict=True)])
 
     @property
     def pp_ring(self) -> tuple[int, int]:
@@ -160,11 +227,14 @@ class ParallelContext:
         return self.global_rank == 0
 
     def device_mesh(self) -> Any:
-        """The same layout as a torch `DeviceMesh` ("dp", "pp", "tp"), for torch-native features
-        (DTensor, distributed checkpoint). Collective: every rank must call it, in the same order."""
+        """The same layout as a torch `DeviceMesh`, its dimensions named, for torch-native features
+        (DTensor, distributed checkpoint); cp is left out while it is 1, so they see (dp, pp, tp).
+        Collective: every rank must call it, in the same order."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        return DeviceMesh(self.device.type, self.mesh, mesh_dim_names=MESH_DIMS)
+        dims = tuple(d for d in MESH_DIMS if d != "cp" or self.cp_size > 1)
+        mesh = self.mesh.reshape([self.sizes[d] for d in dims])  # dropping a size-1 axis keeps the order
+        return DeviceMesh(self.device.type, mesh, mesh_dim_names=dims)
 
     # ---- the collectives a strategy asks for by name ---------------------------------------
     def reduce_metric(
@@ -207,7 +277,8 @@ class ParallelContext:
     def __repr__(self) -> str:
         return (
             f"ParallelContext(rank={self.global_rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
-            f"pp={self.pp_rank}/{self.pp_size}, dp={self.dp_rank}/{self.dp_size}, backend={self.backend})"
+            f"pp={self.pp_rank}/{self.pp_size}, cp={self.cp_rank}/{self.cp_size}, dp={self.dp_rank}/{self.dp_size}, "
+            f"backend={self.backend})"
         )
 
     def destroy(self) -> None:

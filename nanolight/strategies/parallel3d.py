@@ -63,7 +63,8 @@ class Parallel3DStrategy(Strategy):
     `activation_checkpointing` / `activation_checkpointing_every` / `compile`: as for
     `SingleDeviceStrategy`, applied to this rank's blocks after tp and the pipeline split.
     `device_ids`: the CUDA device of each local rank (Lightning's ``devices=[2, 3]``); default:
-    the local rank's (`parallel/launcher.py`, `cuda_device_index`).
+    the local rank's (`parallel/launcher.py`, `cuda_device_index`). `cp`: the context-parallel
+    degree, a dimension of the `ParallelContext`'s mesh; only 1 until ring attention exists.
     """
 
     def __init__(
@@ -87,12 +88,15 @@ class Parallel3DStrategy(Strategy):
         compile: bool = False,
         pp_virtual: int = 1,
         device_ids: Sequence[int] | None = None,
+        cp: int = 1,
     ) -> None:
         super().__init__(precision)
         self.blocks = BlockOptions(activation_checkpointing, activation_checkpointing_every, compile)
         self.compiled: CompiledBlocks | None = None  # set by setup_module when compiling
-        degrees = (tp, pp, dp, zero_stage, pp_schedule, sequence_parallel, timeout_s, pp_virtual)
-        self.config = ParallelConfig(*degrees)
+        self.config = ParallelConfig(
+            tp=tp, pp=pp, dp=dp, cp=cp, zero_stage=zero_stage, pp_schedule=pp_schedule,
+            sequence_parallel=sequence_parallel, timeout_s=timeout_s, pp_virtual=pp_virtual,
+        )  # fmt: skip
         self.init_seed, self.pretrained = init_seed, pretrained
         self.backend, self.timeout = backend, timedelta(seconds=timeout_s)
         self.device_ids = list(device_ids) if device_ids else None  # GPU of local rank i (devices=[2, 3])
@@ -136,9 +140,9 @@ class Parallel3DStrategy(Strategy):
 
     @property
     def loss_group(self) -> tuple[Any, int]:
-        # the dp replicas hold the global batch's other micro-batches (context parallelism's
-        # ranks, holding other tokens of the same sequences, join this group)
-        return self._ctx.dp_group, self._ctx.dp_size
+        # the ranks holding the global batch's other tokens: dp replicas (other micro-batches) and
+        # cp ranks (other tokens of the same sequences), the context's named "loss" group
+        return self._ctx.group("loss"), self._ctx.size("loss")
 
     @property
     def sequence_multiple(self) -> int:
@@ -160,7 +164,7 @@ class Parallel3DStrategy(Strategy):
             env = ensure_processes(world)  # plain python, world > 1: re-launches and never returns
             self._local_rank = env.local_rank
             self.heartbeat = init_distributed(env, self.backend, self.timeout, self.device_ids)
-            self._ctx = ParallelContext(cfg.tp, cfg.pp, dp, timeout=self.timeout)
+            self._ctx = ParallelContext(tp=cfg.tp, pp=cfg.pp, dp=dp, cp=cfg.cp, timeout=self.timeout)
             atexit.register(self._shutdown)
         super().setup_environment()
 

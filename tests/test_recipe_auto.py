@@ -19,13 +19,24 @@ import pytest
 import yaml
 from test_recipe_e2e import REPO, losses, recipe
 
+from nanolight.errors import UsageError
 from nanolight.models.llama_config import LlamaConfig
+from nanolight.parallel.environment import PARENT_PID_VAR
 from nanolight.planner.hardware import HARDWARE, table_name
 from nanolight.planner.memory import Workload
 from nanolight.planner.search import plan
-from nanolight.pretrain.auto import apply_layout, choose_layout, pinned_knobs
+from nanolight.pretrain.auto import (
+    AUTO_ENV,
+    apply_layout,
+    auto_layout,
+    choose_layout,
+    encode_prediction,
+    launched_world,
+    pinned_knobs,
+)
 from nanolight.pretrain.config import PretrainConfig, load_config
 from nanolight.pretrain.run import check_layout
+from nanolight.pretrain.schema import ConfigError
 
 
 def _auto_config(model: str, **trainer: int) -> PretrainConfig:
@@ -67,6 +78,32 @@ def test_pick_is_the_planners_best(model: str, gpus: int, gpu: str, argv: list[s
     assert tr.micro_batch_size * tr.accumulate_grad_batches * p.dp == 32  # the user's global batch
     assert p.tp * p.pp * p.dp == gpus
     check_layout(run_config)
+
+
+def test_world_and_handoff(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """torchrun's world wins (a different +cluster.gpus is an error); a rank our launcher started takes
+    the launching process's pick from the environment instead of planning (and measuring) again."""
+    with pytest.raises(ConfigError, match=r"\+cluster\.\* is read by \+parallel=auto only"):
+        load_config({"cluster": {"gpus": 2}})
+    config = load_config({"parallel": "auto", "cluster": {"gpus": 4, "gpu": "h100-sxm"}})
+    monkeypatch.delenv(PARENT_PID_VAR, raising=False)
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    assert launched_world(config) == 4  # plain python: +cluster.gpus local processes
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UsageError, match=r"\+cluster.gpus=4 but torchrun started 2 processes"):
+        launched_world(config)
+    config.cluster.gpus = None
+    assert launched_world(config) == 2
+    # the launching process's pick, handed to a rank it started: used as is, nothing printed
+    config.cluster.gpus = 8
+    chosen = choose_layout(config, 8, HARDWARE["h100-sxm"], {})
+    monkeypatch.setenv(AUTO_ENV, encode_prediction(chosen))
+    monkeypatch.setenv(PARENT_PID_VAR, "1")
+    run_config, got = auto_layout(config, [])
+    assert got == chosen and run_config.parallel.dp == chosen.layout.dp and run_config.auto_parallel
+    assert capsys.readouterr().out == ""
 
 
 def test_cuda_device_names_map_to_the_table() -> None:

@@ -124,12 +124,13 @@ def apply_layout(config: PretrainConfig, layout: Layout) -> PretrainConfig:
     return out
 
 
-def _encode(p: Prediction) -> str:
+def encode_prediction(p: Prediction) -> str:
+    """A pick as `AUTO_ENV` carries it (JSON)."""
     return json.dumps({"layout": p.layout.as_dict(), "memory_bytes": p.memory_bytes, "step_parts": p.step_parts,
                        "tokens_per_s": p.tokens_per_s, "mfu": p.mfu, "fits": p.fits})  # fmt: skip
 
 
-def _decode(text: str) -> Prediction:
+def decode_prediction(text: str) -> Prediction:
     d = json.loads(text)
     return Prediction(Layout(**d["layout"]), d["memory_bytes"], d["step_parts"], d["tokens_per_s"], d["mfu"],
                       d["fits"])  # fmt: skip
@@ -144,12 +145,12 @@ def auto_layout(config: PretrainConfig, overrides: list[str]) -> tuple[PretrainC
     handed = os.environ.get(AUTO_ENV)
     env = detect_environment()
     if handed is not None and env is not None and env.source == "subprocess":
-        best = _decode(handed)
+        best = decode_prediction(handed)
         return apply_layout(config, best.layout), best
     world = launched_world(config)
     hw = local_hardware(config)
     best = choose_layout(config, world, hw, pinned_knobs(config, overrides))
-    os.environ[AUTO_ENV] = _encode(best)  # inherited by the ranks a plain-python launch starts
+    os.environ[AUTO_ENV] = encode_prediction(best)  # inherited by the ranks a plain-python launch starts
     if env is None or env.rank == 0:
         print(
             f"nanolight: +parallel=auto on {world} x {hw.name}: {best.layout.overrides()} -- predicted peak "

@@ -157,3 +157,12 @@ def test_recipe_auto_runs_the_pick(tmp_path: Path) -> None:
     report = [line for line in out if line.startswith("nanolight: +parallel=auto predicted vs measured: ")]
     assert len(report) == 1, proc.stdout[-3000:]
     assert "(peak RSS growth, most loaded rank)" in report[0] and "(median of 4)" in report[0]
+
+
+def test_no_pick_the_strategy_refuses() -> None:
+    """bf16-master's fp32 masters live in ZeRO-1's optimizer: the strategy refuses it with plain dp > 1
+    (`Precision.check_layout`), so the planner must never list, let alone pick, that layout."""
+    rows = plan(Workload(LlamaConfig.preset("smollm-360m"), 2048, "cuda"), 8, 64 * 2048, HARDWARE["h100-sxm"])
+    lays = [r.layout for r in rows]
+    assert not [lay for lay in lays if lay.precision == "bf16-master" and lay.zero_stage == 0 and lay.dp > 1]
+    assert [lay for lay in lays if lay.precision == "bf16-master" and lay.zero_stage == 1 and lay.dp > 1]

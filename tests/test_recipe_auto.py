@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from test_recipe_e2e import REPO, losses, recipe
 
@@ -96,6 +97,11 @@ def test_world_and_handoff(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
         launched_world(config)
     config.cluster.gpus = None
     assert launched_world(config) == 2
+    if not torch.cuda.is_available():  # each rank would measure the CPU: they could pick differently
+        with pytest.raises(
+            UsageError, match=r"on CPU plans in one process: start plain python with \+cluster"
+        ):
+            auto_layout(config, [])
     # the launching process's pick, handed to a rank it started: used as is, nothing printed
     config.cluster.gpus = 8
     chosen = choose_layout(config, 8, HARDWARE["h100-sxm"], {})

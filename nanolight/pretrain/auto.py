@@ -9,7 +9,8 @@ becomes the recipe's own keys (`apply_layout`), so the run is the one the printe
 
 The pick is made once: under plain python the launching process plans and hands the pick to the
 ranks it starts through `AUTO_ENV` (the CPU's calibration is a measurement: planned again, a rank
-could pick another layout). Under torchrun/srun every rank plans alike from the GPU table.
+could pick another layout). Under torchrun/srun every rank plans alike from the GPU table; on CPU
+they would not, so there `+parallel=auto` asks for plain python instead.
 
 `PredictionCheck` measures the run: the median optimizer-step time (validation excluded) and the
 peak memory of the most loaded rank -- `torch.cuda.max_memory_allocated` on a GPU; on CPU the
@@ -148,6 +149,12 @@ def auto_layout(config: PretrainConfig, overrides: list[str]) -> tuple[PretrainC
         best = decode_prediction(handed)
         return apply_layout(config, best.layout), best
     world = launched_world(config)
+    if env is not None and not torch.cuda.is_available():
+        # each rank would measure the CPU itself, and measurements differ: the ranks could disagree
+        raise UsageError(
+            f"+parallel=auto on CPU plans in one process: start plain python with +cluster.gpus={world} "
+            f"instead of {env.source} (it starts the ranks and hands them its pick)"
+        )
     hw = local_hardware(config)
     best = choose_layout(config, world, hw, pinned_knobs(config, overrides))
     os.environ[AUTO_ENV] = encode_prediction(best)  # inherited by the ranks a plain-python launch starts

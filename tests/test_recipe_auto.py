@@ -112,6 +112,32 @@ def test_world_and_handoff(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
     assert capsys.readouterr().out == ""
 
 
+def test_accumulation_sizes_the_global_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under auto, micro_batch_size given is pinned; accumulate_grad_batches given sizes the global
+    batch (micro-batch x accumulation sequences) that the pick may split over dp."""
+    hw = HARDWARE["h100-sxm"]
+    monkeypatch.setattr("nanolight.pretrain.auto.local_hardware", lambda config: hw)
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(AUTO_ENV, "")  # recorded, so the pick auto_layout exports is undone afterwards
+    raw = {
+        "parallel": "auto",
+        "cluster": {"gpus": 4},
+        "trainer": {"micro_batch_size": 2, "accumulate_grad_batches": 8},
+    }
+    config = load_config(raw)
+    argv = [
+        "+parallel=auto",
+        "+cluster.gpus=4",
+        "trainer.micro_batch_size=2",
+        "trainer.accumulate_grad_batches=8",
+    ]
+    run_config, best = auto_layout(config, argv)
+    assert best == choose_layout(config, 4, hw, {"micro_batch_size": 2})
+    assert best.layout.dp > 1 and best.layout.micro_batch_size == 2 and best.layout.sequences_per_step == 16
+    assert run_config.trainer.accumulate_grad_batches == 16 // (2 * best.layout.dp)
+
+
 def test_cuda_device_names_map_to_the_table() -> None:
     names = {
         "NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA H100 PCIe": "h100-pcie", "NVIDIA H200": "h200",

@@ -4,8 +4,10 @@ The world is the one the run is launched in: torchrun/srun's, else `+cluster.gpu
 visible GPUs, 1 on CPU) local processes. The hardware is `+cluster.gpu`, else the visible GPU's
 entry in the planner's table, else `cpu` measured now. The workload is the recipe's model and
 `trainer.seq_len`; the global batch is `trainer.micro_batch_size * trainer.accumulate_grad_batches`
-sequences. Knobs named on the command line (`PINNABLE`) are pinned, the rest searched. The pick
-becomes the recipe's own keys (`apply_layout`), so the run is the one the printed command line runs.
+sequences. Knobs named on the command line (`PINNABLE`) are pinned, the rest searched -- but for
+`trainer.accumulate_grad_batches`, which sizes the global batch that the pick splits as
+micro-batch x accumulation x dp. The pick becomes the recipe's own keys (`apply_layout`), so the
+run is the one the printed command line runs.
 
 The pick is made once: under plain python the launching process plans and hands the pick to the
 ranks it starts through `AUTO_ENV` (the CPU's calibration is a measurement: planned again, a rank
@@ -156,7 +158,9 @@ def auto_layout(config: PretrainConfig, overrides: list[str]) -> tuple[PretrainC
             f"instead of {env.source} (it starts the ranks and hands them its pick)"
         )
     hw = local_hardware(config)
-    best = choose_layout(config, world, hw, pinned_knobs(config, overrides))
+    pinned = pinned_knobs(config, overrides)
+    pinned.pop("accumulate_grad_batches", None)  # here it sizes the global batch, which dp may split
+    best = choose_layout(config, world, hw, pinned)
     os.environ[AUTO_ENV] = encode_prediction(best)  # inherited by the ranks a plain-python launch starts
     if env is None or env.rank == 0:
         print(

@@ -2,6 +2,7 @@
 
     python recipes/smollm.py                                  # smollm-tiny on the embedded corpus
     python recipes/smollm.py model=smollm-135m +parallel.tp=2
+    python recipes/smollm.py model=smollm-135m +parallel=auto +cluster.gpus=2   # the planner's pick
     torchrun --nproc_per_node=8 recipes/smollm.py model=smollm-1.7b +parallel.tp=8
 
 Configs live in conf/; every key is validated (nanolight/pretrain/config.py) before anything runs.
@@ -23,7 +24,7 @@ DEBUG = take_debug_flag(sys.argv)
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     with reported_errors(DEBUG):
-        run(load_config(cfg))
+        run(load_config(cfg), sys.argv[1:])  # the command line: the knobs +parallel=auto keeps
 
 
 if __name__ == "__main__":

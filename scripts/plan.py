@@ -31,21 +31,11 @@ from nanolight.planner.hardware import hardware  # noqa: E402
 from nanolight.planner.memory import Workload  # noqa: E402
 from nanolight.planner.search import Prediction, no_fit_message, plan  # noqa: E402
 from nanolight.pretrain import load_config  # noqa: E402
+from nanolight.pretrain.auto import pinned_knobs  # noqa: E402
 from nanolight.pretrain.cli import reported_errors, take_debug_flag  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-PINNABLE = {  # command-line key -> Layout field
-    "parallel.tp": "tp", "parallel.pp": "pp", "parallel.dp": "dp", "parallel.zero_stage": "zero_stage",
-    "parallel.pp_schedule": "pp_schedule", "parallel.pp_virtual": "pp_virtual",
-    "parallel.sequence_parallel": "sequence_parallel", "trainer.micro_batch_size": "micro_batch_size",
-    "trainer.accumulate_grad_batches": "accumulate_grad_batches", "trainer.precision": "precision",
-    "trainer.activation_checkpointing": "activation_checkpointing",
-}  # fmt: skip
 GB = 1e9
-
-
-def _key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
 
 
 def parse(argv: list[str]) -> tuple[Workload, int, int, str, dict[str, Any], int | None]:
@@ -73,12 +63,7 @@ def parse(argv: list[str]) -> tuple[Workload, int, int, str, dict[str, Any], int
         print(note, file=sys.stderr)  # stdout stays the table or the JSON
         raw["model"]["max_position_embeddings"] = seq_len
     config = load_config(raw)  # every recipe key validated as the recipe does
-    pinned = {}
-    for override in argv:
-        key = _key(override)
-        if key in PINNABLE:
-            section, name = key.split(".")
-            pinned[PINNABLE[key]] = getattr(getattr(config, section), name)
+    pinned = pinned_knobs(config, argv)
     hw = hardware(str(cluster["gpu"]))
     work = Workload(config.model, seq_len, hw.device)
     return work, int(cluster["gpus"]), int(plan_cfg["global_batch_tokens"]), hw, pinned, plan_cfg.get("top")

@@ -94,6 +94,19 @@ def hardware(name: str) -> Hardware:
     return HARDWARE[name]
 
 
+# the table's entry for a device name as `torch.cuda.get_device_name` reports it, most specific first
+DEVICE_NAMES = (
+    ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("h200", "h200"), ("a100-sxm4-40gb", "a100-40gb"),
+    ("a100-pcie-40gb", "a100-40gb"), ("a100", "a100-80gb"), ("b200", "b200"),
+)  # fmt: skip
+
+
+def table_name(device_name: str) -> str | None:
+    """The `HARDWARE` key of a CUDA device name ("NVIDIA H100 80GB HBM3" -> h100-sxm), or None."""
+    name = device_name.lower()
+    return next((key for pattern, key in DEVICE_NAMES if pattern in name), None)
+
+
 def _rate(work: object, repeats: int) -> float:
     work()  # warm-up
     start = time.perf_counter()
@@ -164,4 +177,4 @@ def _allreduce_rank(rank: int, megabytes: int, out: object, port: int) -> None:
     dist.destroy_process_group()
 
 
-__all__ = ["HARDWARE", "Hardware", "calibrate_cpu", "gloo_bandwidth", "hardware"]
+__all__ = ["HARDWARE", "Hardware", "calibrate_cpu", "gloo_bandwidth", "hardware", "table_name"]

@@ -17,6 +17,7 @@ from nanolight.parallel.config import ParallelConfig
 from nanolight.parallel.pipeline.schedules import check_micro_batches
 from nanolight.parallel.pipeline.split import check_pipeline_layout
 from nanolight.parallel.recompute import MODES
+from nanolight.precision import Precision
 
 # precision -> (parameter bytes, gradient bytes, activation bytes, residual-stream bytes)
 # 32-true: everything fp32. bf16-mixed: fp32 parameters and gradients, autocast computes in bf16
@@ -80,6 +81,7 @@ class Layout:
         if self.pp > 1:
             check_pipeline_layout(self.pp, config.num_hidden_layers, self.pp_virtual)
             check_micro_batches(self.pp, self.pp_schedule, self.accumulate_grad_batches)
+        Precision(self.precision).check_layout(self.zero_stage, self.dp)  # the strategy's own rule
         if self.sequence_parallel and (self.tp == 1 or seq_len % self.tp):
             raise UsageError(f"sequence_parallel needs tp > 1 dividing seq_len={seq_len}")
 

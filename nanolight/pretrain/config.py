@@ -133,6 +133,20 @@ class LoggerConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """What `+parallel=auto` plans for (`pretrain/auto.py`): `gpus` ranks under plain python (default:
+    the visible GPUs, 1 on CPU; torchrun/srun's world otherwise) of the `gpu` model from the planner's
+    table (default: the visible GPU's, `cpu` measured on a machine without one)."""
+
+    gpus: int | None = None
+    gpu: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.gpus is not None and self.gpus < 1:
+            raise ValueError(f"cluster.gpus must be >= 1, got {self.gpus}")
+
+
+@dataclass
 class PretrainConfig:
     seed: int = 42
     model: LlamaConfig = field(default_factory=lambda: LlamaConfig.preset("smollm-tiny"))
@@ -142,6 +156,9 @@ class PretrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    # `+parallel=auto`: the planner replaces `parallel` and the trainer's batch split before the run
+    auto_parallel: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         if self.trainer.seq_len > self.model.max_position_embeddings:
@@ -156,7 +173,14 @@ def load_config(cfg: DictConfig | dict[str, Any]) -> PretrainConfig:
     """Validate a composed config. Raises ConfigError naming the first bad key."""
     raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     raw.pop("hydra", None)
-    return build_dataclass(PretrainConfig, raw, "")
+    auto = raw.get("parallel") == "auto"
+    if auto:
+        raw.pop("parallel")
+    elif raw.get("cluster"):
+        raise ConfigError("+cluster.* is read by +parallel=auto only; add +parallel=auto or drop it")
+    config = build_dataclass(PretrainConfig, raw, "")
+    config.auto_parallel = auto
+    return config
 
 
 def to_dict(config: PretrainConfig) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from nanolight.loggers import CSVLogger, Logger, WandbLogger
 from nanolight.loggers.wandb_logger import has_wandb_credentials
 from nanolight.parallel.launcher import detect_environment
 from nanolight.parallel.pipeline import check_micro_batches, check_pipeline_layout
+from nanolight.pretrain.auto import PredictionCheck, auto_layout
 from nanolight.pretrain.baselines import held_out
 from nanolight.pretrain.config import ConfigError, PretrainConfig, to_dict
 from nanolight.pretrain.module import CausalLMPretrain
@@ -169,8 +170,13 @@ def save_config(config: PretrainConfig, root: Path) -> None:
     atomic_write_text(root / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
 
 
-def run(config: PretrainConfig) -> NanoTrainer:
-    """Pretrain per `config` (already validated by `load_config`). Returns the finished trainer."""
+def run(config: PretrainConfig, overrides: list[str] | None = None) -> NanoTrainer:
+    """Pretrain per `config` (already validated by `load_config`). Returns the finished trainer.
+    Under `+parallel=auto` the planner picks the layout first; `overrides` (the command line) says
+    which of its knobs the user pinned."""
+    prediction = None
+    if config.auto_parallel:
+        config, prediction = auto_layout(config, list(overrides or ()))
     check_layout(config)
     root = check_run_dir(config)
     dm = build_data(config)  # tokenizes into the cache once, before any rank is spawned
@@ -194,7 +200,8 @@ def run(config: PretrainConfig) -> NanoTrainer:
         config.model, config.optim, t.seq_len, t.max_steps, c.init_from, str(tokenizer_dir), token_ids,
         heldout.bytes_per_token if heldout else None,
     )  # fmt: skip
-    trainer = build_trainer(config, strategy, root, GreedySamples(dm.tokenizer))
+    checks = [PredictionCheck(prediction)] if prediction is not None else []
+    trainer = build_trainer(config, strategy, root, GreedySamples(dm.tokenizer), *checks)
     # resume="last" with no checkpoint yet starts fresh with a warning, as Lightning does
     trainer.fit(module, dm.train_loader, dm.val_loader, ckpt_path=config.checkpoint.resume)
     return trainer

@@ -214,11 +214,7 @@ class Parallel3DStrategy(Strategy):
         weights is waited for bucket by bucket in the next forward (not under compile, whose
         blocks would trace the hooks)."""
         cfg, master = self.config, self.precision.master_weights
-        if master and cfg.zero_stage == 0 and self._ctx.dp_size > 1:
-            raise ValueError(
-                "precision='bf16-master' keeps its fp32 master weights in the ZeRO-1 optimizer: with dp > 1 "
-                "set zero_stage=1 (the same traffic as plain data parallelism, 1/dp of the optimizer state)"
-            )
+        self.precision.check_layout(cfg.zero_stage, self._ctx.dp_size)
         self.grads = GradientSync(
             self.module, self.layout, self._ctx, cfg.sequence_parallel, 1 if master else cfg.zero_stage,
             self.dp_bucket_bytes, grad_dtype=torch.float32 if master else None,

@@ -248,10 +248,11 @@ NCCL_DEBUG_DEFAULTS: list[tuple[tuple[str, ...], str]] = [
 ]
 
 
-def set_nccl_debug_env(environ: MutableMapping[str, str] = os.environ) -> str | None:
+def set_nccl_debug_env(environ: MutableMapping[str, str] | None = None) -> str | None:
     """Turn NCCL's flight recorder on where the user has not chosen (before the NCCL group exists:
     torch reads these once, when it builds it); returns the dump files' prefix (+ the rank), or
-    None when the user switched the dump off."""
+    None when the user switched the dump off. `environ`: the process's, read at the call."""
+    environ = os.environ if environ is None else environ
     for names, default in NCCL_DEBUG_DEFAULTS:
         if not any(name in environ for name in names):
             for name in names:
@@ -261,9 +262,10 @@ def set_nccl_debug_env(environ: MutableMapping[str, str] = os.environ) -> str | 
     return next(environ[name] for name in TRACE_FILE_VARS if name in environ)
 
 
-def nccl_dumps(world_size: int, since: float, environ: Mapping[str, str] = os.environ) -> list[str]:
+def nccl_dumps(world_size: int, since: float, environ: Mapping[str, str] | None = None) -> list[str]:
     """The flight-recorder dump files written since `since` (after an NCCL timeout), for the
     launcher's last line."""
+    environ = os.environ if environ is None else environ
     prefix = next((environ[name] for name in TRACE_FILE_VARS if name in environ), NCCL_DEBUG_DEFAULTS[-1][1])
     files = [f"{prefix}{r}" for r in range(world_size)]
     return [f for f in files if os.path.exists(f) and os.path.getmtime(f) >= since]

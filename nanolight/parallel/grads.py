@@ -41,19 +41,14 @@ def global_norm(
     grads: list[Tensor], groups: Iterable[Any] = (), device: torch.device | None = None
 ) -> Tensor:
     """L2 norm of `grads` (this rank's counted parts) joined with the same parts of the groups'
-    other ranks: the squares summed over the parts (`_runs`: a flat buffer's consecutive pieces
-    measured as one) by ``torch._foreach_norm`` (on CUDA a few multi-tensor kernels, no
-    temporaries), then over each group in turn. It accumulates in fp32 on CUDA (a tree
-    reduction) and in fp64 on the CPU, whose fp32 ``vector_norm`` sums serially (~1e-4 off at
-    4M elements). A rank that counts nothing still joins, with a zero on `device` (the groups'
-    device: NCCL refuses a CPU tensor)."""
-    runs = _runs(grads)
-    if runs:
-        accumulate = torch.float64 if runs[0].device.type == "cpu" else torch.float32
-        norms = torch.stack(torch._foreach_norm(runs, 2, dtype=accumulate))
-        squared = norms.square().sum().float()
-    else:
-        squared = torch.zeros((), device=grads[0].device if grads else device)
+    other ranks: squares summed in fp32 per tensor (``vector_norm`` loses ~1e-4 on CPU for
+    million-element tensors), then over each group in turn. A rank that counts nothing still
+    joins, with a zero on `device` (the groups' device: NCCL refuses a CPU tensor)."""
+    squared = (
+        torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+        if grads
+        else torch.zeros((), device=device)
+    )
     for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
             # the ranks of this group (tp, pp or dp) add up the squares of their parts
@@ -64,31 +59,8 @@ def global_norm(
 def clip_(grads: list[Tensor], norm: Tensor, max_norm: float) -> None:
     """Scale `grads` so that their global `norm` is at most `max_norm` (torch's coefficient)."""
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    runs = _runs(grads)
-    if runs:
-        torch._foreach_mul_(runs, coef.to(runs[0].device))
-
-
-def _runs(grads: list[Tensor]) -> list[Tensor]:
-    """`grads` as few flat tensors: contiguous pieces that sit end to end in one storage (the
-    pieces of a gradient bucket or of a ZeRO-1 shard) become one view of their span, so a norm
-    or a scaling is one kernel per span rather than per piece. Empty pieces are dropped; others
-    (overlapping, strided) stay as they are."""
-    runs: list[Tensor] = []
-    end: tuple[int, int] | None = None  # (storage, element) just past the last contiguous run
-    for g in sorted((g for g in grads if g.numel()), key=_position):
-        here = (g.untyped_storage().data_ptr(), g.storage_offset())
-        if g.is_contiguous() and end == here and runs[-1].dtype == g.dtype:
-            last = runs[-1]
-            runs[-1] = last.as_strided((last.numel() + g.numel(),), (1,), last.storage_offset())
-        else:
-            runs.append(g.view(-1) if g.is_contiguous() else g)
-        end = (here[0], here[1] + g.numel()) if g.is_contiguous() else None
-    return runs
-
-
-def _position(g: Tensor) -> tuple[int, int]:
-    return g.untyped_storage().data_ptr(), g.storage_offset()
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
 
 
 def _sum_over(grads: list[Tensor], group: Any) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanolight.parallel.agreement import Agreed, PendingMax, StoreAgreements
+from nanolight.parallel.agreement import Agreed, PendingMax
 from nanolight.parallel.config import ParallelConfig
 
 MESH_DIMS = ("dp", "cp", "pp", "tp")  # outermost first: tp's ranks are adjacent global ranks
@@ -133,10 +133,11 @@ class ParallelContext:
                 # so that the group's first operation has all its ranks (torch's rule for a first
                 # batch_isend_irecv; under NCCL it creates the group's communicator with all of them)
                 dist.all_reduce(torch.zeros(1, device=self.device), group=group)
-        # Host-side agreements (pre-emption flags, picklable objects) go through the rendezvous
-        # store every rank already holds a connection to: no world-wide group (`agreement.py`).
-        store = dist.distributed_c10d._get_default_store()
-        self.agreements = StoreAgreements(store, self.global_rank, self.world_size, timeout)
+        # Host-side agreements (pre-emption flags, picklable objects) travel on the CPU: a gloo
+        # group over the whole world, or the world itself when it is gloo (None names it). Not the
+        # rendezvous store: under torchrun the agent hosts it, and workers whose agent was killed
+        # must still agree to save (tests/test_faults_distributed.py).
+        self.host_group = None if self.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
 
     @classmethod
     def from_config(
@@ -260,7 +261,7 @@ class ParallelContext:
         sync); ``.wait()`` gives it. One process: already agreed, no collective."""
         if self.world_size == 1:
             return Agreed(value)
-        return self.agreements.start_max(value, guard)  # every rank posts an int, reads the max
+        return PendingMax(value, self.host_group, guard)  # all ranks send an int, get the max
 
     def broadcast_object(
         self, obj: Any, src: int = 0, guard: Callable[[], AbstractContextManager] = nullcontext
@@ -268,7 +269,11 @@ class ParallelContext:
         """`obj` as global rank `src` holds it, on every rank, on the host (pickled; no device sync)."""
         if self.world_size == 1:
             return obj
-        return self.agreements.broadcast(obj, src, guard)  # rank `src` posts it, the others fetch it
+        box = [obj]
+        with guard():
+            # rank `src` sends obj to every rank, pickled over the host group (gloo: no device sync)
+            dist.broadcast_object_list(box, src=src, group=self.host_group)
+        return box[0]
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if `flag` is True on any rank (blocking, on the host)."""

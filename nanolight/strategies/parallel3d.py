@@ -292,13 +292,13 @@ class Parallel3DStrategy(Strategy):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._ctx is None:
             return obj
-        return self._ctx.broadcast_object(obj, src)  # rank `src` posts obj in the store, the others read it
+        return self._ctx.broadcast_object(obj, src)  # rank `src` sends obj to every rank over the host group
 
     def watch(self, what: str) -> AbstractContextManager:
         return watch(what, self.heartbeat)
 
     def start_max(self, value: int) -> Any:  # one process: Agreed, no collective; else on the host
-        watching = functools.partial(watch, "the pre-emption flags (the store)", self.heartbeat)
+        watching = functools.partial(watch, "the pre-emption flags (a host all-reduce)", self.heartbeat)
         return super().start_max(value) if self._ctx is None else self._ctx.start_max(value, watching)
 
     # ---- checkpoints: per-rank shards + index ------------------------------------------------

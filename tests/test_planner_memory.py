@@ -99,7 +99,8 @@ def _check(layout: Layout, attn: str = "sdpa") -> None:
     for rank, (stage, measured, predicted) in enumerate(out):
         where = f"rank {rank} (stage {stage}) of {layout}"
         for part in CHECKED:
-            if part == "communication" and layout.pp > 1 and stage > 0:
+            sends_gradients = stage > 0 or layout.pp_virtual > 1  # a chunk whose input came from a stage
+            if part == "communication" and layout.pp > 1 and sends_gradients:
                 # sent gradients are held until their sends complete, which depends on the peer's
                 # timing: the prediction is a bound, reached within one gradient
                 tokens = MICRO * T // (layout.tp if layout.sequence_parallel else 1)

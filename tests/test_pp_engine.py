@@ -196,8 +196,9 @@ def _check(
         got = torch.from_numpy(state[name])
         assert ((got - ref).norm() / ref.norm()).item() < 1e-5, name  # the tensor as a whole
         # element-wise: atol for entries near zero (summation order differs across stages; the tied
-        # embedding adds the first and last stage's gradients in another order: ~1.6e-6 seen)
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=2.5e-6, msg=lambda m, name=name: f"{name}: {m}")
+        # embedding adds the first and last stage's gradients in another order, and Adam turns a
+        # last-bit difference of a near-zero gradient into up to ~3.5e-6 on a few of its entries)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=5e-6, msg=lambda m, name=name: f"{name}: {m}")
     for r in out:  # each forward is called exactly once per micro-batch
         assert sorted(r["forwards"]) == list(range(MICRO))
         # one handshake per channel and virtual stage boundary: v sends and v receives per rank

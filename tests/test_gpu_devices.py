@@ -59,7 +59,10 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setattr(torch.cuda, "set_device", set_device)
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
     for name in (*LAUNCH_VARS, *NCCL_VARS):
-        monkeypatch.delenv(name, raising=False)
+        # set first, so that monkeypatch records the original and undoes what the launcher sets
+        # (the flight recorder's variables would otherwise leak into later tests' subprocesses)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     for name in [k for k in os.environ if k.startswith("SLURM_")]:
         monkeypatch.delenv(name)
     return seen

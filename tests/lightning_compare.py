@@ -27,6 +27,21 @@ PINNED_KERNELS = {
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
 }
+PROGRAM_NAMES = [  # every ported program, in the order they were added (record.py records them all)
+    "classifier",
+    "regression_resume",
+    "gan_manual",
+    "flags_plateau",
+    "hook_order",
+    "trainer_args",
+    "boring_surface",
+    "hook_recorder",
+    "manual_plateau",
+    "silent_diffs",
+    "logging_page",
+    "autoencoder_datamodule",
+    "checkpointing_page",
+]
 RENAMES = [  # the whole port (regular expressions, applied in order)
     (r"\blightning\.pytorch\b", "nanolight"),  # callbacks, loggers, demos, utilities, core, ...
     (r"\bimport lightning as L\b", "import nanolight as L"),

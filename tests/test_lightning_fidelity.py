@@ -12,23 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from lightning_compare import PROGRAMS, differences, fixture, port, run_ported
-
-PROGRAM_NAMES = [
-    "classifier",
-    "regression_resume",
-    "gan_manual",
-    "flags_plateau",
-    "hook_order",
-    "trainer_args",
-    "boring_surface",
-    "hook_recorder",
-    "manual_plateau",
-    "silent_diffs",
-    "logging_page",
-    "autoencoder_datamodule",
-    "checkpointing_page",
-]
+from lightning_compare import PROGRAM_NAMES, PROGRAMS, differences, fixture, port, run_ported
 
 
 def _without_last_pointer(observed: object, want: object) -> None:

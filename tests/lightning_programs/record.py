@@ -27,24 +27,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from lightning_compare import PINNED_KERNELS  # noqa: E402  (the same kernel path as the test run)
+from lightning_compare import PINNED_KERNELS, PROGRAM_NAMES  # noqa: E402  (the same kernel path as the test run)
 
 FIXTURES = HERE.parent / "fixtures" / "lightning"
-PROGRAMS = [
-    "classifier",
-    "regression_resume",
-    "gan_manual",
-    "flags_plateau",
-    "hook_order",
-    "trainer_args",
-    "boring_surface",
-    "hook_recorder",
-    "manual_plateau",
-    "silent_diffs",
-    "logging_page",
-    "autoencoder_datamodule",
-    "checkpointing_page",
-]
 
 
 def run_once(program: str) -> dict[str, Any]:
@@ -81,14 +66,14 @@ def main() -> None:
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("programs", nargs="*", help=f"some of {PROGRAMS} (default: all)")
+    parser.add_argument("programs", nargs="*", help=f"some of {PROGRAM_NAMES} (default: all)")
     args = parser.parse_args()
-    unknown = set(args.programs) - set(PROGRAMS)
+    unknown = set(args.programs) - set(PROGRAM_NAMES)
     if unknown:
-        parser.error(f"unknown programs {sorted(unknown)}; choose from {PROGRAMS}")
+        parser.error(f"unknown programs {sorted(unknown)}; choose from {PROGRAM_NAMES}")
     versions = {"lightning": lightning.__version__, "torch": torch.__version__}
     FIXTURES.mkdir(parents=True, exist_ok=True)
-    for program in args.programs or PROGRAMS:
+    for program in args.programs or PROGRAM_NAMES:
         first, second = run_once(program), run_once(program)
         diff = differences(first, second)
         if diff:

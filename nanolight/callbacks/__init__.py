@@ -5,8 +5,7 @@ from nanolight.callbacks.early_stopping import EarlyStopping
 from nanolight.callbacks.lr_monitor import LearningRateMonitor
 from nanolight.callbacks.model_checkpoint import ModelCheckpoint
 from nanolight.callbacks.nan_guard import NaNGuard
-from nanolight.callbacks.progress import RichProgressBar
-from nanolight.callbacks.text_samples import GreedySamples
+from nanolight.callbacks.progress import GreedySamples, RichProgressBar
 from nanolight.callbacks.throughput import ThroughputMonitor
 
 __all__ = [

@@ -1,9 +1,16 @@
 """`Callback`: Lightning's hook names and arguments. Callbacks run before the module's hook of
 the same name, in the order given to the trainer (checkpointing callbacks are moved last; at a
-train epoch's end ModelCheckpoint and EarlyStopping run after the module)."""
+train epoch's end ModelCheckpoint and EarlyStopping run after the module).
+
+`info` is where the callbacks' ``verbose`` messages go: the ``nanolight`` logger, shown on stderr.
+Lightning prints them through a logger with its own stream handler, so ``verbose=True`` is visible
+without configuring logging; nanolight's get the same (a handler is added only when the
+application has not configured the ``nanolight`` logger itself).
+"""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -11,6 +18,20 @@ import torch
 if TYPE_CHECKING:
     from nanolight.module import NanoModule
     from nanolight.trainer import NanoTrainer
+
+log = logging.getLogger("nanolight")
+if not log.handlers:
+    log.addHandler(logging.StreamHandler())
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def info(message: str, rank: int | None = None, rank_zero_only: bool = True) -> None:
+    """Log `message` (prefixed with ``[rank: r]`` when `rank` is given). With `rank_zero_only`,
+    ranks other than 0 stay silent."""
+    if rank_zero_only and rank not in (None, 0):
+        return
+    log.info(f"[rank: {rank}] {message}" if rank is not None else message)
 
 
 class Callback:

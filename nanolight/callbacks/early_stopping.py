@@ -18,8 +18,7 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from nanolight.callbacks.base import Callback
-from nanolight.callbacks.messages import info
+from nanolight.callbacks.base import Callback, info
 from nanolight.errors import UsageError
 
 

@@ -32,7 +32,9 @@ def summary_table(module: nn.Module, max_depth: int = 1) -> str:
     rows = [("", "Name", "Type", "Params", "Mode")]
     named = [(n, m) for n, m in module.named_modules() if n and n.count(".") < max_depth]
     for i, (name, sub) in enumerate(named):
-        rows.append((str(i), name, type(sub).__name__, _human(_count(sub)[0]), "train" if sub.training else "eval"))
+        rows.append(
+            (str(i), name, type(sub).__name__, _human(_count(sub)[0]), "train" if sub.training else "eval")
+        )
     widths = [max(len(r[c]) for r in rows) for c in range(5)]
     line = "-" * (sum(widths) + 3 * 4 + 2)
     fmt = "  | ".join(f"{{:<{w}}}" for w in widths)

@@ -90,6 +90,18 @@ def atomic_directory(final: str | Path, overwrite: bool = False) -> Iterator[Pat
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def remove_directory(path: str | Path) -> None:
+    """Remove a directory without ever leaving a half-deleted one under its name: rename it to a
+    ``.trash-`` sibling first (which `remove_stale` cleans up after a crash). A file is unlinked."""
+    path = Path(path)
+    if path.is_dir():
+        trash = path.parent / f"{TRASH_PREFIX}{path.name}-{os.getpid()}"
+        os.replace(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Replace the file `path` with `text` in one step (temp file, fsync, ``os.replace``)."""
     path = Path(path)

@@ -14,15 +14,15 @@ buckets; the strategy's backward, clipping on the fp32 gradients, step and zero_
 transformers ``--peer-precision bf16-mixed`` (fp32 weights, ``torch.autocast``), as Lightning and
 HF's Trainer run it. ``bf16-mixed`` and ``32-true`` for nanolight are the same plain loop as the
 peer's. Every row prints its precision. nanolight runs with
-compile off/on (each decoder block, `parallel/compile.py`) x activation checkpointing
-none/selective/full (`parallel/recompute.py`); transformers runs with SDPA (flash-attn when
+compile off/on (each decoder block, `parallel/blocks.py`) x activation checkpointing
+none/selective/full (`parallel/blocks.py`); transformers runs with SDPA (flash-attn when
 installed, for both) eager and with each decoder layer compiled -- the same per-block compile.
 Both models start from the same weights (nanolight's init, converted), and their first losses
 are printed side by side (equal at the same precision; within bf16 rounding across precisions).
 
 The micro-batch is the largest power of two up to --micro-batch at which transformers eager
 (full logits, nothing recomputed: the most memory) fits; every run of a model uses it. Printed
-per run: tokens/s, MFU (`models/flops.py`: 6N + 12 L H Q T per token, over the dense bf16 peak:
+per run: tokens/s, MFU (`models/llama_config.py`: 6N + 12 L H Q T per token, over the dense bf16 peak:
 989 TFLOP/s for H100/H200 SXM, 756 for H100 PCIe, 835 for NVL, or --peak-tflops), peak memory, step time; then nanolight/transformers
 ratios on the same shapes. Imports only torch, transformers, safetensors and nanolight's model,
 parallel and strategy modules (no hydra, omegaconf, wandb, datasets or lightning-utilities: a
@@ -44,8 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a source checkout, not installed
 from nanolight.checkpoint.hf import nanolight_to_hf_state_dict  # noqa: E402
 from nanolight.models import LlamaConfig, LlamaForCausalLM, flash_attn_available, flops_per_token  # noqa: E402
-from nanolight.parallel.compile import compile_blocks  # noqa: E402
-from nanolight.parallel.recompute import apply_activation_checkpointing  # noqa: E402
+from nanolight.parallel.blocks import apply_activation_checkpointing, compile_blocks  # noqa: E402
 from nanolight.precision import Precision  # noqa: E402
 from nanolight.strategies.single_device import SingleDeviceStrategy  # noqa: E402
 

@@ -40,7 +40,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanolight.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from nanolight.models.llama import causal_lm_loss  # noqa: E402
 from nanolight.parallel import ParallelContext  # noqa: E402
-from nanolight.parallel.init import init_replayed_, param_specs  # noqa: E402
 from nanolight.parallel.pipeline import (  # noqa: E402
     FORWARD,
     PipelineSplit,
@@ -49,6 +48,7 @@ from nanolight.parallel.pipeline import (  # noqa: E402
     bubble_fraction,
     plan_split,
 )
+from nanolight.parallel.shard import init_replayed_, param_specs  # noqa: E402
 
 
 def build(cfg: LlamaConfig, split: PipelineSplit, stage: int, seed: int) -> LlamaForCausalLM:

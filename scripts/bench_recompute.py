@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a source checkout, not installed
 from nanolight.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
-from nanolight.parallel.block_options import BlockOptions  # noqa: E402
+from nanolight.parallel.blocks import BlockOptions  # noqa: E402
 
 MODES = [("none", 1), ("selective", 1), ("full", 1), ("full", 2)]
 

@@ -43,8 +43,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # a source checkout, not installed
 from nanolight.models import PRESETS, LlamaConfig, LlamaForCausalLM, flash_attn_available  # noqa: E402
-from nanolight.parallel.compile import compile_blocks  # noqa: E402
-from nanolight.parallel.recompute import apply_activation_checkpointing  # noqa: E402
+from nanolight.parallel.blocks import apply_activation_checkpointing, compile_blocks  # noqa: E402
 
 NO_CUDA = (
     "gpu_check: no CUDA device (torch {version}, CUDA {cuda}): run it on a GPU machine, or pass "

@@ -69,7 +69,7 @@ class SelectiveCache:
     def __enter__(self) -> SelectiveCache:
         from torch.utils.checkpoint import CheckpointPolicy
 
-        from nanolight.parallel import recompute
+        from nanolight.parallel import blocks as recompute
 
         self._module, self._policy = recompute, recompute._keep
 

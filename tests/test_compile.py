@@ -1,4 +1,4 @@
-"""`torch.compile` per decoder block (`parallel/compile.py`) on CPU (inductor's C++ backend).
+"""`torch.compile` per decoder block (`parallel/blocks.py`) on CPU (inductor's C++ backend).
 
 Compiled runs match eager runs (inductor fuses and reorders fp32 arithmetic, so to 1e-5, not
 bitwise), keep the plain model's names, report their graph breaks (none for the Llama), and
@@ -15,7 +15,7 @@ from _dist import run_distributed
 
 from nanolight import NanoTrainer
 from nanolight.models import LlamaForCausalLM
-from nanolight.parallel.compile import compile_blocks
+from nanolight.parallel.blocks import compile_blocks
 from nanolight.strategies import Parallel3DStrategy, SingleDeviceStrategy
 
 SEED, STEPS, ACCUM, MICRO, T = 7, 3, 2, 2, 16

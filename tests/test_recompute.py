@@ -1,4 +1,4 @@
-"""Activation checkpointing (`parallel/recompute.py`) changes no number and saves memory.
+"""Activation checkpointing (`parallel/blocks.py`) changes no number and saves memory.
 
 Losses with and without it are equal to 1e-6 (recomputation re-runs the same ops on the same
 inputs) at every layout: one process and tp2 here, the rest of the matrix (sequence parallel,
@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from nanolight import NanoTrainer
 from nanolight.models import LlamaConfig, LlamaForCausalLM
-from nanolight.parallel.recompute import apply_activation_checkpointing
+from nanolight.parallel.blocks import apply_activation_checkpointing
 from nanolight.strategies import Parallel3DStrategy, SingleDeviceStrategy
 
 SEED, STEPS, ACCUM, MICRO, T = 7, 3, 2, 2, 16

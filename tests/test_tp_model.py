@@ -15,8 +15,8 @@ from _tiny import run_distributed, tiny_config
 from nanolight.models import LlamaConfig, LlamaForCausalLM
 from nanolight.parallel import ParallelContext
 from nanolight.parallel.grads import GradientSync
-from nanolight.parallel.init import init_replayed_, param_specs
 from nanolight.parallel.layout import ModelLayout, tied_aliases
+from nanolight.parallel.shard import init_replayed_, param_specs
 from nanolight.parallel.tensor_parallel.apply import apply_tensor_parallel, shard_dims, take_shard
 
 STEPS, B, T, SEED = 10, 2, 16, 7

@@ -13,10 +13,10 @@ from typing import Any
 
 from nanolight.errors import UsageError
 from nanolight.models.llama_config import LlamaConfig
+from nanolight.parallel.blocks import MODES
 from nanolight.parallel.config import ParallelConfig
 from nanolight.parallel.pipeline.schedules import check_micro_batches
 from nanolight.parallel.pipeline.split import check_pipeline_layout
-from nanolight.parallel.recompute import MODES
 from nanolight.precision import Precision
 
 # precision -> (parameter bytes, gradient bytes, activation bytes, residual-stream bytes)

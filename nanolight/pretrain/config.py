@@ -28,7 +28,7 @@ Recompute = Literal["none", "full", "selective"]
 class TrainConfig:
     """Loop sizes. The global batch is micro_batch_size * accumulate_grad_batches * dp.
 
-    Speed (`parallel/recompute.py`, `parallel/compile.py`): `activation_checkpointing` recomputes
+    Speed (`parallel/blocks.py`): `activation_checkpointing` recomputes
     "full" decoder blocks or their "selective" cheap ops in backward, on every
     `activation_checkpointing_every`-th block; `compile` runs each decoder block under torch.compile."""
 

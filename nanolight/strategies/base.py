@@ -46,7 +46,7 @@ from nanolight.checkpoint.load import load_model, load_optimizers, trainer_state
 from nanolight.checkpoint.pretrained import model_dir_files, step_dir_meta
 from nanolight.checkpoint.reader import CheckpointReader
 from nanolight.checkpoint.save import save_one_process
-from nanolight.parallel.agreement import Agreed
+from nanolight.parallel.context import Agreed
 from nanolight.parallel.grads import clip_, global_norm
 from nanolight.parallel.layout import ModelLayout
 from nanolight.parallel.loss_tokens import loss_divisor, step_targets
@@ -289,7 +289,7 @@ class Strategy:
 
     def start_max(self, value: int) -> Any:
         """Start agreeing on the max of a small int over every rank, on the host, without waiting
-        (pre-emption: which signal reached any rank); ``.wait()`` returns it (`parallel/agreement.py`)."""
+        (pre-emption: which signal reached any rank); ``.wait()`` returns it (`parallel/context.py`)."""
         return Agreed(value)
 
     def watch(self, what: str) -> AbstractContextManager:

@@ -7,7 +7,7 @@ processes. It says *what* happens, in the documented order; the parallel core sa
    then: records the full model (shapes, tied names, init order), applies the model's `tp_plan`
    (`parallel/tensor_parallel/`), cuts its `pp_plan` chunks out (`parallel/pipeline/split.py`),
    materialises this rank's shards (all three: `parallel/shard.py`) and initialises them topology-independently
-   (`parallel/init.py`) or loads them from a pretrained directory (`checkpoint/load.py`), and
+   (`parallel/shard.py`) or loads them from a pretrained directory (`checkpoint/load.py`), and
    records the `ModelLayout` every later concern reads.
 3. `setup_optimizers`: `GradientSync` (`parallel/grads.py`) -- the dp reduction in buckets or
    ZeRO-1 around the optimizer, the partial-gradient sums, the global norm and clipping.
@@ -38,18 +38,21 @@ from nanolight.checkpoint.pretrained import model_dir_files, step_dir_meta, stor
 from nanolight.checkpoint.reader import CheckpointReader
 from nanolight.checkpoint.save import save_sharded
 from nanolight.parallel import ParallelConfig, ParallelContext
-from nanolight.parallel.block_options import BlockOptions
-from nanolight.parallel.blocks import decoder_blocks
-from nanolight.parallel.compile import CompiledBlocks
+from nanolight.parallel.blocks import BlockOptions, CompiledBlocks, decoder_blocks
 from nanolight.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from nanolight.parallel.grads import GradientSync
 from nanolight.parallel.health import Heartbeat, watch, watched
-from nanolight.parallel.init import init_replayed_
 from nanolight.parallel.launcher import detect_environment, ensure_processes, init_distributed
 from nanolight.parallel.layout import one_process_order
 from nanolight.parallel.pipeline import PipelineStage
 from nanolight.parallel.pipeline.schedules import Action, check_micro_batches
-from nanolight.parallel.shard import broadcast_replicas, find_plan_model, replicated_layout, shard_model
+from nanolight.parallel.shard import (
+    broadcast_replicas,
+    find_plan_model,
+    init_replayed_,
+    replicated_layout,
+    shard_model,
+)
 from nanolight.parallel.tensor_parallel.apply import shard_dims
 from nanolight.precision import Precision
 from nanolight.strategies.base import Strategy

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanolight.parallel.block_options import BlockOptions
-from nanolight.parallel.compile import CompiledBlocks
+from nanolight.parallel.blocks import BlockOptions, CompiledBlocks
 from nanolight.precision import Precision
 from nanolight.strategies.base import Strategy
 
@@ -16,7 +15,7 @@ class SingleDeviceStrategy(Strategy):
 
     `activation_checkpointing` ("none" | "full" | "selective", on every
     `activation_checkpointing_every`-th decoder block) and `compile` (each decoder block) act on
-    the model's blocks after it is moved and cast (`parallel/block_options.py`).
+    the model's blocks after it is moved and cast (`parallel/blocks.py`).
     """
 
     def __init__(

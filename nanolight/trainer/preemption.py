@@ -12,7 +12,7 @@ in one checkpoint save, the fit returns normally and the script exits 0; the nex
 ``ckpt_path="last"`` (recipe: ``checkpoint.resume=last``) continues exactly.
 
 The agreement must not cost a device sync every step, so it is one host-side maximum of one
-integer per step, a host-side all-reduce over gloo (`parallel/agreement.py`) -- 0 nothing, 1 SIGUSR1, 2 SIGTERM, the maximum wins -- started at the end of
+integer per step, a host-side all-reduce over gloo (`parallel/context.py`) -- 0 nothing, 1 SIGUSR1, 2 SIGTERM, the maximum wins -- started at the end of
 step k without waiting (`Strategy.start_max`) and read at the end of step k+1, when it has long
 arrived. Every rank reads the same value at the same step, so with several ranks the
 run stops (and saves) one step after the signal's step; one process exchanges nothing and stops

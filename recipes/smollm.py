@@ -15,8 +15,7 @@ import hydra
 from omegaconf import DictConfig
 
 from nanolight.pretrain import PretrainConfig, load_config, run
-from nanolight.pretrain.cli import reported_errors, take_debug_flag
-from nanolight.pretrain.schema import check_override_keys
+from nanolight.pretrain.schema import check_override_keys, reported_errors, take_debug_flag
 
 DEBUG = take_debug_flag(sys.argv)
 

@@ -32,7 +32,7 @@ from nanolight.planner.memory import Workload  # noqa: E402
 from nanolight.planner.search import Prediction, no_fit_message, plan  # noqa: E402
 from nanolight.pretrain import load_config  # noqa: E402
 from nanolight.pretrain.auto import pinned_knobs  # noqa: E402
-from nanolight.pretrain.cli import reported_errors, take_debug_flag  # noqa: E402
+from nanolight.pretrain.schema import reported_errors, take_debug_flag  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GB = 1e9

@@ -13,9 +13,8 @@ import torch.nn.functional as F
 
 from nanolight.models import LlamaConfig
 from nanolight.models.fused_loss import linear_cross_entropy
-from nanolight.models.llama import SwiGLU
+from nanolight.models.llama import RMSNorm, SwiGLU, _rms_plain
 from nanolight.models.llama_rope import _Rope, apply_rope, rope_cos_sin, rope_inv_freq
-from nanolight.models.norm import RMSNorm, _rms_plain
 
 
 def _grads(fn, *tensors):

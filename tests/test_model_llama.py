@@ -11,7 +11,7 @@ import yaml
 import nanolight.models.attention as attention
 import nanolight.models.llama as llama
 from nanolight.models import PRESETS, LlamaConfig, LlamaForCausalLM, flops_per_token
-from nanolight.models.flops import matmul_params, num_params
+from nanolight.models.llama_config import matmul_params, num_params
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "model"
 

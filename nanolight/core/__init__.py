@@ -4,12 +4,11 @@
 
 import sys
 
-from nanolight.module import datamodule, hooks, module
-from nanolight.module.datamodule import NanoDataModule
-from nanolight.module.module import NanoModule
+from nanolight.module import hooks, module
+from nanolight.module.module import NanoDataModule, NanoModule
 
 # Lightning's submodule names, as aliases of nanolight's own modules (one class, two import paths)
-for _name, _mod in {"module": module, "datamodule": datamodule, "hooks": hooks}.items():
+for _name, _mod in {"module": module, "datamodule": module, "hooks": hooks}.items():
     sys.modules[f"{__name__}.{_name}"] = _mod
 
 __all__ = ["NanoDataModule", "NanoModule"]

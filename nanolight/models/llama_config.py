@@ -1,4 +1,6 @@
-"""`LlamaConfig`: the shape of a Llama/SmolLM model, validated, and its Hugging Face mapping.
+"""`LlamaConfig`: the shape of a Llama/SmolLM model, validated, and its Hugging Face mapping; the
+named SmolLM shapes (`PRESETS`); the arithmetic of a shape (parameters, FLOPs per token, pipeline
+stage costs).
 
 One flat dataclass, so that a Hydra group file (`conf/model/*.yaml`) is just its fields and a
 nanolight checkpoint's `config.json` is `asdict(config)` plus a format tag. Every check raises
@@ -95,9 +97,7 @@ class LlamaConfig:
     # ------------------------------------------------------------------ constructors
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
-        """A named SmolLM shape (see `nanolight.models.presets`), optionally with overrides."""
-        from nanolight.models.presets import PRESETS
-
+        """A named SmolLM shape (`PRESETS`), optionally with overrides."""
         if name not in PRESETS:
             raise UsageError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
@@ -240,3 +240,110 @@ def _validate_rope_scaling(rope_scaling: dict | None) -> None:
         raise UsageError(f"llama3 rope_scaling is missing {', '.join(missing)}; add them to rope_scaling")
     if rope_scaling["high_freq_factor"] <= rope_scaling["low_freq_factor"]:
         raise UsageError("llama3 rope_scaling needs high_freq_factor > low_freq_factor")
+
+
+# Named SmolLM shapes, as plain keyword dicts for `LlamaConfig`.
+#
+# The three released sizes follow the SmolLM (v1) `config.json` files on the Hugging Face Hub
+# (HuggingFaceTB/SmolLM-135M, -360M, -1.7B): rope_theta 10000, 2048 positions, tied embeddings,
+# the 49152-token cosmo2 tokenizer. `smollm-tiny` is ours: the same family shrunk to run on a CPU
+# in tests and smoke runs. `conf/model/<name>.yaml` mirrors each entry (a test checks they agree).
+_SMOLLM_COMMON = dict(
+    vocab_size=49152,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    attn_implementation="sdpa",
+    initializer_range=0.02,
+    head_dim=None,
+)
+
+PRESETS: dict[str, dict] = {
+    "smollm-tiny": {
+        **_SMOLLM_COMMON,
+        "vocab_size": 8192,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+    },
+    "smollm-135m": {
+        **_SMOLLM_COMMON,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+    },
+    "smollm-360m": {
+        **_SMOLLM_COMMON,
+        "hidden_size": 960,
+        "intermediate_size": 2560,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 15,
+        "num_key_value_heads": 5,
+    },
+    "smollm-1.7b": {
+        **_SMOLLM_COMMON,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+    },
+}
+
+
+# Training FLOPs per token of a Llama model, for throughput and MFU.
+#
+#     flops_per_token = 6 * N_matmul + 12 * L * seq_len * head_dim * n_heads
+#
+# N_matmul counts every weight that takes part in a matmul: per layer the fused qkv, o, fused
+# gate_up and down projections, plus the lm_head (hidden x vocab) even when it is tied to the
+# embedding, because the output matmul is done either way. The embedding lookup and the norm
+# weights do no matmul and are left out. The factor 6 is 2 (multiply + add) x 3 (forward, and
+# backward w.r.t. activations and w.r.t. weights).
+#
+# The attention term is the QK^T and AV score matmuls, which have no weights: per layer and
+# token 2 matmuls x 2 FLOPs x seq_len x (n_heads * head_dim) forward, x3 for training = 12.
+# This is the formula of PaLM (Chowdhery et al. 2022, appendix B) and of Chinchilla
+# (Hoffmann et al. 2022, appendix F, up to its softmax/embedding extras), as nanoGPT's
+# `estimate_mfu` uses it. No causal halving is applied: the masked upper triangle is counted
+# as computed, like nanoGPT and PaLM, so MFU figures stay comparable with theirs.
+
+
+def matmul_params(config: LlamaConfig) -> int:
+    """Weights that take part in a matmul: all decoder projections plus lm_head."""
+    c = config
+    qkv = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    o = c.num_attention_heads * c.head_dim * c.hidden_size
+    mlp = 3 * c.hidden_size * c.intermediate_size  # gate + up + down
+    lm_head = c.hidden_size * c.vocab_size
+    return c.num_hidden_layers * (qkv + o + mlp) + lm_head
+
+
+def num_params(config: LlamaConfig) -> int:
+    """Total stored parameters (what `model.num_parameters()` reports)."""
+    c = config
+    norms = (2 * c.num_hidden_layers + 1) * c.hidden_size
+    embed = c.vocab_size * c.hidden_size
+    lm_head = 0 if c.tie_word_embeddings else c.hidden_size * c.vocab_size
+    return matmul_params(config) - c.hidden_size * c.vocab_size + lm_head + embed + norms
+
+
+def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+    """Training (forward + backward) FLOPs per token at sequence length `seq_len`."""
+    attention = 12 * config.num_hidden_layers * seq_len * config.head_dim * config.num_attention_heads
+    return float(6 * matmul_params(config) + attention)
+
+
+def stage_costs(config: LlamaConfig) -> tuple[float, float, float]:
+    """Pipeline balance: (decoder layer, embedding, output head) costs in parameter units
+    (matmul FLOPs per token / 2). The embedding is a lookup: no matmul."""
+    c = config
+    layer = (matmul_params(c) - c.hidden_size * c.vocab_size) / c.num_hidden_layers
+    return float(layer), 0.0, float(c.hidden_size * c.vocab_size)

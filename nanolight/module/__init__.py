@@ -1,9 +1,7 @@
-"""What users subclass: `NanoModule` (`module.py`, its hooks in `hooks.py`) and `NanoDataModule`
-(`datamodule.py`); ``self.hparams`` (`hparams.py`), ``self.optimizers()`` (`nano_optimizer.py`),
-the forms `configure_optimizers` may return (`optimizers.py`) and `load_from_checkpoint`
-(`loading.py`)."""
+"""What users subclass: `NanoModule` and `NanoDataModule` (`module.py`, their hooks in
+`hooks.py`); ``self.hparams`` (`hparams.py`), ``self.optimizers()`` and the forms
+`configure_optimizers` may return (`optimizers.py`) and `load_from_checkpoint` (`loading.py`)."""
 
-from nanolight.module.datamodule import NanoDataModule
-from nanolight.module.module import NanoModule
+from nanolight.module.module import NanoDataModule, NanoModule
 
 __all__ = ["NanoDataModule", "NanoModule"]

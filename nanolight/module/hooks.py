@@ -89,7 +89,9 @@ class ModelHooks:
         self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None: ...
     def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
-    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_test_batch_end(
+        self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None: ...
     def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
     def on_predict_batch_end(
         self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
@@ -124,7 +126,9 @@ class ModelHooks:
         gradients with the neighbouring stages, so call ``super().backward`` when overriding)."""
         self.trainer.strategy.backward(loss)  # type: ignore[attr-defined]
 
-    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+    def optimizer_step(
+        self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None
+    ) -> None:
         """Step `optimizer`; the closure runs this step's last training_step, its backward, and
         the hooks up to clipping (an override must call it, e.g. via ``optimizer.step(closure=...)``)."""
         optimizer.step(closure=optimizer_closure)

@@ -1,5 +1,6 @@
-"""``NanoModule.load_from_checkpoint``: rebuild a module from a checkpoint directory of any
-parallel layout -- its class called with the saved hparams, then the weights."""
+"""``load_from_checkpoint``: rebuild a module from a checkpoint directory of any parallel layout --
+its class called with the saved hparams, then the weights -- or a datamodule (hparams, then its
+state)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from nanolight.errors import UsageError
 from nanolight.parallel.layout import ModelLayout
 
 if TYPE_CHECKING:
-    from nanolight.module.module import NanoModule
+    from nanolight.module.module import NanoDataModule, NanoModule
 
 HPARAMS_KEY = "hyper_parameters"  # where the trainer stores ``module.hparams`` (Lightning's key)
 
@@ -38,7 +39,9 @@ def load_module(
         )
     path = resolve_checkpoint(checkpoint_path)
     if path is None:
-        raise MissingCheckpointFile(f"checkpoint {checkpoint_path} does not exist: pass a checkpoint directory")
+        raise MissingCheckpointFile(
+            f"checkpoint {checkpoint_path} does not exist: pass a checkpoint directory"
+        )
     reader = CheckpointReader.open(path)
     state = reader.trainer_state()
     hparams = dict(state.get(HPARAMS_KEY) or {})
@@ -55,6 +58,18 @@ def load_module(
     if map_location is not None:
         module.to(map_location)
     return module
+
+
+def load_datamodule(
+    cls: type[NanoDataModule], checkpoint_path: str | Path, kwargs: dict[str, Any]
+) -> NanoDataModule:
+    """``cls(**saved hparams, **kwargs)``, then its saved state."""
+    state = CheckpointReader.open(checkpoint_path).trainer_state()
+    saved = state.get("datamodule_hyper_parameters") or {}
+    dm = cls(**{**saved, **kwargs})
+    if type(dm).__qualname__ in state.get("datamodule", {}):
+        dm.load_state_dict(state["datamodule"][type(dm).__qualname__])
+    return dm
 
 
 def _base() -> type:

@@ -1,4 +1,5 @@
-"""`NanoModule`: the user's base class -- an ``nn.Module`` with Lightning's hooks and helpers.
+"""What users subclass: `NanoModule` -- an ``nn.Module`` with Lightning's hooks and helpers -- and
+`NanoDataModule`, Lightning's DataModule.
 
 A user builds the model (in ``__init__`` or, for models too large for one device, in
 `configure_model`: the trainer calls it inside the strategy's init context, e.g. the meta
@@ -6,6 +7,13 @@ device), writes `training_step` returning a scalar loss, and returns an optimize
 from `configure_optimizers`. With ``automatic_optimization = False`` the step drives the
 optimizers itself (`manual_backward`, ``opt.step()``). Everything layout-specific is reached
 through ``self.trainer.strategy``. The hooks and their defaults are in `hooks.py`.
+
+A `NanoDataModule` holds the data of a run in one object, apart from the model: ``prepare_data``
+runs once per node (local rank 0; the others wait), ``setup(stage)`` on every process at the start
+of each trainer call, then the trainer asks for the loader it needs. ``state_dict`` is saved in
+checkpoints (under the class's qualified name, as Lightning) and ``load_state_dict`` runs whenever
+a checkpoint is restored. Its batch-transfer hooks, when overridden, take precedence over the
+module's.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from torch import nn
 from nanolight.errors import UsageError
 from nanolight.module.hooks import CheckpointHooks, DataHooks, ModelHooks
 from nanolight.module.hparams import HyperparametersMixin
-from nanolight.module.nano_optimizer import NanoOptimizer
+from nanolight.module.optimizers import NanoOptimizer
 
 if TYPE_CHECKING:
     from nanolight.trainer import NanoTrainer
@@ -116,15 +124,26 @@ class NanoModule(HyperparametersMixin, DataHooks, ModelHooks, CheckpointHooks, n
         (the mean weighted by batch size). ``sync_dist`` reduces it over data-parallel ranks
         (one collective per step for all such metrics, through the strategy)."""
         if self._trainer is None:
-            rank_zero_warn(f"self.log({name!r}) outside a trainer run is ignored (the module is not attached)")
+            rank_zero_warn(
+                f"self.log({name!r}) outside a trainer run is ignored (the module is not attached)"
+            )
             return
         if sync_dist_group is not None:
-            raise UsageError("self.log(sync_dist_group=...) is not supported: sync_dist reduces over the dp group")
+            raise UsageError(
+                "self.log(sync_dist_group=...) is not supported: sync_dist reduces over the dp group"
+            )
         self._trainer.metrics.log(
-            name, value, prog_bar=prog_bar, logger=True if logger is None else logger, on_step=on_step,
-            on_epoch=on_epoch, reduce_fx=reduce_fx, sync_dist=sync_dist, batch_size=batch_size,
+            name,
+            value,
+            prog_bar=prog_bar,
+            logger=True if logger is None else logger,
+            on_step=on_step,
+            on_epoch=on_epoch,
+            reduce_fx=reduce_fx,
+            sync_dist=sync_dist,
+            batch_size=batch_size,
             add_dataloader_idx=add_dataloader_idx,
-        )  # fmt: skip
+        )
 
     def log_dict(self, dictionary: dict[str, Any], **kwargs: Any) -> None:
         for name, value in dictionary.items():
@@ -234,3 +253,24 @@ class NanoModule(HyperparametersMixin, DataHooks, ModelHooks, CheckpointHooks, n
 def _unwrap(optimizer: Any) -> Any:
     """A `NanoOptimizer`'s wrapped optimizer; anything else as it is."""
     return optimizer.optimizer if isinstance(optimizer, NanoOptimizer) else optimizer
+
+
+class NanoDataModule(HyperparametersMixin, DataHooks):
+    """Override `setup` and the ``*_dataloader`` methods you use."""
+
+    def __init__(self) -> None:
+        self.trainer: NanoTrainer | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """What to save in checkpoints (plain values / tensors)."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: str | Path, **kwargs: Any) -> NanoDataModule:
+        """``cls(**saved hparams, **kwargs)``, then its saved state."""
+        from nanolight.module.loading import load_datamodule
+
+        return load_datamodule(cls, checkpoint_path, kwargs)

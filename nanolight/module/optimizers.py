@@ -1,7 +1,18 @@
-"""Normalise what ``configure_optimizers`` returns (Lightning's forms) into optimizers + schedulers."""
+"""The optimizers a module sees: what ``configure_optimizers`` may return (Lightning's forms),
+normalised into optimizers + schedulers (`parse_optimizers`), and what ``self.optimizers()`` returns.
+
+`NanoOptimizer`: what ``self.optimizers()`` returns -- the strategy's optimizer, stepped
+through the trainer (Lightning's ``LightningOptimizer``).
+
+Its ``step`` is where the trainer finishes the gradients (a parallel strategy reduces them),
+fires ``on_before_optimizer_step``, and counts ``global_step``; its ``zero_grad`` goes through
+the strategy (bucketed data parallelism keeps ``.grad`` as views into its buffers). Everything
+else (``param_groups``, ``state``, ``state_dict``) is the wrapped optimizer's.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,13 +83,17 @@ def _from_dict(d: dict, where: Any) -> tuple[torch.optim.Optimizer, list[Schedul
     return opt, scheds
 
 
-def parse_optimizers(out: Any, manual: bool = False) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
+def parse_optimizers(
+    out: Any, manual: bool = False
+) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
     """Return (optimizers, schedulers) or raise a TypeError that lists the accepted forms. Under
     manual optimization the program steps its schedulers itself, so a ReduceLROnPlateau needs no
     ``monitor`` (Lightning); automatic optimization steps it with the monitored metric."""
     optimizers, schedulers = _parse(out)
     if not manual and any(cfg.reduce_on_plateau and cfg.monitor is None for cfg in schedulers):
-        raise _bad(out, 'a ReduceLROnPlateau scheduler needs the metric it watches: add "monitor": "val_loss"')
+        raise _bad(
+            out, 'a ReduceLROnPlateau scheduler needs the metric it watches: add "monitor": "val_loss"'
+        )
     return optimizers, schedulers
 
 
@@ -104,3 +119,36 @@ def _parse(out: Any) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]
         kinds = sorted({type(x).__name__ for x in out}) or ["<empty>"]
         raise _bad(out, f"a sequence of {kinds}")
     raise _bad(out, "not an optimizer")
+
+
+StepFn = Callable[[Any, Callable[[], Any] | None], Any]
+
+
+class NanoOptimizer:
+    """A thin, transparent wrapper: ``step`` and ``zero_grad`` are routed, the rest is delegated."""
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, step_fn: StepFn, zero_grad_fn: Callable[[Any], None]
+    ):
+        self._optimizer = optimizer
+        self._step_fn, self._zero_grad_fn = step_fn, zero_grad_fn
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer from ``configure_optimizers`` as the strategy wrapped it (e.g. ZeRO-1)."""
+        return self._optimizer
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        """Run `closure` (if any), then the update, through the trainer."""
+        if kwargs:
+            raise TypeError(f"NanoOptimizer.step takes only a closure, got {sorted(kwargs)}")
+        return self._step_fn(self._optimizer, closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._zero_grad_fn(self._optimizer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"NanoOptimizer({self._optimizer!r})"

@@ -43,8 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache, lru_cache
 
-from nanolight.models.flops import stage_costs
-from nanolight.models.llama_config import LlamaConfig
+from nanolight.models.llama_config import LlamaConfig, stage_costs
 from nanolight.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from nanolight.parallel.pipeline.schedules import BACKWARD, FORWARD, stage_schedule
 from nanolight.parallel.pipeline.split import balanced_layer_split

@@ -13,11 +13,12 @@ moved as plain tp, 1/tp of the norms' activations). cp is 1 until context parall
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
 from typing import Any
 
 from nanolight.errors import UsageError
-from nanolight.models.flops import flops_per_token
+from nanolight.models.llama_config import flops_per_token
 from nanolight.planner.hardware import Hardware
 from nanolight.planner.layout import Layout
 from nanolight.planner.memory import Workload, peak_memory
@@ -45,9 +46,15 @@ class Prediction:
 
     def as_dict(self) -> dict[str, Any]:
         """The `--json` record: the layout's fields plus the predictions."""
-        return {**self.layout.as_dict(), "memory_bytes": self.memory_bytes, "step_time_s": self.step_time_s,
-                "step_time_parts_s": self.step_parts, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
-                "fits": self.fits}  # fmt: skip
+        return {
+            **self.layout.as_dict(),
+            "memory_bytes": self.memory_bytes,
+            "step_time_s": self.step_time_s,
+            "step_time_parts_s": self.step_parts,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "fits": self.fits,
+        }
 
 
 def predict(work: Workload, layout: Layout, hw: Hardware) -> Prediction:
@@ -77,41 +84,40 @@ def candidate_layouts(
         return (fixed[name],) if name in fixed else tuple(default)
 
     precisions = options("precision", GPU_PRECISIONS if hw.device == "cuda" else ("32-true",))
+    derived = ("dp", "pp_schedule", "pp_virtual", "accumulate_grad_batches")  # pinned: filtered below
     out = []
     for tp in options("tp", [d for d in _divisors(gpus) if d <= hw.gpus_per_node]):
         for pp in options("pp", _divisors(gpus // tp) if gpus % tp == 0 else []):
-            if gpus % (tp * pp):
+            if gpus % (tp * pp) or sequences % (gpus // (tp * pp)):
                 continue
             dp = gpus // (tp * pp)
-            if "dp" in fixed and fixed["dp"] != dp or sequences % dp:
-                continue
             schedules = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("afab", 1)]
             schedules += [("interleaved_1f1b", v) for v in VIRTUAL_STAGES] if pp > 1 else []
-            for schedule, v in schedules:
-                if "pp_schedule" in fixed and fixed["pp_schedule"] != schedule:
-                    continue
-                if "pp_virtual" in fixed and fixed["pp_virtual"] != v:
-                    continue
-                for zero in options("zero_stage", (0, 1) if dp > 1 else (0,)):
-                    for ac in options("activation_checkpointing", ("none", "selective", "full")):
-                        for micro in options("micro_batch_size", MICRO_BATCH_SIZES):
-                            if (sequences // dp) % micro:
-                                continue
-                            accumulate = sequences // dp // micro
-                            if (
-                                "accumulate_grad_batches" in fixed
-                                and fixed["accumulate_grad_batches"] != accumulate
-                            ):
-                                continue
-                            for precision in precisions:
-                                layout = Layout(
-                                    tp=tp, pp=pp, dp=dp, pp_schedule=schedule, pp_virtual=v, zero_stage=zero,
-                                    sequence_parallel=fixed.get("sequence_parallel", tp > 1) and tp > 1,
-                                    activation_checkpointing=ac, micro_batch_size=micro,
-                                    accumulate_grad_batches=accumulate, precision=precision,
-                                )  # fmt: skip
-                                if layout.is_valid(work.config, work.seq_len):
-                                    out.append(layout)
+            per_replica = sequences // dp
+            knobs = itertools.product(
+                schedules,
+                options("zero_stage", (0, 1) if dp > 1 else (0,)),
+                options("activation_checkpointing", ("none", "selective", "full")),
+                [m for m in options("micro_batch_size", MICRO_BATCH_SIZES) if per_replica % m == 0],
+                precisions,
+            )
+            for (schedule, virtual), zero, ac, micro, precision in knobs:
+                layout = Layout(
+                    tp=tp,
+                    pp=pp,
+                    dp=dp,
+                    pp_schedule=schedule,
+                    pp_virtual=virtual,
+                    zero_stage=zero,
+                    sequence_parallel=fixed.get("sequence_parallel", tp > 1) and tp > 1,
+                    activation_checkpointing=ac,
+                    micro_batch_size=micro,
+                    accumulate_grad_batches=per_replica // micro,
+                    precision=precision,
+                )
+                pinned = all(getattr(layout, k) == fixed[k] for k in derived if k in fixed)
+                if pinned and layout.is_valid(work.config, work.seq_len):
+                    out.append(layout)
     return out
 
 

@@ -11,7 +11,7 @@ link bandwidths, overlapped where the code overlaps it, the pipeline bubble from
          + ZeRO-1 all-gather                  after the optimizer step, nothing to hide behind
          + optimizer step                     AdamW reads p, g, m, v and writes p, m, v: memory-bound
 
-FLOPs come from `models/flops.py` (6 x matmul weights + the attention scores per token, the
+FLOPs come from `models/llama_config.py` (6 x matmul weights + the attention scores per token, the
 head on the last stage); recompute adds a block's forward again (`full`; `selective` recomputes
 only elementwise ops, and eager attention's score matmuls). tp collectives (`tensor_parallel/
 comm.py`) run inline with the compute: two all-reduces (or all-gather + reduce-scatter under
@@ -23,7 +23,7 @@ latency (a receive and a send), so interleaving pays v times as many.
 
 from __future__ import annotations
 
-from nanolight.models.flops import stage_costs
+from nanolight.models.llama_config import stage_costs
 from nanolight.parallel.pipeline.schedules import bubble_fraction
 from nanolight.planner.hardware import Hardware
 from nanolight.planner.layout import PRECISION_BYTES, Layout

@@ -17,8 +17,8 @@ from torch import nn
 from nanolight.checkpoint.load import load_model
 from nanolight.checkpoint.pretrained import stored_model_prefix
 from nanolight.checkpoint.reader import CheckpointReader
-from nanolight.models.flops import flops_per_token
 from nanolight.models.llama import LlamaConfig, LlamaForCausalLM
+from nanolight.models.llama_config import flops_per_token
 from nanolight.module import NanoModule
 from nanolight.parallel.layout import ModelLayout
 from nanolight.pretrain.config import OptimConfig

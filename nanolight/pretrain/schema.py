@@ -1,20 +1,36 @@
-"""Turn a composed Hydra/OmegaConf tree into typed dataclass configs, with fix-it errors.
+"""Turn a composed Hydra/OmegaConf tree into typed dataclass configs, with fix-it errors, and
+report nanolight's errors at the command line as one line (`reported_errors`).
 
 Hydra composes YAML; it does not know our schemas. Every section of the recipe config is
 checked here against the dataclass of the component it configures (the schema lives next to
 that component), so a misspelled key, a wrong type or an impossible value fails in the parent
 process with a message that names the key and the valid choices, before any rank is spawned.
+
+Entry points (the recipe, `scripts/plan.py`) print them once: ``nanolight: error: ...``. Every
+error nanolight raises on purpose (`nanolight.errors.NanolightError`: a config, a layout, a
+checkpoint, the data, a full disk, a silent peer) already says what is wrong and how to fix it,
+so a traceback through Hydra and torch only buries it. Under torchrun every rank raises the same
+error: rank 0 prints it (and a rank whose error is its own, e.g. its disk is full). Anything else
+is a bug and keeps its traceback. ``--debug`` (or ``HYDRA_FULL_ERROR=1``) shows the traceback of
+nanolight's errors too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
+import sys
 import types
 import typing
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from nanolight.errors import UsageError
+import torch.distributed as dist
+
+from nanolight.errors import NanolightError, UsageError
+from nanolight.parallel.environment import detect_environment
 
 T = TypeVar("T")
 
@@ -127,3 +143,35 @@ def check_override_keys(cls: type, overrides: list[str], groups: tuple[str, ...]
                 )
             owner = typing.get_type_hints(owner).get(part)
             prefix += part + "."
+
+
+DEBUG_FLAG = "--debug"
+
+
+def take_debug_flag(argv: list[str]) -> bool:
+    """Remove ``--debug`` from `argv` (Hydra would reject it); children inherit HYDRA_FULL_ERROR."""
+    if DEBUG_FLAG in argv:
+        argv.remove(DEBUG_FLAG)
+        os.environ["HYDRA_FULL_ERROR"] = "1"
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def _rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    env = detect_environment()
+    return env.rank if env is not None else 0
+
+
+@contextmanager
+def reported_errors(debug: bool = False) -> Iterator[None]:
+    """Run the body; a `NanolightError` becomes one line on stderr and exit status 2 (a config
+    error) or 1. With `debug` the traceback is printed as usual."""
+    try:
+        yield
+    except NanolightError as err:
+        if debug:
+            raise
+        if _rank() == 0 or err.rank_specific:
+            print(f"nanolight: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2 if isinstance(err, ConfigError) else 1)

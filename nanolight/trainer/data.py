@@ -23,7 +23,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from nanolight.errors import UsageError
-from nanolight.module.datamodule import NanoDataModule
+from nanolight.module import NanoDataModule
 from nanolight.trainer.data_position import loader_len
 
 if TYPE_CHECKING:

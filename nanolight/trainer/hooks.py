@@ -15,7 +15,7 @@ from lightning_utilities.core.overrides import is_overridden
 from nanolight.callbacks.base import Callback
 from nanolight.callbacks.early_stopping import EarlyStopping
 from nanolight.callbacks.model_checkpoint import ModelCheckpoint
-from nanolight.module.datamodule import NanoDataModule
+from nanolight.module import NanoDataModule
 from nanolight.module.module import NanoModule
 from nanolight.utilities.signature_utils import is_param_in_hook_signature
 

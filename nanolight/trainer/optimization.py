@@ -15,8 +15,7 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from nanolight.errors import UsageError
-from nanolight.module.nano_optimizer import NanoOptimizer
-from nanolight.module.optimizers import parse_optimizers
+from nanolight.module.optimizers import NanoOptimizer, parse_optimizers
 from nanolight.trainer.builders import check_manual
 
 if TYPE_CHECKING:

@@ -139,6 +139,17 @@ def test_version_counter_and_missing_monitor_after_validation(tmp_path: Path) ->
         )
 
 
+def test_save_on_exception_saves_the_step_the_exception_stopped(tmp_path: Path) -> None:
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_on_exception=True)
+    trainer = StandInTrainer(tmp_path, callbacks=[ckpt])
+    ckpt.setup(trainer, None, "fit")
+    trainer.call("on_train_start")
+    trainer.global_step = 3
+    ckpt.on_exception(trainer, None, RuntimeError("boom"))
+    assert trainer.saves == ["epoch=0-step=3"]
+    assert (tmp_path / "last").read_text().strip() == "epoch=0-step=3"
+
+
 def test_save_last_keeps_newest_and_keep_last_n_adds_to_top_k(tmp_path: Path) -> None:
     ckpt = ModelCheckpoint(
         dirpath=tmp_path, monitor="loss", every_n_train_steps=1, save_top_k=1, save_last=True, keep_last_n=2

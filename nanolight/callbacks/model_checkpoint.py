@@ -260,7 +260,7 @@ class ModelCheckpoint(Callback):
             return
         candidates = self._monitor_candidates(trainer)
         path = self.format_checkpoint_name(candidates)
-        self._save_checkpoint(trainer, path)
+        self._save_checkpoint(trainer, path, topk=False)
         self._save_last_checkpoint(trainer, candidates)
         if trainer.is_global_zero:
             info(

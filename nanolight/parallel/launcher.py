@@ -296,10 +296,11 @@ def init_distributed(
         options["device_id"] = torch.device("cuda", index)
         trace = set_nccl_debug_env()
     where = f"{env.master_addr}:{env.master_port}"
-    notice = threading.Timer(10.0, lambda: print(
+    waiting = (
         f"nanolight: rank {env.rank} of {env.world_size} waiting for the other ranks at {where} "
-        f"(gives up after {timeout.total_seconds():.0f} s: +parallel.timeout_s)", file=sys.stderr, flush=True,
-    ))  # fmt: skip
+        f"(gives up after {timeout.total_seconds():.0f} s: +parallel.timeout_s)"
+    )
+    notice = threading.Timer(10.0, lambda: print(waiting, file=sys.stderr, flush=True))
     notice.daemon = True
     notice.start()
     try:

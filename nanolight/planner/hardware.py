@@ -96,9 +96,14 @@ def hardware(name: str) -> Hardware:
 
 # the table's entry for a device name as `torch.cuda.get_device_name` reports it, most specific first
 DEVICE_NAMES = (
-    ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("h200", "h200"), ("a100-sxm4-40gb", "a100-40gb"),
-    ("a100-pcie-40gb", "a100-40gb"), ("a100", "a100-80gb"), ("b200", "b200"),
-)  # fmt: skip
+    ("h100 pcie", "h100-pcie"),
+    ("h100", "h100-sxm"),
+    ("h200", "h200"),
+    ("a100-sxm4-40gb", "a100-40gb"),
+    ("a100-pcie-40gb", "a100-40gb"),
+    ("a100", "a100-80gb"),
+    ("b200", "b200"),
+)
 
 
 def table_name(device_name: str) -> str | None:
@@ -133,9 +138,20 @@ def calibrate_cpu(size: int = 256, copy_mb: int = 64) -> Hardware:
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     link, latency = gloo_bandwidth()
     return Hardware(
-        "cpu", flops, flops, total, copy, link, link, gpus_per_node=max(cores, 64), efficiency=1.0,
-        link_efficiency=1.0, device="cpu", shared_cores=cores, latency=latency,
-    )  # fmt: skip
+        "cpu",
+        flops,
+        flops,
+        total,
+        copy,
+        link,
+        link,
+        gpus_per_node=max(cores, 64),
+        efficiency=1.0,
+        link_efficiency=1.0,
+        device="cpu",
+        shared_cores=cores,
+        latency=latency,
+    )
 
 
 def gloo_bandwidth(megabytes: int = 16) -> tuple[float, float]:

@@ -70,9 +70,14 @@ class Layout:
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(
-            tp=self.tp, pp=self.pp, dp=self.dp, zero_stage=self.zero_stage, pp_schedule=self.pp_schedule,
-            sequence_parallel=self.sequence_parallel, pp_virtual=self.pp_virtual,
-        )  # fmt: skip
+            tp=self.tp,
+            pp=self.pp,
+            dp=self.dp,
+            zero_stage=self.zero_stage,
+            pp_schedule=self.pp_schedule,
+            sequence_parallel=self.sequence_parallel,
+            pp_virtual=self.pp_virtual,
+        )
 
     def check(self, config: LlamaConfig, seq_len: int) -> None:
         """Raise the trainer's own error if it would refuse this layout for this model."""

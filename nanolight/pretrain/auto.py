@@ -14,7 +14,8 @@ ranks it starts through `AUTO_ENV` (the CPU's calibration is a measurement: plan
 could pick another layout). Under torchrun/srun every rank plans alike from the GPU table; on CPU
 they would not, so there `+parallel=auto` asks for plain python instead.
 
-`PredictionCheck` measures the run: the median optimizer-step time (validation excluded) and the
+`PredictionCheck` measures the run: the median optimizer-step time (validation excluded; timed over
+each logging interval by `StepTimer`, so no step between logging steps syncs the device) and the
 peak memory of the most loaded rank -- `torch.cuda.max_memory_allocated` on a GPU; on CPU the
 process's peak resident set growth over training (`VmHWM`, reset at the start, minus the resident
 set then), which also counts the allocator's slack and torch's lazily loaded code, so it reads
@@ -27,13 +28,12 @@ import dataclasses
 import json
 import os
 import statistics
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from nanolight.callbacks import Callback
+from nanolight.callbacks.throughput import StepTimer
 from nanolight.errors import UsageError
 from nanolight.parallel.environment import detect_environment
 from nanolight.planner.hardware import Hardware, hardware, table_name
@@ -43,13 +43,12 @@ from nanolight.planner.search import Prediction, no_fit_message, plan
 from nanolight.pretrain.config import PretrainConfig
 
 AUTO_ENV = "NANOLIGHT_AUTO_LAYOUT"  # the launching process's pick, as JSON, for the ranks it starts
-PINNABLE = {  # command-line key -> Layout field
-    "parallel.tp": "tp", "parallel.pp": "pp", "parallel.dp": "dp", "parallel.zero_stage": "zero_stage",
-    "parallel.pp_schedule": "pp_schedule", "parallel.pp_virtual": "pp_virtual",
-    "parallel.sequence_parallel": "sequence_parallel", "trainer.micro_batch_size": "micro_batch_size",
-    "trainer.accumulate_grad_batches": "accumulate_grad_batches", "trainer.precision": "precision",
-    "trainer.activation_checkpointing": "activation_checkpointing",
-}  # fmt: skip
+# the recipe's section -> the Layout fields it holds (under the same names)
+LAYOUT_KEYS = {
+    "parallel": ("tp", "pp", "dp", "zero_stage", "pp_schedule", "pp_virtual", "sequence_parallel"),
+    "trainer": ("micro_batch_size", "accumulate_grad_batches", "precision", "activation_checkpointing"),
+}
+PINNABLE = {f"{section}.{name}": name for section, names in LAYOUT_KEYS.items() for name in names}
 
 
 def pinned_knobs(config: PretrainConfig, overrides: list[str]) -> dict[str, Any]:
@@ -113,30 +112,23 @@ def choose_layout(config: PretrainConfig, world: int, hw: Hardware, pinned: dict
 
 def apply_layout(config: PretrainConfig, layout: Layout) -> PretrainConfig:
     """The config that runs `layout`: its degrees in `parallel`, its batch split and modes in `trainer`."""
-    parallel = dataclasses.replace(
-        config.parallel, tp=layout.tp, pp=layout.pp, dp=layout.dp, zero_stage=layout.zero_stage,
-        pp_schedule=layout.pp_schedule, pp_virtual=layout.pp_virtual, sequence_parallel=layout.sequence_parallel,
-    )  # fmt: skip
-    trainer = dataclasses.replace(
-        config.trainer, micro_batch_size=layout.micro_batch_size,
-        accumulate_grad_batches=layout.accumulate_grad_batches, precision=layout.precision,
-        activation_checkpointing=layout.activation_checkpointing,
-    )  # fmt: skip
-    out = dataclasses.replace(config, parallel=parallel, trainer=trainer)
+    sections = {
+        section: dataclasses.replace(getattr(config, section), **{n: getattr(layout, n) for n in names})
+        for section, names in LAYOUT_KEYS.items()
+    }
+    out = dataclasses.replace(config, **sections)
     out.auto_parallel = True
     return out
 
 
 def encode_prediction(p: Prediction) -> str:
     """A pick as `AUTO_ENV` carries it (JSON)."""
-    return json.dumps({"layout": p.layout.as_dict(), "memory_bytes": p.memory_bytes, "step_parts": p.step_parts,
-                       "tokens_per_s": p.tokens_per_s, "mfu": p.mfu, "fits": p.fits})  # fmt: skip
+    return json.dumps(dataclasses.asdict(p))  # the layout as its own dict of fields
 
 
 def decode_prediction(text: str) -> Prediction:
     d = json.loads(text)
-    return Prediction(Layout(**d["layout"]), d["memory_bytes"], d["step_parts"], d["tokens_per_s"], d["mfu"],
-                      d["fits"])  # fmt: skip
+    return Prediction(**{**d, "layout": Layout(**d["layout"])})
 
 
 def size(nbytes: float) -> str:
@@ -176,16 +168,13 @@ def _rss_kb(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-class PredictionCheck(Callback):
+class PredictionCheck(StepTimer):
     """At the end of training, rank 0 prints the prediction beside what the run measured."""
 
     def __init__(self, prediction: Prediction) -> None:
+        super().__init__()
         self.prediction = prediction
-        self._times: list[float] = []
-        self._t0: float | None = None
-        self._step = 0
-        self._excluded = 0.0
-        self._val_t0: float | None = None
+        self._times: list[float] = []  # seconds per step, one entry per logging interval
         self._rss0 = 0
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -201,29 +190,8 @@ class PredictionCheck(Callback):
                 pass  # the peak then counts from the process's start: an upper bound
             self._rss0 = _rss_kb("VmRSS") * 1024
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._mark(trainer)
-
-    def _mark(self, trainer: Any) -> None:
-        self._step, self._t0, self._excluded = trainer.global_step, time.perf_counter(), 0.0
-
-    def on_train_batch_end(
-        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self._t0 is None or trainer.global_step == self._step:
-            return  # a micro-batch before this step's update
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the step's kernels finished: its time is the device's
-        self._times.append(time.perf_counter() - self._t0 - self._excluded)
-        self._mark(trainer)
-
-    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        self._val_t0 = time.perf_counter()
-
-    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._val_t0 is not None:  # validation time is not training time
-            self._excluded += time.perf_counter() - self._val_t0
-            self._val_t0 = None
+    def on_timed(self, trainer: Any, seconds: float, steps: int) -> None:
+        self._times.append(seconds / steps)
 
     def measured_peak(self, device: torch.device) -> tuple[int, str]:
         """This rank's peak bytes, and what they are."""

@@ -65,7 +65,9 @@ def main() -> None:
     ids = torch.randint(0, vocab, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(1))
     configs = [(m, k, c) for c in ([False] if args.no_compile else [False, True]) for m, k in MODES]
     models = {cfg: build(args.preset, *cfg) for cfg in configs}
-    memory = {cfg: held_bytes(models[cfg], ids) for cfg in configs if not cfg[2]}  # eager: what autograd holds
+    memory = {
+        cfg: held_bytes(models[cfg], ids) for cfg in configs if not cfg[2]
+    }  # eager: what autograd holds
     for model in models.values():  # warm-up: compilation, allocator
         step_seconds(model, ids)
     times: dict[tuple, list[float]] = {cfg: [] for cfg in configs}
@@ -76,7 +78,9 @@ def main() -> None:
     base_mem, base_t = memory[("none", 1, False)], med[("none", 1, False)]
     print(f"{args.preset} B={args.batch} T={args.seq_len} fp32 CPU, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, median of {args.repeats}")  # fmt: skip
-    print(f"{'recompute':<12}{'compile':<9}{'held MiB':>9}{'vs none':>9}{'fwd+bwd ms':>12}{'vs none':>9}{'vs eager':>9}")
+    print(
+        f"{'recompute':<12}{'compile':<9}{'held MiB':>9}{'vs none':>9}{'fwd+bwd ms':>12}{'vs none':>9}{'vs eager':>9}"
+    )
     for mode, every, compiled in configs:
         cfg = (mode, every, compiled)
         name = mode if every == 1 else f"{mode}/{every}"

@@ -17,7 +17,14 @@ from _dist import run_distributed
 from _p2p_recorder import assert_nccl_safe, install, recording
 
 from nanolight.models.attention import Documents
-from nanolight.parallel.ring_attention import RingAttention, zigzag_positions, zigzag_shard
+from nanolight.parallel.ring_attention import (
+    CpuFlashKernel,
+    CudaFlashKernel,
+    MathKernel,
+    RingAttention,
+    zigzag_positions,
+    zigzag_shard,
+)
 
 B, T, D = 2, 32, 16
 
@@ -109,3 +116,79 @@ def test_ring_attention_in_bf16_matches_fp32_attention_to_bf16_precision() -> No
         whole = _whole([r[key] for r in got])
         assert whole.dtype == torch.bfloat16, key
         torch.testing.assert_close(whole.float(), want, rtol=2e-2, atol=2e-2, msg=key)
+
+
+# ---- the block kernels -------------------------------------------------------------------------
+
+
+def _block_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(1)
+    q, k, v, do = (torch.randn(2, 4, 16, 8, generator=g).to(dtype) for _ in range(4))
+    ids_q = torch.tensor([[0] * 4 + [1] * 12, [2] * 16])
+    ids_k = torch.tensor([[1] * 10 + [3] * 6, [0] * 16])  # row 1 sees no key at all: its lse is -inf
+    return q, k, v, do, (ids_q[:, :, None] == ids_k[:, None, :])[:, None]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("masked", [True, False])
+def test_cpu_flash_block_kernel_matches_the_math_kernel(causal: bool, masked: bool) -> None:
+    q, k, v, do, same = _block_inputs(torch.float32)
+    same = same if masked else None
+    fused, math = CpuFlashKernel(), MathKernel()
+    out, lse = fused.forward(q, k, v, causal, same, 0.3)
+    ref_out, ref_lse = math.forward(q, k, v, causal, same, 0.3)
+    torch.testing.assert_close(lse, ref_lse)  # -inf where a row sees no key, in both
+    torch.testing.assert_close(out, ref_out)
+    # the backward of a block takes the whole row's output and log-sum-exp (here: this block's)
+    ref_lse = torch.where(torch.isinf(ref_lse), 0.0, ref_lse)
+    got = fused.backward(do, q, k, v, ref_out, ref_lse, causal, same, 0.3)
+    want = math.backward(do, q, k, v, ref_out, ref_lse, causal, same, 0.3)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_cuda_flash_block_kernel_calls_the_kernel_by_its_schema(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`CudaFlashKernel` against a stand-in for PyTorch's CUDA flash kernel: the real op's schema
+    (positional order, the 9 outputs the backward takes back) and its input rules (fp16/bf16,
+    one dtype, head_dim a multiple of 8 up to 256, unit stride last, fp32 log-sum-exp), computed
+    by the CPU flash kernel. The real kernel runs in `scripts/gpu_check.py`."""
+    calls = []
+
+    def rules(*tensors: torch.Tensor) -> None:
+        assert {t.dtype for t in tensors} <= {torch.bfloat16} and len({t.dtype for t in tensors}) == 1
+        assert all(t.stride(-1) == 1 and t.dim() == 4 for t in tensors)
+        assert tensors[0].shape[-1] % 8 == 0 and tensors[0].shape[-1] <= 256
+
+    def forward(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):  # noqa: ANN001, ANN202
+        rules(q, k, v)
+        assert dropout_p == 0.0 and not return_debug_mask
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, scale=scale
+        )
+        calls.append("forward")
+        empty = torch.empty(0)
+        return out, lse, empty, empty, q.shape[2], k.shape[2], torch.empty(2), torch.empty(0), empty
+
+    def backward(
+        do, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset, *, scale=None
+    ):  # noqa: ANN001, ANN202, PLR0913
+        rules(do, q, k, v, out)
+        assert lse.dtype == torch.float32 and lse.is_contiguous() and lse.shape == q.shape[:3]
+        assert (max_q, max_k) == (q.shape[2], k.shape[2]) and dropout_p == 0.0 and seed.numel() == 2
+        calls.append("backward")
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse, 0.0, is_causal, scale=scale
+        )
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention", forward)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_backward", backward)
+    q, k, v, do, _ = _block_inputs(torch.bfloat16)
+    fused, math = CudaFlashKernel(), MathKernel()
+    out, lse = fused.forward(q, k, v, True, None, 0.3)
+    ref_out, ref_lse = math.forward(q, k, v, True, None, 0.3)
+    torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=2e-2)
+    got = fused.backward(do, q, k, v, ref_out, ref_lse, True, None, 0.3)
+    want = math.backward(do, q, k, v, ref_out, ref_lse, True, None, 0.3)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
+    assert calls == ["forward", "backward"]

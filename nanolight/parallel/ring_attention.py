@@ -107,41 +107,209 @@ class RingAttention:
         return recv, sends + recvs
 
     def pairs(
-        self, step: int, ring_ids: torch.Tensor | None, T: int, device: torch.device
-    ) -> list[tuple[int, int, torch.Tensor | None]]:
+        self, step: int, ring_ids: torch.Tensor | None, T: int
+    ) -> list[tuple[slice, slice, bool, torch.Tensor | None]]:
         """At ring step `step` (holding the K/V of rank `rank - step`): the (query half, key half,
-        mask) pairs to compute, the mask None where every key is visible to every query."""
+        causal, documents' mask) blocks to compute. Key chunks wholly in a query chunk's future
+        are left out, the diagonal one is causal, the rest see every key but other documents'."""
         src = (self.rank - step) % self.cp
         c = T // 2
         q_chunks, k_chunks = zigzag_chunks(self.rank, self.cp), zigzag_chunks(src, self.cp)
-        out = []
+        blocks = []
         for qi, qc in enumerate(q_chunks):
             for ki, kc in enumerate(k_chunks):
                 if kc > qc:
-                    continue  # wholly in the future
-                mask = None
-                if kc == qc:
-                    mask = torch.ones(c, c, dtype=torch.bool, device=device).tril()[None]
-                if ring_ids is not None:
-                    same = (
-                        ring_ids[self.rank][:, qi * c : (qi + 1) * c, None]
-                        == ring_ids[src][:, None, ki * c : (ki + 1) * c]
-                    )
-                    mask = same if mask is None else same & mask
-                out.append((qi, ki, None if mask is None else mask[:, None]))  # (B or 1, 1, c, c)
-        return out
+                    continue
+                qs, ks = slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c)
+                same = None
+                if ring_ids is not None:  # (B, 1, c, c): the same document
+                    same = (ring_ids[self.rank][:, qs, None] == ring_ids[src][:, None, ks])[:, None]
+                blocks.append((qs, ks, kc == qc, same))
+        return blocks
 
 
-def _block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 (B, H, c, D) output and (B, H, c) log-sum-exp of one block; -inf rows see no key."""
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    return torch.matmul(p, v), lse
+# --- block kernels: one (query chunk, key chunk) block -> its output and log-sum-exp ------------
+
+
+def _visible(causal: bool, same: torch.Tensor | None, c: int, device: torch.device) -> torch.Tensor | None:
+    """(B or 1, 1, c, c) bool: which keys each query sees, None when all of them."""
+    mask = torch.ones(c, c, dtype=torch.bool, device=device).tril()[None, None] if causal else None
+    if same is not None:
+        mask = same if mask is None else same & mask
+    return mask
+
+
+class MathKernel:
+    """Exact attention with the scores written out in fp32: any device, dtype and mask. The
+    reference the fused kernels are tested against, and the fallback where none applies."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        same: torch.Tensor | None,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 (B, H, c, D) output and (B, H, c) log-sum-exp; -inf for a row that sees no key."""
+        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+        mask = _visible(causal, same, q.shape[2], q.device)
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+        return torch.matmul(p, v.float()), lse
+
+    def backward(
+        self,
+        do: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        same: torch.Tensor | None,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 dq, dk, dv of one block, given the merged output and log-sum-exp of the whole row."""
+        qf, kf, vf, do = q.float(), k.float(), v.float(), do.float()
+        p = torch.exp(torch.matmul(qf, kf.transpose(-1, -2)) * scale - lse[..., None])
+        mask = _visible(causal, same, q.shape[2], q.device)
+        if mask is not None:
+            p = p.masked_fill(~mask, 0.0)
+        delta = (do * out.float()).sum(-1, keepdim=True)  # rowsum(dO * O): softmax's backward correction
+        ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - delta)
+        return (
+            torch.matmul(ds, kf) * scale,
+            torch.matmul(ds.transpose(-1, -2), qf) * scale,
+            torch.matmul(p.transpose(-1, -2), do),
+        )
+
+
+class CpuFlashKernel:
+    """PyTorch's CPU flash-attention kernel (what SDPA runs on CPU), which returns the
+    log-sum-exp and takes it back in its backward: no (c x c) scores held. A row that sees no
+    key comes back with output 0 and log-sum-exp 0; it is set to -inf so the merge ignores it."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        same: torch.Tensor | None,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        bias = None if same is None else _additive(same, q.dtype)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=bias, scale=scale
+        )
+        if same is not None:
+            sees = _visible(causal, same, q.shape[2], q.device).any(-1)  # (B, 1, c)
+            lse = lse.masked_fill(~sees, float("-inf"))
+        return out.float(), lse
+
+    def backward(
+        self,
+        do: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        same: torch.Tensor | None,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        bias = None if same is None else _additive(same, q.dtype)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do.to(q.dtype).contiguous(),
+            q,
+            k,
+            v,
+            out.to(q.dtype).contiguous(),
+            lse.contiguous(),
+            0.0,
+            causal,
+            attn_mask=bias,
+            scale=scale,
+        )
+        return dq.float(), dk.float(), dv.float()
+
+
+class CudaFlashKernel:
+    """PyTorch's CUDA flash-attention kernel (what SDPA runs for fp16/bf16 without a mask), which
+    returns the log-sum-exp and takes it back in its backward. Blocks with a documents' mask go
+    to `MathKernel` (this kernel takes no mask). The forward's bookkeeping outputs (cumulative
+    lengths, RNG state: unused without dropout) are kept and handed back to the backward, as
+    SDPA's own autograd formula does."""
+
+    def __init__(self) -> None:
+        self._rest: tuple | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        same: torch.Tensor | None,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse, cum_q, cum_k, _, _, rng_state, unused, _ = (
+            torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        )
+        self._rest = (cum_q, cum_k, rng_state, unused)
+        return out.float(), lse
+
+    def backward(
+        self,
+        do: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        same: torch.Tensor | None,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cum_q, cum_k, rng_state, unused = self._rest
+        c = q.shape[2]
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            do.to(q.dtype).contiguous(),
+            q,
+            k,
+            v,
+            out.to(q.dtype).contiguous(),
+            lse.contiguous(),
+            cum_q,
+            cum_k,
+            c,
+            c,
+            0.0,
+            causal,
+            rng_state,
+            unused,
+            scale=scale,
+        )
+        return dq.float(), dk.float(), dv.float()
+
+
+def _additive(same: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as the additive bias the fused kernels take (0 seen, -inf not)."""
+    return torch.zeros(same.shape, dtype=dtype, device=same.device).masked_fill(~same, float("-inf"))
+
+
+def block_kernel(q: torch.Tensor, masked: bool) -> MathKernel | CpuFlashKernel | CudaFlashKernel:
+    """The fused kernel PyTorch has for these inputs, else the exact math one."""
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return CpuFlashKernel()
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and not masked:
+        return CudaFlashKernel()
+    return MathKernel()
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -178,51 +346,62 @@ class _RingAttention(torch.autograd.Function):
         B, H, T, D = q.shape
         if T % 2:
             raise ValueError(f"ring attention holds two equal chunks per rank; got {T} local tokens")
-        groups, c, scale = H // k.shape[1], T // 2, 1.0 / math.sqrt(D)
-        qf = q.float()
+        groups, scale = H // k.shape[1], 1.0 / math.sqrt(D)
         out = torch.zeros(B, H, T, D, dtype=torch.float32, device=q.device)
         lse = torch.full((B, H, T), float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
+        kernels = []  # one per block, in order: the backward meets the blocks in the same order
         for step in range(ring.cp):
             nxt, works = ring.rotate(kv) if step < ring.cp - 1 else (None, [])
-            kf, vf = _expand(kv[0].float(), groups), _expand(kv[1].float(), groups)
-            for qi, ki, mask in ring.pairs(step, ring_ids, T, q.device):
-                qs, ks = slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c)
-                block_out, block_lse = _block_forward(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], mask, scale)
+            kx, vx = _expand(kv[0], groups), _expand(kv[1], groups)
+            for qs, ks, causal, same in ring.pairs(step, ring_ids, T):
+                kernel = block_kernel(q, same is not None)
+                block_out, block_lse = kernel.forward(
+                    q[:, :, qs].contiguous(),
+                    kx[:, :, ks].contiguous(),
+                    vx[:, :, ks].contiguous(),
+                    causal,
+                    same,
+                    scale,
+                )
                 _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
+                kernels.append(kernel)
             for work in works:
                 work.wait()
             kv = nxt if nxt is not None else kv
-        ctx.ring, ctx.ring_ids, ctx.scale, ctx.groups = ring, ring_ids, scale, groups
+        ctx.ring, ctx.ring_ids, ctx.scale, ctx.groups, ctx.kernels = ring, ring_ids, scale, groups, kernels
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        ring, scale, groups = ctx.ring, ctx.scale, ctx.groups
-        T, c = q.shape[2], q.shape[2] // 2
-        qf, do = q.float(), grad_out.float()
-        delta = (do * out).sum(-1)  # (B, H, T): rowsum(dO ∘ O), the softmax backward's correction
-        safe_lse = torch.where(torch.isinf(lse), 0.0, lse)
-        dq = torch.zeros_like(qf)
+        ring, scale, groups, T = ctx.ring, ctx.scale, ctx.groups, q.shape[2]
+        kernels = iter(ctx.kernels)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
-        # the gradients of the K/V block a rank holds, travelling with it (fp32: summed over cp ranks)
+        # the gradients of the K/V block a rank holds travel with it (fp32: summed over the ring)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         for step in range(ring.cp):
             nxt, works = ring.rotate(kv) if step < ring.cp - 1 else (None, [])
-            kf, vf = _expand(kv[0].float(), groups), _expand(kv[1].float(), groups)
-            dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
-            for qi, ki, mask in ring.pairs(step, ctx.ring_ids, T, q.device):
-                qs, ks = slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c)
-                s = torch.matmul(qf[:, :, qs], kf[:, :, ks].transpose(-1, -2)) * scale
-                p = torch.exp(s - safe_lse[:, :, qs, None])
-                if mask is not None:
-                    p = p.masked_fill(~mask, 0.0)
-                dv[:, :, ks] += torch.matmul(p.transpose(-1, -2), do[:, :, qs])
-                ds = p * (torch.matmul(do[:, :, qs], vf[:, :, ks].transpose(-1, -2)) - delta[:, :, qs, None])
-                dq[:, :, qs] += torch.matmul(ds, kf[:, :, ks]) * scale
-                dk[:, :, ks] += torch.matmul(ds.transpose(-1, -2), qf[:, :, qs]) * scale
+            kx, vx = _expand(kv[0], groups), _expand(kv[1], groups)
+            dk = torch.zeros(kx.shape, dtype=torch.float32, device=q.device)
+            dv = torch.zeros(vx.shape, dtype=torch.float32, device=q.device)
+            for qs, ks, causal, same in ring.pairs(step, ctx.ring_ids, T):
+                block_dq, block_dk, block_dv = next(kernels).backward(
+                    grad_out[:, :, qs],
+                    q[:, :, qs].contiguous(),
+                    kx[:, :, ks].contiguous(),
+                    vx[:, :, ks].contiguous(),
+                    out[:, :, qs],
+                    lse[:, :, qs],
+                    causal,
+                    same,
+                    scale,
+                )
+                dq[:, :, qs] += block_dq
+                dk[:, :, ks] += block_dk
+                dv[:, :, ks] += block_dv
             dkv[0] += _fold(dk, groups)
             dkv[1] += _fold(dv, groups)
             for work in works:

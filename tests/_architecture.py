@@ -203,48 +203,20 @@ def import_cycles(pkg: Path) -> list[str]:
     for imp in imports(pkg):
         if imp.kind == "run" and imp.target != imp.source.name:
             graph.setdefault(imp.source.name, set()).add(imp.target)
-    return [f"a cycle among {', '.join(scc)}" for scc in _strongly_connected(graph) if len(scc) > 1]
+    reach = {name: _reachable(graph, name) for name in graph}
+    cycles = {tuple(sorted(m for m in reach[n] if n in reach.get(m, ()))) for n in graph if n in reach[n]}
+    return [f"a cycle among {', '.join(members)}" for members in sorted(cycles)]
 
 
-def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Tarjan's components, iteratively (no recursion limit), members sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found = []
-    for root in sorted(graph):
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph.get(root, ()))))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = len(index)
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(graph.get(child, ())))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                scc = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    scc.append(member)
-                    if member == node:
-                        break
-                found.append(sorted(scc))
-    return found
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for name in graph.get(todo.pop(), ()):
+            if name not in seen:
+                seen.add(name)
+                todo.append(name)
+    return seen
 
 
 def _is_launch_var(node: ast.AST) -> bool:

@@ -103,6 +103,9 @@ def test_no_import_cycles_fails_when_broken(tmp_path: Path) -> None:
     deferred = {**clean, "trainer/b.py": "def f():\n    from nanolight.trainer.a import A\n"}
     cycles = arch.import_cycles(write_tree(tmp_path / "broken", deferred))
     assert cycles == ["a cycle among trainer.a, trainer.b"]
+    ring = {f"data/{a}.py": f"from nanolight.data import {b}\n" for a, b in ("xa", "ab", "bc", "ca")}
+    cycles = arch.import_cycles(write_tree(tmp_path / "ring", ring))  # x leads into the ring, not in it
+    assert cycles == ["a cycle among data.a, data.b, data.c"]
 
 
 # 2. Only the launcher reads the launch environment -----------------------------------------------

@@ -50,6 +50,15 @@ LAUNCH_VARS = frozenset(
 )
 LAUNCH_PREFIXES = ("SLURM_", "TORCHELASTIC_", "OMPI_COMM_WORLD_", "PMI_")
 
+# Who creates process groups (ARCHITECTURE.md: only ParallelContext; the launcher joins the world).
+GROUP_MAKERS: dict[str, frozenset[str]] = {
+    "parallel/context.py": frozenset({"new_group", "new_subgroups", "init_device_mesh", "DeviceMesh"}),
+    "parallel/launcher.py": frozenset({"init_process_group"}),
+    # a two-process gloo world of its own, forked to time this host's all-reduce (not a run's)
+    "planner/hardware.py": frozenset({"init_process_group"}),
+}
+GROUP_CALLS = frozenset().union(*GROUP_MAKERS.values(), {"new_subgroups_by_enumeration"})
+
 ATOMIC_MODULE = "checkpoint/atomic.py"  # the one place a file or directory is renamed into place
 RENAMES = frozenset({("os", "replace"), ("os", "rename"), ("os", "renames"), ("shutil", "move")})
 
@@ -251,6 +260,19 @@ def launch_env_reads(pkg: Path) -> list[str]:
                 out.append(
                     f"{m.rel}:{node.lineno}: reads {key.value} (only {' / '.join(LAUNCH_MODULES)} may)"
                 )
+    return out
+
+
+def process_groups_outside_context(pkg: Path) -> list[str]:
+    """Calls that create a process group or mesh anywhere `GROUP_MAKERS` does not allow them."""
+    out = []
+    for m in modules(pkg):
+        allowed = GROUP_MAKERS.get(m.rel, frozenset())
+        for node in m.nodes:
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "attr", None) or getattr(node.func, "id", None)
+                if name in GROUP_CALLS and name not in allowed:
+                    out.append(f"{m.rel}:{node.lineno}: {name} (process groups are ParallelContext's)")
     return out
 
 

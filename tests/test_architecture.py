@@ -133,6 +133,30 @@ def test_only_the_launcher_reads_launch_variables_fails_when_broken(tmp_path: Pa
     assert [v.split(":")[0] for v in arch.launch_env_reads(broken)] == ["trainer/data.py"]
 
 
+def test_only_parallel_context_creates_process_groups() -> None:
+    violations = arch.process_groups_outside_context(PKG)
+    assert not violations, report(violations)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import torch.distributed as dist\ngroup = dist.new_group(ranks=[0, 1])\n",
+        "from torch.distributed import init_process_group\ninit_process_group('gloo')\n",
+        "from torch.distributed.device_mesh import init_device_mesh\nmesh = init_device_mesh('cpu', (2,))\n",
+    ],
+)
+def test_process_groups_fail_when_broken(tmp_path: Path, code: str) -> None:
+    clean = {
+        "parallel/context.py": "import torch.distributed as dist\ngroup = dist.new_group(ranks=[0, 1])\n",
+        "parallel/launcher.py": "import torch.distributed as dist\ndist.init_process_group('gloo')\n",
+        "strategies/base.py": "import torch.distributed as dist\ndist.all_reduce(x, group=context.group('dp'))\n",
+    }
+    assert arch.process_groups_outside_context(write_tree(tmp_path / "clean", clean)) == []
+    broken = write_tree(tmp_path / "broken", {**clean, "strategies/base.py": code})
+    assert [v.split(":")[0] for v in arch.process_groups_outside_context(broken)] == ["strategies/base.py"]
+
+
 # 3. Every atomic write goes through checkpoint/atomic.py -----------------------------------------
 
 

@@ -13,14 +13,15 @@ just torch + transformers runs `scripts/bench_gpu.py`).
 from __future__ import annotations
 
 import importlib
-import os
 from typing import TYPE_CHECKING, Any
+
+from nanolight.parallel.environment import launched_rank
 
 try:  # rank-zero helpers print on rank 0 only, even before a strategy knows the rank
     from lightning_utilities.core.rank_zero import rank_zero_only
 
     if getattr(rank_zero_only, "rank", None) is None:  # the strategy sets it again once it knows
-        rank_zero_only.rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+        rank_zero_only.rank = launched_rank()
 except ImportError:  # the model-only install: nothing here prints through them
     pass
 

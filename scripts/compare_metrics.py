@@ -22,11 +22,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 BASE = (
-    "logger=csv", "data.embedded_max_mb=2", "data.tokenizer_train_mb=1", "trainer.micro_batch_size=4",
-    "trainer.seq_len=64", "trainer.log_every_n_steps=1", "trainer.val_check_interval=3",
-    "trainer.limit_val_batches=2", "optim.warmup_steps=2", "trainer.max_steps=6",
-    "checkpoint.every_n_steps=3", "trainer.enable_progress_bar=false",
-)  # fmt: skip
+    "logger=csv",
+    "data.embedded_max_mb=2",
+    "data.tokenizer_train_mb=1",
+    "trainer.micro_batch_size=4",
+    "trainer.seq_len=64",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=2",
+    "optim.warmup_steps=2",
+    "trainer.max_steps=6",
+    "checkpoint.every_n_steps=3",
+    "trainer.enable_progress_bar=false",
+)
 
 # the slow matrix's layouts (tests/test_planner_memory.py, tests/test_recipe_parallel.py, ...)
 LAYOUTS: dict[str, tuple[str, ...]] = {
@@ -38,12 +46,20 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "pp2-1f1b": ("+parallel.pp=2", "trainer.accumulate_grad_batches=4"),
     "pp2-afab": ("+parallel.pp=2", "+parallel.pp_schedule=afab", "trainer.accumulate_grad_batches=4"),
     "pp2-interleaved-selective": (
-        "+parallel.pp=2", "+parallel.pp_schedule=interleaved_1f1b", "+parallel.pp_virtual=2",
-        "trainer.accumulate_grad_batches=4", "trainer.activation_checkpointing=selective",
-    ),  # fmt: skip
+        "+parallel.pp=2",
+        "+parallel.pp_schedule=interleaved_1f1b",
+        "+parallel.pp_virtual=2",
+        "trainer.accumulate_grad_batches=4",
+        "trainer.activation_checkpointing=selective",
+    ),
     "dp2-zero1": ("+parallel.dp=2", "+parallel.zero_stage=1"),
     "dp2-docmask": ("+parallel.dp=2", "data.document_mask=true", "trainer.accumulate_grad_batches=2"),
-    "tp2-pp2-dp2": ("+parallel.tp=2", "+parallel.pp=2", "+parallel.dp=2", "trainer.accumulate_grad_batches=2"),
+    "tp2-pp2-dp2": (
+        "+parallel.tp=2",
+        "+parallel.pp=2",
+        "+parallel.dp=2",
+        "trainer.accumulate_grad_batches=2",
+    ),
 }
 
 VOLATILE = ("throughput", "time", "memory", "mfu")  # measured, not computed
@@ -57,8 +73,14 @@ def run_all(out: Path, only: list[str]) -> None:
             continue
         with tempfile.TemporaryDirectory() as tmp:
             run_dir = Path(tmp) / name
-            cmd = [sys.executable, str(REPO / "recipes" / "smollm.py"), f"trainer.default_root_dir={run_dir}",
-                   f"data.cache_dir={cache}", *BASE, *overrides]  # fmt: skip
+            cmd = [
+                sys.executable,
+                str(REPO / "recipes" / "smollm.py"),
+                f"trainer.default_root_dir={run_dir}",
+                f"data.cache_dir={cache}",
+                *BASE,
+                *overrides,
+            ]
             env = {**os.environ, "WANDB_SILENT": "true", "PYTHONPATH": str(REPO)}
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env, timeout=1200)
             if proc.returncode != 0:
@@ -69,7 +91,9 @@ def run_all(out: Path, only: list[str]) -> None:
 
 def _rows(path: Path) -> list[dict[str, str]]:
     with open(path) as f:
-        return [{k: v for k, v in row.items() if not any(s in k for s in VOLATILE)} for row in csv.DictReader(f)]
+        return [
+            {k: v for k, v in row.items() if not any(s in k for s in VOLATILE)} for row in csv.DictReader(f)
+        ]
 
 
 def compare(out: Path, against: Path) -> int:
@@ -85,7 +109,7 @@ def compare(out: Path, against: Path) -> int:
             continue
         differences += 1
         print(f"{before.stem}: DIFFERS ({len(old)} rows before, {len(new)} after)")
-        for i, (a, b) in enumerate(zip(old, new)):
+        for i, (a, b) in enumerate(zip(old, new, strict=False)):
             if a != b:
                 print(f"  row {i}: {sorted(set(a.items()) ^ set(b.items()))}")
     return 1 if differences else 0

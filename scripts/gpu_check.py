@@ -44,6 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # a source checkout, not installed
 from nanolight.models import PRESETS, LlamaConfig, LlamaForCausalLM, flash_attn_available  # noqa: E402
 from nanolight.parallel.blocks import apply_activation_checkpointing, compile_blocks  # noqa: E402
+from nanolight.parallel.ring_attention import MathKernel, block_kernel  # noqa: E402
 
 NO_CUDA = (
     "gpu_check: no CUDA device (torch {version}, CUDA {cuda}): run it on a GPU machine, or pass "
@@ -125,6 +126,24 @@ class Checks:
         ok = bool(torch.isfinite(torch.stack(losses)).all())
         mode = "no sync raised" if self.device.type == "cuda" else "dry run: no CUDA sync checking"
         return ok, n, f"train steps with packed documents, bf16 autocast, fused AdamW ({mode})"
+
+    def ring_block_kernel(self) -> tuple[bool, float, str]:
+        """Context parallelism's fused block kernel (PyTorch's flash kernel returning the
+        log-sum-exp) against the exact math one, forward and backward, in bf16."""
+        g = torch.Generator().manual_seed(0)
+        shape = (2, 4, self.seq_len // 2, 64)
+        q, k, v, do = (torch.randn(shape, generator=g).to(self.device, torch.bfloat16) for _ in range(4))
+        worst = 0.0
+        for causal in (True, False):
+            fused, math = block_kernel(q, masked=False), MathKernel()
+            out, lse = fused.forward(q, k, v, causal, None, 0.125)
+            ref_out, ref_lse = math.forward(q, k, v, causal, None, 0.125)
+            grads = fused.backward(do, q, k, v, ref_out, ref_lse, causal, None, 0.125)
+            ref_grads = math.backward(do, q, k, v, ref_out, ref_lse, causal, None, 0.125)
+            for a, b in [(out, ref_out), (lse, ref_lse), *zip(grads, ref_grads, strict=True)]:
+                worst = max(worst, float((a.float() - b).abs().max() / b.abs().max()))
+        name = type(fused).__name__
+        return worst < 2e-2, worst, f"{name} vs MathKernel, causal and full blocks, bf16 (max error / max)"
 
     def sync_free_trainer(self, precision: str) -> tuple[bool, float, str]:
         steps, log_every = 8, 4
@@ -354,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     checks.run("sync-free trainer master", lambda: checks.sync_free_trainer("bf16-master"))
     checks.run("flash-attn dense", lambda: checks.flash(documents=False))
     checks.run("flash-attn varlen", lambda: checks.flash(documents=True))
+    checks.run("ring attention kernel", checks.ring_block_kernel)
     checks.run("compile", checks.compiled)
     checks.run("activation checkpointing", checks.recompute)
     checks.run("fused AdamW", checks.fused_adamw)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nanolight.parallel.environment import ProcessEnv, detect_environment, first_slurm_host
+from nanolight.parallel.environment import ProcessEnv, detect_environment, first_slurm_host, launched_rank
 from nanolight.parallel.launcher import ensure_processes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -96,6 +96,22 @@ def test_detect_slurm_environment() -> None:
 def test_detect_nothing_under_plain_python_or_batch_shell() -> None:
     assert detect_environment({}) is None
     assert detect_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None
+
+
+def test_launched_rank_before_any_strategy() -> None:
+    """What ``import nanolight`` gives rank-zero printing: torchrun's rank, else srun's, else 0."""
+    assert launched_rank({"RANK": "3", "SLURM_PROCID": "5"}) == 3
+    assert launched_rank({"SLURM_PROCID": "5", "SLURM_NTASKS": "8"}) == 5
+    assert launched_rank({}) == 0
+
+
+def test_import_nanolight_sets_the_rank_zero_rank_without_torch() -> None:
+    """``import nanolight`` stays light (no torch, no process groups) and knows the launched rank."""
+    code = "import sys, nanolight\nfrom lightning_utilities.core.rank_zero import rank_zero_only\n"
+    code += "print(rank_zero_only.rank, 'torch' in sys.modules)"
+    env = {**os.environ, "RANK": "2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["2", "False"]
 
 
 @pytest.mark.parametrize(

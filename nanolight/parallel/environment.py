@@ -67,6 +67,15 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
+def launched_rank(environ: Mapping[str, str] | None = None) -> int:
+    """This process's global rank as its launcher set it (torchrun's RANK, else srun's
+    SLURM_PROCID), 0 when nothing launched it. For what needs a rank before any strategy knows
+    it -- rank-zero printing from ``import nanolight`` on -- so it asks nothing else (no node
+    list, no rendezvous): `detect_environment` is the whole answer."""
+    env = os.environ if environ is None else environ
+    return int(env.get("RANK", env.get("SLURM_PROCID", 0)))
+
+
 def detect_environment(environ: Mapping[str, str] | None = None) -> ProcessEnv | None:
     """The `ProcessEnv` set up by torchrun, SLURM or our own launcher; None under plain python."""
     env = os.environ if environ is None else environ

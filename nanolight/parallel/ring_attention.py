@@ -1,0 +1,415 @@
+"""Ring attention: causal attention over a sequence split across a context-parallel (cp) group.
+
+Why: a sequence longer than one GPU's activations allow is split along time over `cp` ranks.
+Queries stay where they are; the keys and values travel: every rank passes its K/V block to the
+next rank of the ring and receives the previous rank's, `cp` blocks in all, posting the next
+exchange before it computes on the current block. Each block gives a partial result and its
+row-wise log-sum-exp; partials merge exactly by the log-sum-exp rule, so the output equals
+attention over the whole sequence. The backward pass rotates K/V again and sends each block's
+key/value gradients around with it, so they arrive back at the block's owner.
+
+Causal load balance (zigzag): the sequence is cut into 2·cp chunks and rank r holds chunks r and
+2·cp−1−r (`zigzag_shard`), so every rank has the same share of the causal triangle. Positions
+(for RoPE and the mask) are global (`zigzag_positions`). Grouped-query attention rotates only
+the kv heads. Packed documents stay apart across chunk boundaries: each rank's document ids are
+all-gathered once per forward (`prepare`), and a block's mask compares them.
+
+The block kernel is exact attention in fp32 with the softmax statistics kept (one (c × c) score
+tile per chunk pair, c = T/(2·cp)); pairs wholly in the future are skipped, pairs wholly in the
+past need no causal mask. Every exchange goes through `p2p.post` (NCCL's batched p2p rules).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nanolight.models.attention import Documents
+from nanolight.parallel.p2p import post
+
+
+def zigzag_chunks(rank: int, cp: int) -> tuple[int, int]:
+    """The two chunk indices (of 2·cp) that cp rank `rank` holds."""
+    return rank, 2 * cp - 1 - rank
+
+
+def zigzag_shard(x: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.Tensor:
+    """This cp rank's share of a whole-sequence tensor: chunks r and 2·cp−1−r along `dim`."""
+    if x.shape[dim] % (2 * cp):
+        raise ValueError(
+            f"context parallelism splits the sequence into 2*cp = {2 * cp} equal chunks, but its length "
+            f"is {x.shape[dim]}; choose trainer.seq_len divisible by {2 * cp}"
+        )
+    chunks = x.chunk(2 * cp, dim=dim)
+    first, second = zigzag_chunks(rank, cp)
+    return torch.cat([chunks[first], chunks[second]], dim=dim)
+
+
+def zigzag_positions(rank: int, cp: int, seq_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """(seq_len / cp,) int64: the global positions of the tokens cp rank `rank` holds."""
+    return zigzag_shard(torch.arange(seq_len, device=device), rank, cp, dim=0)
+
+
+class RingDocuments(Documents):
+    """A rank's packed-document ids plus every cp rank's (`ring_ids`, (cp, B, T/cp)), built once
+    per forward by `RingAttention.prepare` and read by every layer."""
+
+    def __init__(self, ids: torch.Tensor, ring_ids: torch.Tensor) -> None:
+        super().__init__(ids)
+        self.kernel = "ring"
+        self.ring_ids = ring_ids
+
+
+class RingAttention:
+    """An attention backend (`models/attention.py` `AttentionBackend`) for a cp group: plug it in
+    with `LlamaForCausalLM.set_attention_backend`. `ranks` are the group's global ranks in ring
+    order; `group` the process group over them."""
+
+    name = "ring"
+
+    def __init__(self, group: Any, ranks: list[int]) -> None:
+        self.group = group
+        self.ranks = list(ranks)
+        self.cp = len(self.ranks)
+        self.rank = self.ranks.index(dist.get_rank())
+
+    def prepare(self, documents: Documents) -> Documents:
+        """The document ids of the whole ring, (cp, B, T/cp) in rank order: a block's mask needs
+        the ids of the keys it holds, which come from another rank."""
+        ids = documents.ids.contiguous()
+        gathered = [torch.empty_like(ids) for _ in range(self.cp)]
+        # every cp rank sends its (B, T/cp) document ids to every other one
+        dist.all_gather(gathered, ids, group=self.group)
+        return RingDocuments(ids, torch.stack(gathered))
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
+        if documents is not None and not isinstance(documents, RingDocuments):
+            raise TypeError("RingAttention.attend needs the documents its own prepare() returned")
+        return _RingAttention.apply(q, k, v, None if documents is None else documents.ring_ids, self)
+
+    def __repr__(self) -> str:
+        return f"RingAttention(cp={self.cp}, rank={self.rank})"
+
+    # --- the ring -------------------------------------------------------------------------------
+
+    def rotate(self, send: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
+        """Post `send` to the next rank and a receive of the same shape from the previous one;
+        the receive buffer and the works to wait for before reading it (and reusing `send`)."""
+        recv = torch.empty_like(send)
+        nxt, prev = self.ranks[(self.rank + 1) % self.cp], self.ranks[(self.rank - 1) % self.cp]
+        # each rank sends one block to the next rank of the ring and receives one from the previous
+        sends, recvs = post(self.group, [(nxt, send)], [(prev, recv)])
+        return recv, sends + recvs
+
+    def pairs(
+        self, step: int, ring_ids: torch.Tensor | None, T: int
+    ) -> list[tuple[slice, slice, bool, torch.Tensor | None]]:
+        """At ring step `step` (holding the K/V of rank `rank - step`): the (query half, key half,
+        causal, documents' mask) blocks to compute. Key chunks wholly in a query chunk's future
+        are left out, the diagonal one is causal, the rest see every key but other documents'."""
+        src = (self.rank - step) % self.cp
+        c = T // 2
+        q_chunks, k_chunks = zigzag_chunks(self.rank, self.cp), zigzag_chunks(src, self.cp)
+        blocks = []
+        for qi, qc in enumerate(q_chunks):
+            for ki, kc in enumerate(k_chunks):
+                if kc > qc:
+                    continue
+                qs, ks = slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c)
+                same = None
+                if ring_ids is not None:  # (B, 1, c, c): the same document
+                    same = (ring_ids[self.rank][:, qs, None] == ring_ids[src][:, None, ks])[:, None]
+                blocks.append((qs, ks, kc == qc, same))
+        return blocks
+
+
+# --- block kernels: one (query chunk, key chunk) block -> its output and log-sum-exp ------------
+
+
+def _visible(causal: bool, same: torch.Tensor | None, c: int, device: torch.device) -> torch.Tensor | None:
+    """(B or 1, 1, c, c) bool: which keys each query sees, None when all of them."""
+    mask = torch.ones(c, c, dtype=torch.bool, device=device).tril()[None, None] if causal else None
+    if same is not None:
+        mask = same if mask is None else same & mask
+    return mask
+
+
+class MathKernel:
+    """Exact attention with the scores written out in fp32: any device, dtype and mask. The
+    reference the fused kernels are tested against, and the fallback where none applies."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        same: torch.Tensor | None,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 (B, H, c, D) output and (B, H, c) log-sum-exp; -inf for a row that sees no key."""
+        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+        mask = _visible(causal, same, q.shape[2], q.device)
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+        return torch.matmul(p, v.float()), lse
+
+    def backward(
+        self,
+        do: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        same: torch.Tensor | None,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 dq, dk, dv of one block, given the merged output and log-sum-exp of the whole row."""
+        qf, kf, vf, do = q.float(), k.float(), v.float(), do.float()
+        p = torch.exp(torch.matmul(qf, kf.transpose(-1, -2)) * scale - lse[..., None])
+        mask = _visible(causal, same, q.shape[2], q.device)
+        if mask is not None:
+            p = p.masked_fill(~mask, 0.0)
+        delta = (do * out.float()).sum(-1, keepdim=True)  # rowsum(dO * O): softmax's backward correction
+        ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - delta)
+        return (
+            torch.matmul(ds, kf) * scale,
+            torch.matmul(ds.transpose(-1, -2), qf) * scale,
+            torch.matmul(p.transpose(-1, -2), do),
+        )
+
+
+class CpuFlashKernel:
+    """PyTorch's CPU flash-attention kernel (what SDPA runs on CPU), which returns the
+    log-sum-exp and takes it back in its backward: no (c x c) scores held. A row that sees no
+    key comes back with output 0 and log-sum-exp 0; it is set to -inf so the merge ignores it."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        same: torch.Tensor | None,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        bias = None if same is None else _additive(same, q.dtype)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=bias, scale=scale
+        )
+        if same is not None:
+            sees = _visible(causal, same, q.shape[2], q.device).any(-1)  # (B, 1, c)
+            lse = lse.masked_fill(~sees, float("-inf"))
+        return out.float(), lse
+
+    def backward(
+        self,
+        do: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        same: torch.Tensor | None,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        bias = None if same is None else _additive(same, q.dtype)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do.to(q.dtype).contiguous(),
+            q,
+            k,
+            v,
+            out.to(q.dtype).contiguous(),
+            lse.contiguous(),
+            0.0,
+            causal,
+            attn_mask=bias,
+            scale=scale,
+        )
+        return dq.float(), dk.float(), dv.float()
+
+
+class CudaFlashKernel:
+    """PyTorch's CUDA flash-attention kernel (what SDPA runs for fp16/bf16 without a mask), which
+    returns the log-sum-exp and takes it back in its backward. Blocks with a documents' mask go
+    to `MathKernel` (this kernel takes no mask). The forward's bookkeeping outputs (cumulative
+    lengths, RNG state: unused without dropout) are kept and handed back to the backward, as
+    SDPA's own autograd formula does."""
+
+    def __init__(self) -> None:
+        self._rest: tuple | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        same: torch.Tensor | None,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse, cum_q, cum_k, _, _, rng_state, unused, _ = (
+            torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        )
+        self._rest = (cum_q, cum_k, rng_state, unused)
+        return out.float(), lse
+
+    def backward(
+        self,
+        do: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        same: torch.Tensor | None,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cum_q, cum_k, rng_state, unused = self._rest
+        c = q.shape[2]
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            do.to(q.dtype).contiguous(),
+            q,
+            k,
+            v,
+            out.to(q.dtype).contiguous(),
+            lse.contiguous(),
+            cum_q,
+            cum_k,
+            c,
+            c,
+            0.0,
+            causal,
+            rng_state,
+            unused,
+            scale=scale,
+        )
+        return dq.float(), dk.float(), dv.float()
+
+
+def _additive(same: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as the additive bias the fused kernels take (0 seen, -inf not)."""
+    return torch.zeros(same.shape, dtype=dtype, device=same.device).masked_fill(~same, float("-inf"))
+
+
+def block_kernel(q: torch.Tensor, masked: bool) -> MathKernel | CpuFlashKernel | CudaFlashKernel:
+    """The fused kernel PyTorch has for these inputs, else the exact math one."""
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return CpuFlashKernel()
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and not masked:
+        return CudaFlashKernel()
+    return MathKernel()
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Fold one block's partial result into the running one, in place (the log-sum-exp rule)."""
+    new = torch.logaddexp(lse, block_lse)
+    safe = torch.where(torch.isinf(new), 0.0, new)
+    out.mul_(torch.exp(lse - safe)[..., None]).add_(block_out * torch.exp(block_lse - safe)[..., None])
+    lse.copy_(new)
+
+
+def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, kv_heads, c, D) -> (B, heads, c, D): query head h reads kv head h // groups."""
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
+
+
+def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The inverse of `_expand` for gradients: sum the query heads that share a kv head."""
+    if groups == 1:
+        return grad
+    B, H, c, D = grad.shape
+    return grad.view(B, H // groups, groups, c, D).sum(2)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ring_ids: torch.Tensor | None,
+        ring: RingAttention,
+    ) -> torch.Tensor:
+        B, H, T, D = q.shape
+        if T % 2:
+            raise ValueError(f"ring attention holds two equal chunks per rank; got {T} local tokens")
+        groups, scale = H // k.shape[1], 1.0 / math.sqrt(D)
+        out = torch.zeros(B, H, T, D, dtype=torch.float32, device=q.device)
+        lse = torch.full((B, H, T), float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        kernels = []  # one per block, in order: the backward meets the blocks in the same order
+        for step in range(ring.cp):
+            nxt, works = ring.rotate(kv) if step < ring.cp - 1 else (None, [])
+            kx, vx = _expand(kv[0], groups), _expand(kv[1], groups)
+            for qs, ks, causal, same in ring.pairs(step, ring_ids, T):
+                kernel = block_kernel(q, same is not None)
+                block_out, block_lse = kernel.forward(
+                    q[:, :, qs].contiguous(),
+                    kx[:, :, ks].contiguous(),
+                    vx[:, :, ks].contiguous(),
+                    causal,
+                    same,
+                    scale,
+                )
+                _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
+                kernels.append(kernel)
+            for work in works:
+                work.wait()
+            kv = nxt if nxt is not None else kv
+        ctx.ring, ctx.ring_ids, ctx.scale, ctx.groups, ctx.kernels = ring, ring_ids, scale, groups, kernels
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, scale, groups, T = ctx.ring, ctx.scale, ctx.groups, q.shape[2]
+        kernels = iter(ctx.kernels)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        # the gradients of the K/V block a rank holds travel with it (fp32: summed over the ring)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        for step in range(ring.cp):
+            nxt, works = ring.rotate(kv) if step < ring.cp - 1 else (None, [])
+            kx, vx = _expand(kv[0], groups), _expand(kv[1], groups)
+            dk = torch.zeros(kx.shape, dtype=torch.float32, device=q.device)
+            dv = torch.zeros(vx.shape, dtype=torch.float32, device=q.device)
+            for qs, ks, causal, same in ring.pairs(step, ctx.ring_ids, T):
+                block_dq, block_dk, block_dv = next(kernels).backward(
+                    grad_out[:, :, qs],
+                    q[:, :, qs].contiguous(),
+                    kx[:, :, ks].contiguous(),
+                    vx[:, :, ks].contiguous(),
+                    out[:, :, qs],
+                    lse[:, :, qs],
+                    causal,
+                    same,
+                    scale,
+                )
+                dq[:, :, qs] += block_dq
+                dk[:, :, ks] += block_dk
+                dv[:, :, ks] += block_dv
+            dkv[0] += _fold(dk, groups)
+            dkv[1] += _fold(dv, groups)
+            for work in works:
+                work.wait()
+            kv = nxt if nxt is not None else kv
+            # the accumulated gradients follow their block to the next rank; after the last step
+            # this send brings each block's gradients home to its owner
+            dkv, acc_works = ring.rotate(dkv)
+            for work in acc_works:
+                work.wait()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None

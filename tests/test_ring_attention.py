@@ -1,0 +1,194 @@
+"""Ring attention (`parallel/ring_attention.py`) against whole-sequence attention in one process.
+
+The reference is PyTorch's own `scaled_dot_product_attention` over the whole sequence (causal, or
+with the packed documents' mask), its gradients from autograd. Each cp rank gets its zigzag share
+of q, k, v, the document ids and the output gradient; the outputs and q/k/v gradients the ranks
+return, put back in sequence order, must equal the reference's. Every exchange is recorded and
+checked by NCCL's pairing rules (`_p2p_recorder`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _dist import run_distributed
+from _p2p_recorder import assert_nccl_safe, install, recording
+
+from nanolight.models.attention import Documents
+from nanolight.parallel.ring_attention import (
+    CpuFlashKernel,
+    CudaFlashKernel,
+    MathKernel,
+    RingAttention,
+    zigzag_positions,
+    zigzag_shard,
+)
+
+B, T, D = 2, 32, 16
+
+
+def _inputs(heads: int, kv_heads: int, documents: bool, dtype: torch.dtype = torch.float32) -> dict:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, heads, T, D, generator=g).to(dtype)
+    k = torch.randn(B, kv_heads, T, D, generator=g).to(dtype)
+    v = torch.randn(B, kv_heads, T, D, generator=g).to(dtype)
+    grad = torch.randn(B, heads, T, D, generator=g).to(dtype)
+    ids = None
+    if documents:  # documents of uneven lengths whose boundaries fall inside and across chunks
+        lengths = [[5, 11, 3, 13], [20, 1, 11]]
+        ids = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in lengths])
+    return {"q": q, "k": k, "v": v, "grad": grad, "ids": ids}
+
+
+def _reference(x: dict) -> tuple[torch.Tensor, ...]:
+    q, k, v = (x[n].clone().requires_grad_() for n in "qkv")
+    groups = q.shape[1] // k.shape[1]
+    ke, ve = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if x["ids"] is None:
+        out = F.scaled_dot_product_attention(q, ke, ve, is_causal=True)
+    else:
+        out = F.scaled_dot_product_attention(q, ke, ve, attn_mask=Documents(x["ids"]).mask())
+    out.backward(x["grad"])
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _worker(rank: int, world: int, x: dict) -> dict:
+    install()
+    group = dist.new_group(list(range(world)))
+    ring = RingAttention(group, list(range(world)))
+    q, k, v = (zigzag_shard(x[n], rank, world, dim=2).requires_grad_() for n in "qkv")
+    documents = None if x["ids"] is None else ring.prepare(Documents(zigzag_shard(x["ids"], rank, world)))
+    out = ring.attend(q, k, v, documents)
+    out.backward(zigzag_shard(x["grad"], rank, world, dim=2))
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "ops": recording()}
+
+
+def _whole(shards: list[torch.Tensor]) -> torch.Tensor:
+    """Put zigzag shards (dim 2) back in sequence order."""
+    cp = len(shards)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for r, s in enumerate(shards):
+        first, second = s.chunk(2, dim=2)
+        chunks[r], chunks[2 * cp - 1 - r] = first, second
+    return torch.cat(chunks, dim=2)  # type: ignore[arg-type]
+
+
+CASES = {
+    "cp2-causal": (2, 4, 4, False),
+    "cp2-gqa-documents": (2, 4, 2, True),
+    "cp4-gqa-documents": (4, 4, 1, True),
+    "cp4-causal": (4, 2, 2, False),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_ring_attention_equals_whole_sequence_attention(name: str) -> None:
+    cp, heads, kv_heads, documents = CASES[name]
+    x = _inputs(heads, kv_heads, documents)
+    ref = _reference(x)
+    got = run_distributed(_worker, cp, x)
+    for key, want in zip(("out", "dq", "dk", "dv"), ref, strict=True):
+        torch.testing.assert_close(_whole([r[key] for r in got]), want, rtol=1e-5, atol=1e-5, msg=key)
+    assert_nccl_safe([r["ops"] for r in got])
+
+
+def test_zigzag_positions_balance_the_causal_triangle() -> None:
+    cp, seq = 4, 64
+    positions = [zigzag_positions(r, cp, seq) for r in range(cp)]
+    assert torch.equal(torch.sort(torch.cat(positions)).values, torch.arange(seq))
+    work = [int((p + 1).sum()) for p in positions]  # keys each rank's queries attend to
+    assert len(set(work)) == 1, work
+    with pytest.raises(ValueError, match="divisible by 8"):
+        zigzag_shard(torch.zeros(1, 60), 0, cp)
+
+
+def test_ring_attention_in_bf16_matches_fp32_attention_to_bf16_precision() -> None:
+    """bf16 inputs (what flash-attn and bf16-master feed it): the ring keeps fp32 statistics, so
+    it lands within bf16's rounding of fp32 attention over the same (bf16-rounded) inputs."""
+    x = _inputs(4, 2, True, torch.bfloat16)
+    ref = _reference(
+        {n: (t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in x.items()}
+    )
+    got = run_distributed(_worker, 2, x)
+    for key, want in zip(("out", "dq", "dk", "dv"), ref, strict=True):
+        whole = _whole([r[key] for r in got])
+        assert whole.dtype == torch.bfloat16, key
+        torch.testing.assert_close(whole.float(), want, rtol=2e-2, atol=2e-2, msg=key)
+
+
+# ---- the block kernels -------------------------------------------------------------------------
+
+
+def _block_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(1)
+    q, k, v, do = (torch.randn(2, 4, 16, 8, generator=g).to(dtype) for _ in range(4))
+    ids_q = torch.tensor([[0] * 4 + [1] * 12, [2] * 16])
+    ids_k = torch.tensor([[1] * 10 + [3] * 6, [0] * 16])  # row 1 sees no key at all: its lse is -inf
+    return q, k, v, do, (ids_q[:, :, None] == ids_k[:, None, :])[:, None]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("masked", [True, False])
+def test_cpu_flash_block_kernel_matches_the_math_kernel(causal: bool, masked: bool) -> None:
+    q, k, v, do, same = _block_inputs(torch.float32)
+    same = same if masked else None
+    fused, math = CpuFlashKernel(), MathKernel()
+    out, lse = fused.forward(q, k, v, causal, same, 0.3)
+    ref_out, ref_lse = math.forward(q, k, v, causal, same, 0.3)
+    torch.testing.assert_close(lse, ref_lse)  # -inf where a row sees no key, in both
+    torch.testing.assert_close(out, ref_out)
+    # the backward of a block takes the whole row's output and log-sum-exp (here: this block's)
+    ref_lse = torch.where(torch.isinf(ref_lse), 0.0, ref_lse)
+    got = fused.backward(do, q, k, v, ref_out, ref_lse, causal, same, 0.3)
+    want = math.backward(do, q, k, v, ref_out, ref_lse, causal, same, 0.3)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_cuda_flash_block_kernel_calls_the_kernel_by_its_schema(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`CudaFlashKernel` against a stand-in for PyTorch's CUDA flash kernel: the real op's schema
+    (positional order, the 9 outputs the backward takes back) and its input rules (fp16/bf16,
+    one dtype, head_dim a multiple of 8 up to 256, unit stride last, fp32 log-sum-exp), computed
+    by the CPU flash kernel. The real kernel runs in `scripts/gpu_check.py`."""
+    calls = []
+
+    def rules(*tensors: torch.Tensor) -> None:
+        assert {t.dtype for t in tensors} <= {torch.bfloat16} and len({t.dtype for t in tensors}) == 1
+        assert all(t.stride(-1) == 1 and t.dim() == 4 for t in tensors)
+        assert tensors[0].shape[-1] % 8 == 0 and tensors[0].shape[-1] <= 256
+
+    def forward(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):  # noqa: ANN001, ANN202
+        rules(q, k, v)
+        assert dropout_p == 0.0 and not return_debug_mask
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, scale=scale
+        )
+        calls.append("forward")
+        empty = torch.empty(0)
+        return out, lse, empty, empty, q.shape[2], k.shape[2], torch.empty(2), torch.empty(0), empty
+
+    def backward(
+        do, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset, *, scale=None
+    ):  # noqa: ANN001, ANN202, PLR0913
+        rules(do, q, k, v, out)
+        assert lse.dtype == torch.float32 and lse.is_contiguous() and lse.shape == q.shape[:3]
+        assert (max_q, max_k) == (q.shape[2], k.shape[2]) and dropout_p == 0.0 and seed.numel() == 2
+        calls.append("backward")
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse, 0.0, is_causal, scale=scale
+        )
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention", forward)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_backward", backward)
+    q, k, v, do, _ = _block_inputs(torch.bfloat16)
+    fused, math = CudaFlashKernel(), MathKernel()
+    out, lse = fused.forward(q, k, v, True, None, 0.3)
+    ref_out, ref_lse = math.forward(q, k, v, True, None, 0.3)
+    torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=2e-2)
+    got = fused.backward(do, q, k, v, ref_out, ref_lse, True, None, 0.3)
+    want = math.backward(do, q, k, v, ref_out, ref_lse, True, None, 0.3)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
+    assert calls == ["forward", "backward"]

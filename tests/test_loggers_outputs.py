@@ -7,6 +7,7 @@ import json
 import struct
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from _trainer_helpers import MLPModule, loader, make_data
 
@@ -112,3 +113,12 @@ def test_wandb_logger_offline_history(tmp_path, monkeypatch):
     assert sorted(history) == [1, 2, 3, 5]  # wandb folds the rows of one step into one record
     assert abs(history[5]["train/loss"] - float(trainer.logged_metrics["train/loss"])) < 1e-7
     assert "val/loss" in history[5] and "lr-AdamW" in history[1]
+
+
+def test_wandb_logger_reads_the_saved_directory_through_the_public_property(monkeypatch):
+    """WandbLogger learns what ModelCheckpoint wrote from its public ``last_checkpoint_saved``."""
+    uploaded = []
+    logger = WandbLogger(project="nanolight-test", log_model="all")
+    monkeypatch.setattr(logger, "_log_checkpoint", uploaded.append)
+    logger.after_save_checkpoint(SimpleNamespace(last_checkpoint_saved="/ckpt/epoch=0-step=4"))
+    assert uploaded == ["/ckpt/epoch=0-step=4"]

@@ -184,6 +184,11 @@ class ModelCheckpoint(Callback):
         return self._every_n_epochs
 
     @property
+    def last_checkpoint_saved(self) -> str:
+        """The directory this callback saved most recently ("" before its first save)."""
+        return self._last_checkpoint_saved
+
+    @property
     def state_key(self) -> str:
         key = {
             "monitor": self.monitor,

@@ -61,7 +61,7 @@ class Logger:
 
     def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
         """`checkpoint_callback` (a `ModelCheckpoint`) just wrote a checkpoint directory; its
-        ``_last_checkpoint_saved`` names it (WandbLogger may upload it)."""
+        ``last_checkpoint_saved`` names it (WandbLogger may upload it)."""
 
     def save(self) -> None:
         """Flush buffered data to disk."""

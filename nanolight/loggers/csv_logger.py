@@ -18,6 +18,7 @@ after its last checkpoint), earlier rows are kept.
 from __future__ import annotations
 
 import csv
+import io
 import os
 from argparse import Namespace
 from enum import Enum
@@ -28,6 +29,7 @@ import torch
 import yaml
 from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
 
+from nanolight.checkpoint.atomic import atomic_write_text
 from nanolight.loggers.base import Logger
 
 
@@ -101,12 +103,11 @@ class MetricsFile:
             return list(csv.DictReader(f))
 
     def _rewrite(self, rows: list[dict[str, Any]]) -> None:
-        tmp = self.metrics_file_path + ".tmp"
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=self.metrics_keys)
-            writer.writeheader()
-            writer.writerows(rows)
-        os.replace(tmp, self.metrics_file_path)
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=self.metrics_keys)
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic_write_text(self.metrics_file_path, text.getvalue())
 
     def _continue_existing(self, first_step: int) -> None:
         self._resume = False

@@ -102,7 +102,7 @@ class WandbLogger(Logger):
 
     @rank_zero_only
     def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
-        path = checkpoint_callback._last_checkpoint_saved
+        path = checkpoint_callback.last_checkpoint_saved
         self._last_checkpoint = path
         if self.log_model == "all":
             self._log_checkpoint(path)

@@ -16,6 +16,7 @@ from nanolight.checkpoint.files import MissingCheckpointFile
 from nanolight.checkpoint.load import load_model
 from nanolight.checkpoint.reader import CheckpointReader
 from nanolight.errors import UsageError
+from nanolight.module.hooks import ModelHooks
 from nanolight.parallel.layout import ModelLayout
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ def load_module(
     if not any(p.kind is p.VAR_KEYWORD for p in init.values()):  # saved hparams the class no longer takes
         hparams = {k: v for k, v in hparams.items() if k in init}
     module = cls(**{**hparams, **kwargs})
-    if is_overridden("configure_model", module, _base()):
+    if is_overridden("configure_model", module, ModelHooks):
         module.configure_model()
     module.on_load_checkpoint(state)
     load_model(reader, module, ModelLayout.whole(module))
@@ -70,9 +71,3 @@ def load_datamodule(
     if type(dm).__qualname__ in state.get("datamodule", {}):
         dm.load_state_dict(state["datamodule"][type(dm).__qualname__])
     return dm
-
-
-def _base() -> type:
-    from nanolight.module.module import NanoModule
-
-    return NanoModule

@@ -28,6 +28,7 @@ from torch import nn
 from nanolight.errors import UsageError
 from nanolight.module.hooks import CheckpointHooks, DataHooks, ModelHooks
 from nanolight.module.hparams import HyperparametersMixin
+from nanolight.module.loading import load_datamodule, load_module
 from nanolight.module.optimizers import NanoOptimizer
 
 if TYPE_CHECKING:
@@ -245,8 +246,6 @@ class NanoModule(HyperparametersMixin, DataHooks, ModelHooks, CheckpointHooks, n
     ) -> NanoModule:
         """Rebuild the module from a checkpoint directory: ``cls(**saved hparams, **kwargs)``,
         `configure_model`, then the weights (a checkpoint of any parallel layout)."""
-        from nanolight.module.loading import load_module
-
         return load_module(cls, checkpoint_path, map_location, hparams_file, strict, kwargs)
 
 
@@ -271,6 +270,4 @@ class NanoDataModule(HyperparametersMixin, DataHooks):
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: str | Path, **kwargs: Any) -> NanoDataModule:
         """``cls(**saved hparams, **kwargs)``, then its saved state."""
-        from nanolight.module.loading import load_datamodule
-
         return load_datamodule(cls, checkpoint_path, kwargs)

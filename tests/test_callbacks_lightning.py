@@ -11,7 +11,7 @@ import torch
 from _lightning_standin import StandInTrainer, fixture, listing, run_epochs, stem
 
 from nanolight.callbacks import EarlyStopping, ModelCheckpoint
-from nanolight.callbacks.model_checkpoint import format_name
+from nanolight.callbacks.checkpoint_paths import format_name
 from nanolight.errors import UsageError
 from nanolight.loggers import CSVLogger
 

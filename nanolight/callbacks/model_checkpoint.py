@@ -1,22 +1,17 @@
 """`ModelCheckpoint`: Lightning 2.6's checkpoint callback, writing nanolight checkpoint directories.
 
-Arguments, defaults, triggers, top-k selection (``best_k_models``, ``kth_best_model_path``,
-``kth_value``, ``best_model_path``, ``best_model_score``, ``current_score``), names and state
-follow Lightning's ``ModelCheckpoint`` (see its docs); the differences are nanolight's format:
+Arguments, defaults, triggers, top-k selection, names and state follow Lightning's
+``ModelCheckpoint`` (see its docs); the differences come from nanolight's format:
 
 * a checkpoint is a directory named by the template (``epoch=6-val_loss=0.682``, no ``.ckpt``);
-* every save moves the ``<dirpath>/last`` pointer to it (the trainer does that), so ``save_last``
-  does not write a copy: it makes sure the newest state is saved whenever Lightning would refresh
-  ``last.ckpt`` (saving this step under its own name if top-k did not keep it, and dropping the
-  previous such last-only directory); ``last_model_path`` is ``<dirpath>/last``.
-  ``save_last="link"`` behaves as True (the pointer already is a link). The directory ``last``
-  names is never deleted;
-* a metric name with ``/`` (``val/loss``) would make Lightning write into a subdirectory; a
-  nanolight checkpoint must sit directly in ``dirpath`` (``last`` names it by its bare name), so
-  ``/`` becomes ``_`` in the formatted name, with a one-time warning;
-* two extras: ``keep_last_n`` keeps the newest N saves in addition to the top-k ones, and
-  ``save_on_train_end`` saves the step training ends at when it was not saved yet;
-* the step training starts from (0, or the step resumed from) is never saved again.
+* every save moves the ``<dirpath>/last`` pointer to it, so ``save_last`` writes no copy: where
+  Lightning refreshes ``last.ckpt`` it saves this step if top-k did not (dropping the previous
+  such directory); ``last_model_path`` is ``<dirpath>/last``, ``save_last="link"`` acts as True,
+  and the directory ``last`` names is never deleted;
+* ``/`` in a formatted name (a metric ``val/loss``) becomes ``_``, with a one-time warning: a
+  checkpoint sits directly in ``dirpath``, where ``last`` names it by its bare name;
+* extras: ``keep_last_n`` keeps the newest N saves besides the top-k ones, ``save_on_train_end``
+  saves the last step; the step training starts from is never saved again.
 
 Every decision that depends on the filesystem or a score is taken on global rank zero and
 broadcast, so all ranks agree on names (they all write the same directory).
@@ -25,12 +20,9 @@ broadcast, so all ranks agree on names (they all write the same directory).
 from __future__ import annotations
 
 import os
-import re
 import time
 import warnings
-from collections.abc import Mapping
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -39,55 +31,9 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from nanolight.callbacks.base import Callback, info
-from nanolight.checkpoint.atomic import (
-    LAST_POINTER,
-    atomic_write_text,
-    remove_directory,
-    remove_stale,
-    resolve_checkpoint,
-)
+from nanolight.callbacks.checkpoint_paths import default_dirpath, format_name, remove_checkpoints
+from nanolight.checkpoint.atomic import LAST_POINTER, atomic_write_text, remove_stale
 from nanolight.errors import UsageError
-
-DEFAULT_TEMPLATE = "{epoch}-{step}"
-# "{name}" or "{name:spec}"; the name is anything up to ':' or '}' (dots and slashes included)
-_FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
-_warned_slash: set[str] = set()
-
-
-def format_name(
-    template: str | None,
-    metrics: Mapping[str, Any],
-    auto_insert_metric_name: bool = True,
-    prefix: str | None = None,
-    version: int | None = None,
-) -> str:
-    """The checkpoint's directory name (no path, no suffix) for `metrics`: ``"{epoch}-{val_loss:.3f}"``
-    gives ``epoch=6-val_loss=0.682``; a name absent from the metrics formats as 0 (as Lightning)."""
-
-    def field(match: re.Match[str]) -> str:
-        key, spec = match.group(1), (match.group(2) or ":")[1:]
-        value = metrics.get(key, torch.tensor(0))
-        if isinstance(value, Tensor) and value.numel() == 1:
-            value = value.item()  # Tensor.__format__ does the same for 0-dim tensors
-        text = format(value, spec)
-        return f"{key}={text}" if auto_insert_metric_name else text
-
-    name = _FIELD.sub(field, template or DEFAULT_TEMPLATE)
-    if prefix is not None:
-        name = f"{prefix}-{name}"
-    if version is not None:
-        name = f"{name}-v{version}"
-    flat = name
-    for sep in {"/", os.sep} | ({os.altsep} if os.altsep else set()):
-        flat = flat.replace(sep, "_")
-    if flat != name and name not in _warned_slash:
-        _warned_slash.add(name)
-        rank_zero_warn(
-            f"ModelCheckpoint: the checkpoint name {name!r} contains a path separator (a metric name "
-            f"such as 'val/loss' in `filename`); saving it as {flat!r} directly in `dirpath` instead "
-            "of in a subdirectory. Pass a `filename` without '/' to choose the name yourself."
-        )
-    return flat
 
 
 class ModelCheckpoint(Callback):
@@ -126,11 +72,31 @@ class ModelCheckpoint(Callback):
             raise UsageError(f"ModelCheckpoint(save_last={save_last!r}): use None, True, False or 'link'")
         if keep_last_n is not None and keep_last_n < 1:
             raise UsageError(f"ModelCheckpoint(keep_last_n={keep_last_n}): use an int >= 1, or None")
+        if save_top_k < -1:
+            raise UsageError(f"ModelCheckpoint(save_top_k={save_top_k}): must be >= -1")
+        steps, epochs, interval = every_n_train_steps, every_n_epochs, train_time_interval
+        if steps is None and epochs is None and interval is None:
+            epochs = 1  # default: once per epoch (after its validation)
+        for name, n in (("every_n_train_steps", steps), ("every_n_epochs", epochs)):
+            if n is not None and n < 0:
+                raise UsageError(f"ModelCheckpoint({name}={n}): must be >= 0")
+        if bool(steps) + bool(epochs) + (interval is not None) > 1:
+            raise UsageError(
+                f"ModelCheckpoint: every_n_train_steps={steps}, every_n_epochs={epochs} and "
+                f"train_time_interval={interval} are mutually exclusive; set only one of them"
+            )
+        if monitor is None and save_top_k not in (-1, 0, 1):
+            raise UsageError(
+                f"ModelCheckpoint(save_top_k={save_top_k}, monitor=None) is not a valid configuration: "
+                "no quantity to rank the top k by; pass `monitor=` or use save_top_k in (-1, 0, 1)"
+            )
         self.monitor, self.verbose, self.mode = monitor, verbose, mode
         self.save_last, self.save_top_k = save_last, save_top_k
         self.save_on_exception, self.save_weights_only = save_on_exception, save_weights_only
         self.auto_insert_metric_name = auto_insert_metric_name
         self.keep_last_n, self.save_on_train_end = keep_last_n, save_on_train_end
+        self._every_n_train_steps, self._every_n_epochs = steps or 0, epochs or 0
+        self._train_time_interval = interval
         self._save_on_train_epoch_end = save_on_train_epoch_end
         self._enable_version_counter = enable_version_counter
         self.dirpath: str | None = os.path.realpath(os.path.expanduser(dirpath)) if dirpath else None
@@ -143,41 +109,11 @@ class ModelCheckpoint(Callback):
         self._warned: set[str] = set()
         self.current_score: Tensor | None = None
         self.best_k_models: dict[str, Tensor] = {}
-        self.kth_best_model_path = ""
         self.kth_value: Tensor = torch.tensor(torch.inf if mode == "min" else -torch.inf)
         self.best_model_score: Tensor | None = None
-        self.best_model_path = ""
-        self.last_model_path = ""
+        self.best_model_path = self.kth_best_model_path = self.last_model_path = ""
         self._saved: dict[str, bool] = {}  # this callback's checkpoints on disk (oldest first): by top-k?
         self._last_only = ""  # the newest state saved only because of save_last
-        self._init_triggers(every_n_train_steps, every_n_epochs, train_time_interval)
-        self._validate_configuration()
-
-    def _init_triggers(self, steps: int | None, epochs: int | None, interval: timedelta | None) -> None:
-        if steps is None and epochs is None and interval is None:
-            epochs, steps = 1, 0  # default: once per epoch (after its validation)
-        self._every_n_train_steps: int = steps or 0
-        self._every_n_epochs: int = epochs or 0
-        self._train_time_interval = interval
-
-    def _validate_configuration(self) -> None:
-        if self.save_top_k < -1:
-            raise UsageError(f"ModelCheckpoint(save_top_k={self.save_top_k}): must be >= -1")
-        for name in ("every_n_train_steps", "every_n_epochs"):
-            if getattr(self, f"_{name}") < 0:
-                raise UsageError(f"ModelCheckpoint({name}={getattr(self, f'_{name}')}): must be >= 0")
-        triggers = (self._every_n_train_steps >= 1) + (self._every_n_epochs >= 1)
-        if triggers + (self._train_time_interval is not None) > 1:
-            raise UsageError(
-                f"ModelCheckpoint: every_n_train_steps={self._every_n_train_steps}, every_n_epochs="
-                f"{self._every_n_epochs} and train_time_interval={self._train_time_interval} are mutually "
-                "exclusive; set only one of them"
-            )
-        if self.monitor is None and self.save_top_k not in (-1, 0, 1):
-            raise UsageError(
-                f"ModelCheckpoint(save_top_k={self.save_top_k}, monitor=None) is not a valid configuration: "
-                "no quantity to rank the top k by; pass `monitor=` or use save_top_k in (-1, 0, 1)"
-            )
 
     @property
     def every_n_epochs(self) -> int:
@@ -201,7 +137,7 @@ class ModelCheckpoint(Callback):
 
     # ----------------------------------------------------------------------------------- hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self.dirpath = trainer.strategy.broadcast(self.dirpath or self._default_dirpath(trainer), src=0)
+        self.dirpath = trainer.strategy.broadcast(self.dirpath or default_dirpath(trainer), src=0)
         if stage != "fit":
             return
         self._val_has_run = False
@@ -259,9 +195,8 @@ class ModelCheckpoint(Callback):
         self._save_after_epoch_or_validation(trainer)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        if not self.save_on_exception or trainer.fast_dev_run or trainer.sanity_checking:
-            return
-        if self._last_global_step_saved == trainer.global_step:
+        saved = self._last_global_step_saved == trainer.global_step
+        if not self.save_on_exception or trainer.fast_dev_run or trainer.sanity_checking or saved:
             return
         candidates = self._monitor_candidates(trainer)
         path = self.format_checkpoint_name(candidates)
@@ -303,23 +238,16 @@ class ModelCheckpoint(Callback):
             self._save_last_checkpoint(trainer, candidates)
 
     def _should_skip_saving_checkpoint(self, trainer: Any) -> bool:
-        return (
-            bool(trainer.fast_dev_run)
-            or trainer.state.fn != "fit"
-            or trainer.sanity_checking
-            or self._last_global_step_saved == trainer.global_step
-        )
+        skip = trainer.fast_dev_run or trainer.state.fn != "fit" or trainer.sanity_checking
+        return bool(skip) or self._last_global_step_saved == trainer.global_step
 
     def _should_save_on_train_epoch_end(self, trainer: Any) -> bool:
         """Save at the train epoch end only when validation runs exactly once per epoch, at its end
         (or never); otherwise after every validation."""
         if self._save_on_train_epoch_end is not None:
             return self._save_on_train_epoch_end
-        if trainer.check_val_every_n_epoch != 1:
-            return False
-        if sum(trainer.num_val_batches) == 0:
-            return True
-        return trainer.val_check_interval == 1.0
+        once = sum(trainer.num_val_batches) == 0 or trainer.val_check_interval == 1.0
+        return trainer.check_val_every_n_epoch == 1 and once
 
     def _validation_follows(self, trainer: Any, batch_idx: int) -> bool:
         """Lightning defers a step-triggered save at an epoch's last batch to the validation that
@@ -332,12 +260,14 @@ class ModelCheckpoint(Callback):
 
     def _monitor_candidates(self, trainer: Any) -> dict[str, Tensor]:
         candidates = {k: v.detach().clone() for k, v in trainer.callback_metrics.items()}
-        epoch, step = candidates.get("epoch"), candidates.get("step")
-        candidates["epoch"] = (
-            epoch.int() if isinstance(epoch, Tensor) else torch.tensor(trainer.current_epoch)
-        )
-        candidates["step"] = step.int() if isinstance(step, Tensor) else torch.tensor(trainer.global_step)
+        for key, value in (("epoch", trainer.current_epoch), ("step", trainer.global_step)):
+            candidates[key] = candidates[key].int() if key in candidates else torch.tensor(value)
         return candidates
+
+    def _say(self, trainer: Any, candidates: dict[str, Tensor], message: str) -> None:
+        """A ``verbose`` message about this step, from rank zero."""
+        if self.verbose and trainer.is_global_zero:
+            info(f"Epoch {candidates['epoch']:d}, global step {candidates['step']:d}: {message}")
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:
@@ -371,20 +301,8 @@ class ModelCheckpoint(Callback):
 
     def file_exists(self, filepath: str, trainer: Any) -> bool:
         """Whether `filepath` exists, as global rank zero sees it (the same answer on every rank)."""
-        local = os.path.exists(filepath) if trainer.is_global_zero else False
-        return bool(trainer.strategy.broadcast(local, src=0))
-
-    @staticmethod
-    def _default_dirpath(trainer: Any) -> str:
-        """Lightning's rule: ``<save_dir>/<name>/<version>/checkpoints`` of the first logger (its
-        ``save_dir`` falling back to ``default_root_dir``; an int version reads ``version_<n>``),
-        else ``<default_root_dir>/checkpoints``."""
-        if not trainer.loggers:
-            return os.path.join(str(trainer.default_root_dir), "checkpoints")
-        logger = trainer.loggers[0]
-        save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
-        version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
-        return os.path.join(str(save_dir), str(logger.name), version, "checkpoints")
+        exists = trainer.is_global_zero and os.path.exists(filepath)
+        return bool(trainer.strategy.broadcast(exists, src=0))  # rank zero's answer to every rank
 
     def _save_topk_checkpoint(self, trainer: Any, candidates: dict[str, Tensor]) -> None:
         if self.save_top_k == 0:
@@ -414,14 +332,11 @@ class ModelCheckpoint(Callback):
         return bool(trainer.strategy.broadcast(decision, src=0))
 
     def _save_monitor_checkpoint(self, trainer: Any, candidates: dict[str, Tensor]) -> None:
-        current = candidates.get(self.monitor)
-        if current is not None and not isinstance(current, Tensor):
-            current = torch.tensor(float(current))
+        current = candidates.get(self.monitor)  # every candidate is a tensor
         if self.check_monitor_top_k(trainer, current):
             self._update_best_and_save(current, trainer, candidates)
-        elif self.verbose and trainer.is_global_zero:
-            epoch, step = candidates["epoch"], candidates["step"]
-            info(f"Epoch {epoch:d}, global step {step:d}: {self.monitor!r} was not in top {self.save_top_k}")
+        else:
+            self._say(trainer, candidates, f"{self.monitor!r} was not in top {self.save_top_k}")
 
     def _save_none_monitor_checkpoint(self, trainer: Any, candidates: dict[str, Tensor]) -> None:
         path = self._get_metric_interpolated_filepath_name(candidates, trainer, self.best_model_path)
@@ -430,28 +345,21 @@ class ModelCheckpoint(Callback):
 
     def _update_best_and_save(self, current: Tensor, trainer: Any, candidates: dict[str, Tensor]) -> None:
         k = len(self.best_k_models) + 1 if self.save_top_k == -1 else self.save_top_k
-        del_filepath = None
-        if len(self.best_k_models) == k and k > 0:
-            del_filepath = self.kth_best_model_path
-            self.best_k_models.pop(del_filepath)
+        del_filepath = self.kth_best_model_path if len(self.best_k_models) == k else None  # k > 0 here
+        self.best_k_models.pop(del_filepath, None)  # the k-th best makes way
         if torch.isnan(current):  # never keep nan: it ranks worst
             current = torch.tensor(float("inf" if self.mode == "min" else "-inf"), device=current.device)
         path = self._get_metric_interpolated_filepath_name(candidates, trainer, del_filepath)
         self.current_score = current
         self.best_k_models[path] = current
+        worst, best = (max, min) if self.mode == "min" else (min, max)
         if len(self.best_k_models) == k:
-            worst = max if self.mode == "min" else min
             self.kth_best_model_path = worst(self.best_k_models, key=self.best_k_models.get)
             self.kth_value = self.best_k_models[self.kth_best_model_path]
-        best = min if self.mode == "min" else max
         self.best_model_path = best(self.best_k_models, key=self.best_k_models.get)
         self.best_model_score = self.best_k_models[self.best_model_path]
-        if self.verbose and trainer.is_global_zero:
-            epoch, step = candidates["epoch"], candidates["step"]
-            info(
-                f"Epoch {epoch:d}, global step {step:d}: {self.monitor!r} reached {current:0.5f}"
-                f" (best {self.best_model_score:0.5f}), saving model to {path!r} as top {k}"
-            )
+        scores = f"reached {current:0.5f} (best {self.best_model_score:0.5f})"
+        self._say(trainer, candidates, f"{self.monitor!r} {scores}, saving model to {path!r} as top {k}")
         self._save_checkpoint(trainer, path, topk=True)
 
     def _save_last_checkpoint(self, trainer: Any, candidates: dict[str, Tensor]) -> None:
@@ -475,16 +383,16 @@ class ModelCheckpoint(Callback):
         self._saved[path] = topk  # before saving: the bookkeeping is part of the saved state
         self._last_checkpoint_saved = path
         # save_last=False: no `last` pointer either (None, the default, keeps nanolight's pointer)
-        trainer.save_checkpoint(
-            path, weights_only=self.save_weights_only, update_last=self.save_last is not False
-        )
+        last = self.save_last is not False
+        trainer.save_checkpoint(path, weights_only=self.save_weights_only, update_last=last)
         self._last_global_step_saved = trainer.global_step
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(self)
         self._prune(trainer)
 
-    def _kept(self) -> set[str]:
+    def _prune(self, trainer: Any) -> None:
+        """Remove the checkpoints nothing keeps any more (rank zero deletes, all ranks forget)."""
         keep = {self._last_checkpoint_saved}  # the newest: `last` points at it
         if self.monitor is not None:
             keep |= set(self.best_k_models)
@@ -494,23 +402,10 @@ class ModelCheckpoint(Callback):
             keep.add(self.best_model_path)
         if self.keep_last_n is not None:
             keep |= set(list(self._saved)[-self.keep_last_n :])
-        return keep
-
-    def _prune(self, trainer: Any) -> None:
-        """Remove the checkpoints nothing keeps any more (rank zero deletes, all ranks forget).
-        Never the one ``last`` names, and only those directly in `dirpath` (as Lightning, which
-        leaves files outside its directory alone)."""
-        kept = self._kept()
-        doomed = [p for p in self._saved if p not in kept]
+        doomed = [p for p in self._saved if p not in keep]
         if trainer.is_global_zero and doomed:
-            pointer = resolve_checkpoint(Path(self.dirpath) / LAST_POINTER)
-            doomed = [
-                p for p in doomed if pointer is None or os.path.realpath(p) != os.path.realpath(pointer)
-            ]
-            for path in doomed:
-                if Path(path).absolute().parent == Path(self.dirpath).absolute():
-                    remove_directory(path)
-        for path in trainer.strategy.broadcast(doomed, src=0):
+            doomed = remove_checkpoints(doomed, self.dirpath)
+        for path in trainer.strategy.broadcast(doomed, src=0):  # rank zero's list: all forget the same
             self._saved.pop(path, None)
 
     def to_yaml(self, filepath: str | None = None) -> None:
@@ -539,10 +434,8 @@ class ModelCheckpoint(Callback):
         saved_dirpath = state_dict.get("dirpath", self.dirpath)
         if self.dirpath == saved_dirpath:
             self.best_model_score = state_dict["best_model_score"]
-            self.kth_best_model_path = state_dict.get("kth_best_model_path", self.kth_best_model_path)
-            self.kth_value = state_dict.get("kth_value", self.kth_value)
-            self.best_k_models = state_dict.get("best_k_models", self.best_k_models)
-            self.last_model_path = state_dict.get("last_model_path", self.last_model_path)
+            for key in ("kth_best_model_path", "kth_value", "best_k_models", "last_model_path"):
+                setattr(self, key, state_dict.get(key, getattr(self, key)))
             self._saved = {p: bool(t) for p, t in state_dict.get("saved", []) if os.path.isdir(p)}
             self._last_only = state_dict.get("last_only", "")
             self._last_checkpoint_saved = next(reversed(self._saved), "")

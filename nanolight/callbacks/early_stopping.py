@@ -1,11 +1,7 @@
 """`EarlyStopping`: Lightning 2.6's callback; stop ``fit`` when a monitored metric stops improving.
 
-Arguments, defaults, timing and state follow Lightning: the check runs after each validation
-(``on_validation_end``), or at the train epoch end when ``check_on_train_epoch_end`` resolves to
-True (unset: when validation runs exactly once per epoch, at its end). An improvement must beat
-``best_score`` by more than ``min_delta``; ``patience`` checks without one stop the run (the fit
-loop still honours ``min_steps``/``min_epochs``). Nothing is checked while sanity checking,
-outside ``fit`` or under ``fast_dev_run``.
+Arguments, defaults, timing, messages and state follow Lightning (see its docs): the check runs
+after each validation, or at the train epoch end when validation runs exactly once per epoch.
 """
 
 from __future__ import annotations
@@ -145,7 +141,12 @@ class EarlyStopping(Callback):
                 f"{self.divergence_threshold}. Signaling Trainer to stop."
             )
         if op(current - self.min_delta, best):
-            reason = self._improvement_message(current)
+            reason = f"Metric {self.monitor} improved. New best score: {current:.3f}"
+            if torch.isfinite(self.best_score):
+                reason = (
+                    f"Metric {self.monitor} improved by {abs(self.best_score - current):.3f} >= min_delta = "
+                    f"{abs(self.min_delta)}. New best score: {current:.3f}"
+                )
             self.best_score, self.wait_count = current, 0
             return False, reason
         self.wait_count += 1
@@ -156,14 +157,6 @@ class EarlyStopping(Callback):
             f"Monitored metric {self.monitor} did not improve in the last {self.wait_count} records. "
             f"Best score: {self.best_score:.3f}. Signaling Trainer to stop."
         )
-
-    def _improvement_message(self, current: Tensor) -> str:
-        if torch.isfinite(self.best_score):
-            return (
-                f"Metric {self.monitor} improved by {abs(self.best_score - current):.3f} >= min_delta = "
-                f"{abs(self.min_delta)}. New best score: {current:.3f}"
-            )
-        return f"Metric {self.monitor} improved. New best score: {current:.3f}"
 
     def state_dict(self) -> dict[str, Any]:
         return {

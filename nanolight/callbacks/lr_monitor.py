@@ -1,15 +1,9 @@
 """`LearningRateMonitor`: Lightning 2.6's callback; logs learning rates (and optionally momentum and
 weight decay) of every optimizer's param groups, straight to the loggers.
 
-Keys as Lightning: ``lr-<OptimizerClass>`` (a scheduler config's ``name`` replaces it), ``/pg<j>``
-(1-based) or ``/<group name>`` per param group when there are several (or a group has a ``name``),
-``-<n>`` for the n-th further optimizer of the same class, optimizers with a scheduler first,
-``-momentum`` (Adam-like: ``betas[0]``) and ``-weight_decay`` suffixes. When: at each train epoch
-start (``logging_interval`` None/"epoch") and at each logging step's ``on_train_batch_start``
-(None/"step"); with None a scheduled optimizer is logged at its scheduler's ``interval`` only,
-unscheduled ones at both. Rows go to the loggers on rank zero with ``step=trainer.log_step``; the
-values also land in ``trainer.callback_metrics`` as float32 tensors (not in ``logged_metrics``).
-A ZeRO wrapper is read through the user's optimizer it fronts.
+Keys, timing and values follow Lightning (see its docs); rows go to the loggers on rank zero with
+``step=trainer.log_step``, and the values also land in ``trainer.callback_metrics`` (not in
+``logged_metrics``). A ZeRO wrapper is read through the user's optimizer it fronts.
 """
 
 from __future__ import annotations

@@ -161,12 +161,7 @@ class TrainerConfig:
             raise UsageError(
                 f"log_every_n_steps must be >= 0 (0: no step rows), got {self.log_every_n_steps}"
             )
-        for name in (
-            "limit_train_batches",
-            "limit_val_batches",
-            "limit_test_batches",
-            "limit_predict_batches",
-        ):
+        for name in [f"limit_{kind}_batches" for kind in ("train", "val", "test", "predict")]:
             if getattr(self, name) is None:
                 setattr(self, name, 1.0)
             _check_limit(name, getattr(self, name))

@@ -1,19 +1,13 @@
-"""Where a trainer call's data comes from, how much of it each loop runs, and where training
-stands in it (Lightning's data connector, and resuming mid-epoch).
+"""Where a trainer call's data comes from and how much of it each loop runs (Lightning's data
+connector).
 
 Sources, in Lightning's precedence: loaders passed to the call, then the DataModule, then the
 module's own ``*_dataloader`` hooks. A loader is requested when its loop first needs it (the
 hook order Lightning has). Under data parallelism a plain ``DataLoader`` gets a
 ``DistributedSampler`` (each rank its 1/dp of the samples; ``use_distributed_sampler=False`` to
 shard yourself); with ``seed_everything(workers=True)`` each worker is seeded. Batch limits
-(``limit_*_batches``, ``overfit_batches``, ``num_sanity_val_steps``) follow Lightning.
-
-Resuming: loaders with ``state_dict()/load_state_dict()`` (the nanolight data loader) are
-restored through those and simply continue; a plain ``DataLoader`` is resumed by re-creating the
-epoch's iterator *with the RNG state it was created with* (a shuffled ``RandomSampler`` draws its
-permutation seed from the global torch generator, or the loader's/sampler's own, when the
-iterator is created) and skipping the micro-batches already consumed. The trainer's RNG states at
-checkpoint time are restored *after* the skip, so the run continues as an uninterrupted one.
+(``limit_*_batches``, ``overfit_batches``, ``num_sanity_val_steps``) follow Lightning. Also
+what a step's batches count (samples, tokens) and a loader's epoch (``set_epoch``).
 """
 
 from __future__ import annotations
@@ -21,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -33,11 +27,10 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from nanolight.errors import UsageError
 from nanolight.module.datamodule import NanoDataModule
+from nanolight.module.module import NanoModule
 
 if TYPE_CHECKING:
     from nanolight.trainer.trainer import NanoTrainer
-
-KINDS = ("train", "val", "test", "predict")
 
 
 def worker_init(worker_id: int, rank: int = 0) -> None:
@@ -180,61 +173,16 @@ def _is_loader_list(raw: Any) -> bool:
 
 
 def _module_overrides(module: Any, hook: str) -> bool:
-    from nanolight.module.module import NanoModule
-
     return module is not None and is_overridden(hook, module, NanoModule)
 
 
 def _rebuild(loader: DataLoader, sampler: Any) -> DataLoader:
     """The same loader with another sampler."""
-    extra: dict[str, Any] = {}
+    names = ["batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout"]
+    names += ["worker_init_fn", "multiprocessing_context", "generator"]
     if loader.num_workers > 0:
-        extra = {"prefetch_factor": loader.prefetch_factor, "persistent_workers": loader.persistent_workers}
-    return DataLoader(
-        loader.dataset,
-        batch_size=loader.batch_size,
-        sampler=sampler,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        drop_last=loader.drop_last,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-        **extra,
-    )
-
-
-# ---- where training stands in its data ------------------------------------------------
-def is_stateful(loader: Any) -> bool:
-    return callable(getattr(loader, "state_dict", None)) and callable(
-        getattr(loader, "load_state_dict", None)
-    )
-
-
-def _generators(loader: Any) -> list[torch.Generator | None]:
-    sampler = getattr(loader, "sampler", None)
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    inner = getattr(batch_sampler, "sampler", None)
-    return [
-        getattr(loader, "generator", None),
-        getattr(sampler, "generator", None),
-        getattr(inner, "generator", None) if inner is not sampler else None,
-    ]
-
-
-def capture_epoch_start(loader: Any) -> dict[str, Any]:
-    """RNG state that decides this epoch's sample order (before ``iter(loader)``)."""
-    gens = [g.get_state() if g is not None else None for g in _generators(loader)]
-    return {"torch": torch.get_rng_state(), "generators": gens}
-
-
-def restore_epoch_start(loader: Any, state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    for gen, saved in zip(_generators(loader), state["generators"], strict=False):
-        if gen is not None and saved is not None:
-            gen.set_state(saved)
+        names += ["prefetch_factor", "persistent_workers"]
+    return DataLoader(loader.dataset, sampler=sampler, **{name: getattr(loader, name) for name in names})
 
 
 def set_epoch(loader: Any, epoch: int) -> None:
@@ -242,22 +190,6 @@ def set_epoch(loader: Any, epoch: int) -> None:
     for obj in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
         if callable(getattr(obj, "set_epoch", None)):
             obj.set_epoch(epoch)
-
-
-def take(iterator: Iterator, n: int) -> list[Any]:
-    """Up to ``n`` items (fewer at the end of the epoch)."""
-    out = []
-    for _ in range(n):
-        try:
-            out.append(next(iterator))
-        except StopIteration:
-            break
-    return out
-
-
-def skip(iterator: Iterator, n: int) -> None:
-    for _ in range(n):
-        next(iterator)
 
 
 def count_samples_tokens(batch: Any) -> tuple[int, int]:

@@ -9,8 +9,15 @@ several ranks the latter reads the agreement the previous step started: `preempt
 At an epoch's end: epoch values published, ``on_train_epoch_end`` (monitoring callbacks after
 the module), plateau schedulers (only after a complete epoch), the epoch row. Stopping: max
 steps/epochs, or ``should_stop`` once ``min_steps``/``min_epochs`` are met (with one extra
-validation right then, as Lightning). Where training stands in its data is `FitLoop`'s state,
-so a resumed run continues from the next unseen batch (`data.py`).
+validation right then, as Lightning).
+
+Where training stands in its data is `FitLoop`'s state, so a resumed run continues from the next
+unseen batch: loaders with ``state_dict()/load_state_dict()`` (the nanolight data loader) are
+restored through those and simply continue; a plain ``DataLoader`` is resumed by re-creating the
+epoch's iterator *with the RNG state it was created with* (a shuffled ``RandomSampler`` draws its
+permutation seed from the global torch generator, or the loader's/sampler's own, when the
+iterator is created) and skipping the micro-batches already consumed. The trainer's RNG states at
+checkpoint time are restored *after* the skip, so the run continues as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -18,20 +25,15 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
+import torch
 from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 
 from nanolight.errors import UsageError
 from nanolight.seed import restore_rng_state
-from nanolight.trainer.data import (
-    capture_epoch_start,
-    is_stateful,
-    restore_epoch_start,
-    set_epoch,
-    skip,
-    take,
-)
+from nanolight.trainer.data import set_epoch
 from nanolight.trainer.evaluation import run_evaluation
 from nanolight.trainer.step import AutomaticStep, ManualStep
 
@@ -214,7 +216,7 @@ class FitLoop:
         ):
             first = trainer.progress["batch_idx"]
             left = self.max_batches - first
-            batches = take(iterator, int(min(window, left))) if left > 0 else []
+            batches = list(islice(iterator, int(min(window, left)))) if left > 0 else []
             if not batches:
                 if first == 0:
                     raise UsageError(
@@ -285,3 +287,38 @@ class FitLoop:
         metrics.epoch_row()
         trainer.progress["epoch"] += 1
         trainer.progress["batch_idx"] = 0
+
+
+# ---- where training stands in its data -----------------------------------------------------
+def is_stateful(loader: Any) -> bool:
+    """The loader saves and restores its own position (the nanolight data loader)."""
+    return all(callable(getattr(loader, name, None)) for name in ("state_dict", "load_state_dict"))
+
+
+def _generators(loader: Any) -> list[torch.Generator | None]:
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    inner = getattr(batch_sampler, "sampler", None)
+    return [
+        getattr(loader, "generator", None),
+        getattr(sampler, "generator", None),
+        getattr(inner, "generator", None) if inner is not sampler else None,
+    ]
+
+
+def capture_epoch_start(loader: Any) -> dict[str, Any]:
+    """RNG state that decides this epoch's sample order (before ``iter(loader)``)."""
+    gens = [g.get_state() if g is not None else None for g in _generators(loader)]
+    return {"torch": torch.get_rng_state(), "generators": gens}
+
+
+def restore_epoch_start(loader: Any, state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    for gen, saved in zip(_generators(loader), state["generators"], strict=False):
+        if gen is not None and saved is not None:
+            gen.set_state(saved)
+
+
+def skip(iterator: Iterator, n: int) -> None:
+    for _ in range(n):
+        next(iterator)

@@ -87,6 +87,8 @@ class MetricStore:
         self._eval_rows: dict[int, int] = {}  # per-batch evaluation rows written, per dataloader
 
     def reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        # a collective: every rank of the strategy's dp group exchanges these values (under
+        # pipeline parallelism the last stage's), all of a step's or an epoch's in one call
         return self.trainer.strategy.reduce(tensor, op)
 
     def log(
@@ -253,14 +255,14 @@ class _Metric:
             self.acc = torch.maximum(self.acc, value) if fx == "max" else torch.minimum(self.acc, value)
 
 
-def to_scalar_tensor(name: str, value: Any, device: torch.device | None = None) -> torch.Tensor:
+def to_scalar_tensor(name: str, value: Any) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise UsageError(f"self.log({name!r}) needs a scalar, got a tensor of shape {tuple(value.shape)}")
         value = value.detach().reshape(())
         return value if value.is_floating_point() else value.float()
     if isinstance(value, (bool, int, float)):
-        return torch.tensor(float(value), device=device)
+        return torch.tensor(float(value))
     raise UsageError(f"self.log({name!r}) needs a number or a scalar tensor, got {type(value).__name__}")
 
 

@@ -74,14 +74,14 @@ def extract_loss(output: Any) -> torch.Tensor | None:
     return output if output.dim() == 0 else output.reshape(())
 
 
-def batch_outputs(output: Any, loss: torch.Tensor | None) -> dict[str, Any]:
-    """What on_train_batch_end receives: Lightning's ``{"loss": ..., **extras}`` (``{}`` if skipped)."""
-    if loss is None:
-        return {}
-    extras = output if isinstance(output, dict) else {}
-    out = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in extras.items()}
-    out["loss"] = loss.detach()
-    return out
+def batch_outputs(output: Any) -> dict[str, Any]:
+    """What on_train_batch_end receives: Lightning's ``{"loss": ..., **extras}``, detached (a bare
+    loss becomes ``{"loss": loss}``, anything else ``{}``)."""
+    if isinstance(output, torch.Tensor):
+        return {"loss": output.detach()}
+    if isinstance(output, dict):
+        return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in output.items()}
+    return {}
 
 
 class AutomaticStep:
@@ -148,7 +148,8 @@ class AutomaticStep:
                 trainer.strategy,
                 "training_step returned None under pipeline parallelism: every stage must run every micro-batch",
             )
-        self.losses[i], self.outputs[i] = loss, batch_outputs(output, loss)
+        self.losses[i] = loss
+        self.outputs[i] = {} if loss is None else {**batch_outputs(output), "loss": loss.detach()}
         if i == 0:  # Lightning zeroes after the window's first forward, before its backward
             for raw, opt in zip(trainer.optimizers, trainer.nano_optimizers, strict=True):
                 trainer.hooks.call("on_before_zero_grad", raw)
@@ -202,15 +203,6 @@ class _Closure:
         return self.loss
 
 
-def manual_outputs(output: Any) -> dict[str, Any]:
-    """What on_train_batch_end receives (Lightning's manual result: the step's dict, or its loss)."""
-    if isinstance(output, torch.Tensor):
-        return {"loss": output.detach()}
-    if isinstance(output, dict):
-        return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in output.items()}
-    return {}
-
-
 class ManualStep:
     """Runs one batch under manual optimization (see the module docstring)."""
 
@@ -228,5 +220,5 @@ class ManualStep:
             output = hooks.step("training_step", batch, first)
         count_consumed(trainer.progress, batches, trainer.strategy.data_parallel_size)
         trainer.metrics.publish_step(sync=True)
-        hooks.call("on_train_batch_end", manual_outputs(output), batch, first)
+        hooks.call("on_train_batch_end", batch_outputs(output), batch, first)
         return True

@@ -132,13 +132,7 @@ class HookCaller:
         strategy, dm = self.trainer.strategy, self.trainer.datamodule
         batch = strategy.precision.convert_input(batch)
         for name in BATCH_HOOKS:
-            args = (
-                (batch, strategy.root_device, dataloader_idx)
-                if name == "transfer_batch_to_device"
-                else (batch, dataloader_idx)
-            )
-            if dm is not None and defines(dm, name, NanoDataModule):
-                batch = self.datamodule(name, *args)
-            else:
-                batch = self.module(name, *args)
+            device = (strategy.root_device,) if name == "transfer_batch_to_device" else ()
+            owner = self.datamodule if dm is not None and defines(dm, name, NanoDataModule) else self.module
+            batch = owner(name, batch, *device, dataloader_idx)
         return batch

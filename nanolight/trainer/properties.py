@@ -168,6 +168,5 @@ class TrainerProperties:
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
 
-_CONFIG_NAMES = frozenset(f.name for f in fields(TrainerConfig)) - {
-    "max_time"
-}  # as Lightning: no trainer.max_time
+# the loop options read by their Lightning names (Lightning has no ``trainer.max_time``)
+_CONFIG_NAMES = frozenset(f.name for f in fields(TrainerConfig)) - {"max_time"}

@@ -212,7 +212,7 @@ class NanoTrainer(TrainerProperties):
         def stage() -> Any:
             return run_predict(self, self.data.request("predict"), keep)
 
-        return self._call("predict", "predict", model, dataloaders, datamodule, ckpt_path, stage)
+        return self._non_fit_call("predict", "predict", model, dataloaders, datamodule, ckpt_path, stage)
 
     def _evaluate(
         self, fn: str, kind: str, model: Any, dataloaders: Any, ckpt_path: Any, verbose: bool, datamodule: Any
@@ -224,9 +224,9 @@ class NanoTrainer(TrainerProperties):
                 print_results(fn, results)
             return results
 
-        return self._call(fn, kind, model, dataloaders, datamodule, ckpt_path, stage)
+        return self._non_fit_call(fn, kind, model, dataloaders, datamodule, ckpt_path, stage)
 
-    def _call(
+    def _non_fit_call(
         self, fn: str, kind: str, model: Any, dataloaders: Any, datamodule: Any, ckpt_path: Any, stage: Any
     ) -> Any:
         """validate / test / predict: the module (else the one fit ran), its loaders, one `_run`."""

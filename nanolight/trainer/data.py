@@ -103,7 +103,7 @@ class DataConnector:
             raise UsageError(
                 f"no {kind} data: pass {kind}_dataloaders=... (or a datamodule), or implement {kind}_dataloader()"
             )
-        trainer.strategy.barrier(f"{kind}_dataloader()")
+        trainer.strategy.barrier(f"{kind}_dataloader()")  # every rank: all have built their loaders
         if isinstance(raw, dict):
             raise UsageError(f"a dict of {kind} dataloaders is not supported: pass one loader or a list")
         loaders = list(raw) if _is_loader_list(raw) else [raw]

@@ -310,7 +310,7 @@ class NanoTrainer(TrainerProperties):
                 self.hooks.datamodule("prepare_data")
             if is_overridden("prepare_data", module, NanoModule):
                 self.hooks.module("prepare_data")
-        self.strategy.barrier("prepare_data")
+        self.strategy.barrier("prepare_data")  # every rank waits for the ranks that prepared data
 
     def _log_hyperparams(self, module: NanoModule) -> None:
         """The module's and datamodule's saved hparams to every logger (rank 0), when there are any;
@@ -374,7 +374,7 @@ class NanoTrainer(TrainerProperties):
             raise with_hint(exc, f"nothing of {path.name} was published, {where}") from exc
         if update_last and self.is_global_zero:
             write_last_pointer(path)
-        self.strategy.barrier("last_pointer")
+        self.strategy.barrier("last_pointer")  # every rank: global rank 0 has moved the pointer
 
     # ---- what modules and callbacks call -------------------------------------------------
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:

@@ -23,7 +23,7 @@ from nanolight.errors import UsageError
 from nanolight.parallel.environment import detect_environment
 from nanolight.parallel.health import KEY, Heartbeat, PeerError
 from nanolight.parallel.launcher import NCCL_DEBUG_DEFAULTS, init_distributed, nccl_dumps
-from nanolight.trainer.connect import resolve_strategy
+from nanolight.trainer.arguments import resolve_strategy
 
 LAUNCH_VARS = (
     "RANK",

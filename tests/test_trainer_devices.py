@@ -5,7 +5,8 @@ one process fed the same global batches (2B, unshuffled) -- final weights and th
 1e-6, under automatic and under manual optimization (two optimizers, toggled). Also Lightning's
 DataModule contract across processes: ``prepare_data`` once per node (local rank 0), its
 ``state_dict`` in the checkpoint, ``load_state_dict`` on resume; and manual optimization under
-pipeline parallelism is an error on every rank, not a hang."""
+pipeline parallelism is an error on every rank, not a hang; and ``seed_everything(workers=True)``
+seeding each dataloader worker from the trainer's own rank."""
 
 from __future__ import annotations
 
@@ -85,7 +86,10 @@ class GAN(Seen):
         self.log("train/loss_sync", loss, sync_dist=True)
 
     def configure_optimizers(self) -> Any:
-        return [torch.optim.Adam(self.model.parameters(), lr=0.02), torch.optim.SGD(self.critic.parameters(), lr=0.05)]
+        return [
+            torch.optim.Adam(self.model.parameters(), lr=0.02),
+            torch.optim.SGD(self.critic.parameters(), lr=0.05),
+        ]
 
 
 class Record(Callback):
@@ -95,7 +99,9 @@ class Record(Callback):
         self.local: list[float] = []
         self.synced: list[float] = []
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.local.append(float(trainer.callback_metrics["train/loss"]))
         self.synced.append(float(trainer.callback_metrics["train/loss_sync"]))
 
@@ -142,7 +148,9 @@ def test_devices_2_is_data_parallel_with_a_distributed_sampler(manual: bool) -> 
     mean = [(a + b) / 2 for a, b in zip(ranks[0]["local"], ranks[1]["local"], strict=True)]
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(single["local"]), rtol=1e-6, atol=1e-6)
     for out in ranks:
-        torch.testing.assert_close(torch.tensor(out["synced"]), torch.tensor(single["local"]), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            torch.tensor(out["synced"]), torch.tensor(single["local"]), rtol=1e-6, atol=1e-6
+        )
     assert ranks[0]["state"].keys() == single["state"].keys()
     for name, want in single["state"].items():
         got = [torch.from_numpy(r["state"][name]) for r in ranks]
@@ -225,3 +233,35 @@ def test_manual_optimization_under_pipeline_parallelism_is_an_error_not_a_hang()
     messages = run_distributed(_pp_manual_worker, 2, timeout=90)
     assert all("manual optimization cannot run under pipeline parallelism" in m for m in messages), messages
     assert all("pp=1" in m for m in messages)
+
+
+class _WorkerSeed(torch.utils.data.Dataset):
+    """Each item is the torch seed of the process that loads it (a dataloader worker)."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor(float(torch.initial_seed()), dtype=torch.float64)
+
+
+class _Passthrough(MLPModule):
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        return batch
+
+
+def test_workers_are_seeded_from_the_global_seed_the_worker_and_the_trainers_rank(monkeypatch) -> None:
+    """Worker w of global rank r gets seed + 1000003 r + 7919 w, with r the strategy's rank: a launch
+    variable left in the environment (RANK=5 in a one-process run) is not read."""
+    from nanolight.seed import seed_everything
+
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")  # restored afterwards; seed_everything sets both
+    monkeypatch.setenv("PL_SEED_WORKERS", "0")
+    monkeypatch.setenv("RANK", "5")
+    seed_everything(3, workers=True)
+    loader = DataLoader(_WorkerSeed(), batch_size=1, num_workers=2)
+    trainer = NanoTrainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    seeds = trainer.predict(_Passthrough(), dataloaders=loader)
+    assert [int(s.item()) for s in seeds] == [3, 3 + 7919]  # workers 0 and 1 of rank 0

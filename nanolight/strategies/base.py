@@ -104,6 +104,12 @@ class Strategy:
         return False
 
     @property
+    def metrics_always_sync(self) -> bool:
+        """Every logged value is reduced as if ``sync_dist=True``: under pipeline parallelism only
+        the last stage computes the loss, so a value logged from it exists on that stage alone."""
+        return self.pipelined
+
+    @property
     def distributed_sampler_kwargs(self) -> dict[str, int] | None:
         """``num_replicas``/``rank`` a plain DataLoader's DistributedSampler gets (None: no sharding)."""
         return None

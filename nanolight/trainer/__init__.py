@@ -1,7 +1,6 @@
-"""The trainer: `NanoTrainer` (`trainer.py`) and its parts -- the fit and validation loops
-(`loops.py`), one optimizer step (`step.py`), logged metrics (`metrics.py`), the data position
-(`data_position.py`), the trainer's part of a checkpoint (`state.py`) and preemption
-(`preemption.py`)."""
+"""The trainer: `NanoTrainer` (`trainer.py`) and the parts it holds -- hooks, data, metrics,
+optimization, the fit loop (`loops.py`, one step in `step.py`), evaluation, the trainer's part of
+a checkpoint (`state.py`) and preemption (`preemption.py`)."""
 
 from nanolight.trainer.trainer import NanoTrainer
 

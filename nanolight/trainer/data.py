@@ -6,7 +6,8 @@ module's own ``*_dataloader`` hooks. A loader is requested when its loop first n
 hook order Lightning has). Under data parallelism a plain ``DataLoader`` gets a
 ``DistributedSampler`` (each rank its 1/dp of the samples; ``use_distributed_sampler=False`` to
 shard yourself); with ``seed_everything(workers=True)`` each worker is seeded. Batch limits
-(``limit_*_batches``, ``overfit_batches``, ``num_sanity_val_steps``) follow Lightning.
+(``limit_*_batches``, ``overfit_batches``, ``num_sanity_val_steps``) follow Lightning. Also
+what a step's batches count (samples, tokens) and a loader's epoch (``set_epoch``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import math
 import os
 import random
+from collections.abc import Iterable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,18 +27,16 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from nanolight.errors import UsageError
 from nanolight.module import NanoDataModule
-from nanolight.trainer.data_position import loader_len
+from nanolight.module.module import NanoModule
 
 if TYPE_CHECKING:
     from nanolight.trainer.trainer import NanoTrainer
 
-KINDS = ("train", "val", "test", "predict")
 
-
-def worker_init(worker_id: int) -> None:
-    """Distinct, reproducible seeds per dataloader worker (``seed_everything(workers=True)``)."""
+def worker_init(worker_id: int, rank: int = 0) -> None:
+    """Distinct, reproducible seeds per dataloader worker and global rank
+    (``seed_everything(workers=True)``)."""
     base = int(os.environ.get("PL_GLOBAL_SEED", 0))
-    rank = int(os.environ.get("RANK", 0))
     seed = (base + 1000003 * rank + 7919 * worker_id) % 2**32
     random.seed(seed)
     np.random.seed(seed)
@@ -48,7 +49,9 @@ def parse_num_batches(kind: str, length: int | None, limit: int | float) -> floa
         return float(limit) if length is None else float(min(length, limit))
     if length is None:
         if limit not in (0.0, 1.0):
-            raise UsageError(f"limit_{kind}_batches={limit}: a fraction needs a loader with a length; give an int")
+            raise UsageError(
+                f"limit_{kind}_batches={limit}: a fraction needs a loader with a length; give an int"
+            )
         return 0.0 if limit == 0.0 else math.inf
     n = int(length * limit)
     if n == 0 and limit > 0.0 and length > 0:
@@ -81,22 +84,26 @@ class DataConnector:
             return True
         hook = f"{kind}_dataloader"
         dm = self.datamodule
-        return (dm is not None and is_overridden(hook, dm, NanoDataModule)) or _module_overrides(self.module, hook)
+        return (dm is not None and is_overridden(hook, dm, NanoDataModule)) or _module_overrides(
+            self.module, hook
+        )
 
     def request(self, kind: str) -> list[Any]:
         """The loaders of `kind` (one per dataloader), processed for this run."""
         trainer = self.trainer
         if kind in self._given:
             raw = self._given[kind]
-        elif self.datamodule is not None and is_overridden(f"{kind}_dataloader", self.datamodule, NanoDataModule):
-            raw = trainer.call_datamodule_hook(f"{kind}_dataloader")
+        elif self.datamodule is not None and is_overridden(
+            f"{kind}_dataloader", self.datamodule, NanoDataModule
+        ):
+            raw = trainer.hooks.datamodule(f"{kind}_dataloader")
         elif _module_overrides(self.module, f"{kind}_dataloader"):
-            raw = trainer.call_module_hook(f"{kind}_dataloader")
+            raw = trainer.hooks.module(f"{kind}_dataloader")
         else:
             raise UsageError(
                 f"no {kind} data: pass {kind}_dataloaders=... (or a datamodule), or implement {kind}_dataloader()"
             )
-        trainer.strategy.barrier(f"{kind}_dataloader()")
+        trainer.strategy.barrier(f"{kind}_dataloader()")  # every rank: all have built their loaders
         if isinstance(raw, dict):
             raise UsageError(f"a dict of {kind} dataloaders is not supported: pass one loader or a list")
         loaders = list(raw) if _is_loader_list(raw) else [raw]
@@ -115,8 +122,13 @@ class DataConnector:
         trainer = self.trainer
         if not isinstance(loader, DataLoader):
             return loader  # a custom iterable (e.g. nanolight's token loaders) shards itself
-        if os.environ.get("PL_SEED_WORKERS") == "1" and loader.num_workers > 0 and loader.worker_init_fn is None:
-            loader.worker_init_fn = worker_init  # settable after construction, unlike the sampler
+        if (
+            os.environ.get("PL_SEED_WORKERS") == "1"
+            and loader.num_workers > 0
+            and loader.worker_init_fn is None
+        ):
+            # settable after construction, unlike the sampler
+            loader.worker_init_fn = partial(worker_init, rank=trainer.global_rank)
         kwargs = trainer.strategy.distributed_sampler_kwargs
         sampler = loader.sampler
         shard = (
@@ -125,11 +137,15 @@ class DataConnector:
             and not isinstance(sampler, DistributedSampler)  # sharded already
             and not isinstance(loader.dataset, IterableDataset)  # nothing a sampler can split
         )
-        overfit = kind == "train" and trainer.config.overfit_batches > 0 and isinstance(sampler, RandomSampler)
+        overfit = (
+            kind == "train" and trainer.config.overfit_batches > 0 and isinstance(sampler, RandomSampler)
+        )
         if not (shard or overfit):
             return loader
         if overfit:
-            rank_zero_warn("overfit_batches: the training loader's shuffling is turned off (the same batches each epoch)")
+            rank_zero_warn(
+                "overfit_batches: the training loader's shuffling is turned off (the same batches each epoch)"
+            )
             sampler = SequentialSampler(loader.dataset)
         if shard:
             if type(loader) is not DataLoader or loader.batch_size is None:
@@ -139,7 +155,9 @@ class DataConnector:
                     "NanoTrainer(use_distributed_sampler=False) and shard the data per rank yourself"
                 )
             seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-            sampler = DistributedSampler(loader.dataset, shuffle=isinstance(sampler, RandomSampler), seed=seed, **kwargs)
+            sampler = DistributedSampler(
+                loader.dataset, shuffle=isinstance(sampler, RandomSampler), seed=seed, **kwargs
+            )
         return _rebuild(loader, sampler)
 
 
@@ -148,25 +166,55 @@ def _is_loader_list(raw: Any) -> bool:
     if not isinstance(raw, (list, tuple)) or not raw:
         return False
     return all(
-        isinstance(x, DataLoader) or (hasattr(x, "__iter__") and not isinstance(x, (torch.Tensor, dict, list, tuple, str)))
+        isinstance(x, DataLoader)
+        or (hasattr(x, "__iter__") and not isinstance(x, (torch.Tensor, dict, list, tuple, str)))
         for x in raw
     )
 
 
 def _module_overrides(module: Any, hook: str) -> bool:
-    from nanolight.module.module import NanoModule
-
     return module is not None and is_overridden(hook, module, NanoModule)
 
 
 def _rebuild(loader: DataLoader, sampler: Any) -> DataLoader:
     """The same loader with another sampler."""
-    extra: dict[str, Any] = {}
+    names = ["batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout"]
+    names += ["worker_init_fn", "multiprocessing_context", "generator"]
     if loader.num_workers > 0:
-        extra = {"prefetch_factor": loader.prefetch_factor, "persistent_workers": loader.persistent_workers}
-    return DataLoader(
-        loader.dataset, batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
-        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context, generator=loader.generator, **extra,
-    )  # fmt: skip
+        names += ["prefetch_factor", "persistent_workers"]
+    return DataLoader(loader.dataset, sampler=sampler, **{name: getattr(loader, name) for name in names})
+
+
+def set_epoch(loader: Any, epoch: int) -> None:
+    """DistributedSampler-style samplers reshuffle per epoch through ``set_epoch``."""
+    for obj in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+        if callable(getattr(obj, "set_epoch", None)):
+            obj.set_epoch(epoch)
+
+
+def count_samples_tokens(batch: Any) -> tuple[int, int]:
+    """(samples, tokens) of a micro-batch: tokens = numel of ``input_ids`` when present."""
+    if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
+        ids = batch["input_ids"]
+        return int(ids.shape[0]), int(ids.numel())
+    first = batch
+    while isinstance(first, (list, tuple, dict)) and len(first) > 0:
+        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+    if isinstance(first, torch.Tensor) and first.ndim > 0:
+        return int(first.shape[0]), 0
+    return 0, 0
+
+
+def count_consumed(progress: dict[str, int], batches: list[Any], dp_size: int) -> None:
+    """Add one step's samples/tokens, global over data-parallel replicas, to ``progress``."""
+    for b in batches:
+        samples, tokens = count_samples_tokens(b)
+        progress["samples"] += samples * dp_size
+        progress["tokens"] += tokens * dp_size
+
+
+def loader_len(loader: Iterable) -> int | None:
+    try:
+        return len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return None

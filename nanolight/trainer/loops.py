@@ -2,15 +2,22 @@
 training-epoch loops, in one place.
 
 Per accumulation window (one optimizer step; one batch under manual optimization):
-the step (`step.py` / `manual.py`), its logger row, validation if one of the window's batches is
+the step (`step.py`), its logger row, validation if one of the window's batches is
 a check batch (an int ``val_check_interval`` counts batches, a float is a fraction of the
 epoch), plateau schedulers with interval "step", then `max_time` and pre-emption checks (with
 several ranks the latter reads the agreement the previous step started: `preemption.py`).
 At an epoch's end: epoch values published, ``on_train_epoch_end`` (monitoring callbacks after
 the module), plateau schedulers (only after a complete epoch), the epoch row. Stopping: max
 steps/epochs, or ``should_stop`` once ``min_steps``/``min_epochs`` are met (with one extra
-validation right then, as Lightning). Where training stands in its data is `FitLoop`'s state,
-so a resumed run continues from the next unseen batch (`data_position.py`).
+validation right then, as Lightning).
+
+Where training stands in its data is `FitLoop`'s state, so a resumed run continues from the next
+unseen batch: loaders with ``state_dict()/load_state_dict()`` (the nanolight data loader) are
+restored through those and simply continue; a plain ``DataLoader`` is resumed by re-creating the
+epoch's iterator *with the RNG state it was created with* (a shuffled ``RandomSampler`` draws its
+permutation seed from the global torch generator, or the loader's/sampler's own, when the
+iterator is created) and skipping the micro-batches already consumed. The trainer's RNG states at
+checkpoint time are restored *after* the skip, so the run continues as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -18,16 +25,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
+import torch
 from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 
 from nanolight.errors import UsageError
 from nanolight.seed import restore_rng_state
-from nanolight.trainer import data_position as position
+from nanolight.trainer.data import set_epoch
 from nanolight.trainer.evaluation import run_evaluation
-from nanolight.trainer.manual import ManualStep
-from nanolight.trainer.step import AutomaticStep
+from nanolight.trainer.step import AutomaticStep, ManualStep
 
 if TYPE_CHECKING:
     from nanolight.trainer.trainer import NanoTrainer
@@ -60,7 +68,7 @@ class FitLoop:
         return {
             "batch_idx": self.trainer.progress["batch_idx"],
             "epoch_start": self._epoch_start,
-            "loader": loader.state_dict() if position.is_stateful(loader) else None,
+            "loader": loader.state_dict() if is_stateful(loader) else None,
         }
 
     def load_state_dict(self, loop: dict[str, Any] | None, rng: dict[str, Any] | None) -> None:
@@ -89,7 +97,11 @@ class FitLoop:
         cfg, trainer = self.trainer.config, self.trainer
         vci = cfg.val_check_interval
         if isinstance(vci, int):
-            if vci > self.max_batches and cfg.check_val_every_n_epoch is not None and trainer.enable_validation:
+            if (
+                vci > self.max_batches
+                and cfg.check_val_every_n_epoch is not None
+                and trainer.enable_validation
+            ):
                 raise UsageError(
                     f"val_check_interval={vci} is more than the {self.max_batches:g} training batches of an "
                     "epoch: lower it, or pass check_val_every_n_epoch=None to count batches across epochs"
@@ -97,7 +109,9 @@ class FitLoop:
             self.val_check_batch = vci
         elif self.max_batches == math.inf:
             if vci != 1.0:
-                raise UsageError(f"val_check_interval={vci}: a fraction needs a train loader with a length; give an int")
+                raise UsageError(
+                    f"val_check_interval={vci}: a fraction needs a train loader with a length; give an int"
+                )
             self.val_check_batch = math.inf
         else:
             self.val_check_batch = max(1, int(self.max_batches * vci))
@@ -144,18 +158,20 @@ class FitLoop:
         trainer = self.trainer
         self.ensure_train_data()
         if self.max_batches == 0 and not (0 <= trainer.config.max_steps <= trainer.global_step):
-            rank_zero_warn("the train dataloader has no batches (or limit_train_batches=0): fit stopped without training")
+            rank_zero_warn(
+                "the train dataloader has no batches (or limit_train_batches=0): fit stopped without training"
+            )
         if self.done or trainer.config.limit_train_batches == 0:
             return
         if trainer.enable_validation and self._validates_epoch():
             self.ensure_val_data()
         self._t0 = time.monotonic()
         trainer.lightning_module.train()
-        trainer.call_hook("on_train_start")
+        trainer.hooks.call("on_train_start")
         while not self.done:
             self._epoch()
         trainer.preemption.finish()  # the last step's agreement: none left in flight
-        trainer.call_hook("on_train_end")
+        trainer.hooks.call("on_train_end")
 
     def _validates_epoch(self) -> bool:
         every = self.trainer.config.check_val_every_n_epoch
@@ -165,16 +181,16 @@ class FitLoop:
         """Iterator for the current epoch, positioned after the batches a checkpoint consumed."""
         trainer, loader = self.trainer, self.train_loader
         resume, self._resume = self._resume, None
-        stateful = position.is_stateful(loader)
-        position.set_epoch(loader, trainer.current_epoch)
+        stateful = is_stateful(loader)
+        set_epoch(loader, trainer.current_epoch)
         if resume is not None and stateful and resume.get("loader") is not None:
             loader.load_state_dict(resume["loader"])
         if resume is not None:
-            position.restore_epoch_start(loader, resume["epoch_start"])
-        self._epoch_start = position.capture_epoch_start(loader)
+            restore_epoch_start(loader, resume["epoch_start"])
+        self._epoch_start = capture_epoch_start(loader)
         iterator = iter(loader)
         if resume is not None and not stateful:
-            position.skip(iterator, resume["batch_idx"])
+            skip(iterator, resume["batch_idx"])
         if self._resume_rng is not None:
             restore_rng_state(self._resume_rng)
             self._resume_rng = None
@@ -190,18 +206,22 @@ class FitLoop:
             self.train_loader = None  # Lightning: ask for the train loader again
             self.ensure_train_data()
         iterator = self._iterator()
-        trainer.call_hook("on_train_epoch_start")
+        trainer.hooks.call("on_train_epoch_start")
         manual = not trainer.lightning_module.automatic_optimization
         step = ManualStep(trainer) if manual else AutomaticStep(trainer)
         window = 1 if manual else cfg.accumulate_grad_batches
         complete = False
-        while not (cfg.max_steps != -1 and trainer.global_step >= cfg.max_steps) and not self._stop_requested():
+        while (
+            not (cfg.max_steps != -1 and trainer.global_step >= cfg.max_steps) and not self._stop_requested()
+        ):
             first = trainer.progress["batch_idx"]
             left = self.max_batches - first
-            batches = position.take(iterator, int(min(window, left))) if left > 0 else []
+            batches = list(islice(iterator, int(min(window, left)))) if left > 0 else []
             if not batches:
                 if first == 0:
-                    raise UsageError("the train dataloader yielded no batches: check the dataset and batch size")
+                    raise UsageError(
+                        "the train dataloader yielded no batches: check the dataset and batch size"
+                    )
                 complete = True
                 break
             trainer.progress["batch_idx"] += len(batches)
@@ -210,7 +230,7 @@ class FitLoop:
             if not step.run(batches, first, last):
                 self.window_open = False
                 break
-            trainer.step_row()
+            trainer.metrics.step_row()
             self._after_window(first, len(batches), last)
             if last:
                 complete = True
@@ -226,9 +246,9 @@ class FitLoop:
         trainer = self.trainer
         trainer.progress["total_batch_idx"] += n
         if self._validation_due(first, n, last):
-            trainer.call_module_hook("on_validation_model_zero_grad")
+            trainer.hooks.module("on_validation_model_zero_grad")
             self._validate()
-        trainer.update_lr_schedulers("step", plateau=True, batch_idx=first + n - 1)
+        trainer.optimization.update_lr_schedulers("step", plateau=True, batch_idx=first + n - 1)
         trainer.progress["stepped"] += 1
         self.window_open = False
         max_time = trainer.config.max_time_s
@@ -258,11 +278,47 @@ class FitLoop:
 
     def _epoch_end(self, complete: bool) -> None:
         trainer = self.trainer
-        trainer.publish_epoch()  # epoch values first: the hooks (and monitoring callbacks) read them
-        trainer.call_hook("on_train_epoch_end")
+        metrics = trainer.metrics
+        metrics.publish(metrics.train, on_step=False)  # epoch values first: the hooks read them
+        trainer.hooks.call("on_train_epoch_end")
         if complete:
-            trainer.update_lr_schedulers("epoch", plateau=True, batch_idx=trainer.progress["batch_idx"] - 1)
-        trainer.epoch_row()
+            batch_idx = trainer.progress["batch_idx"] - 1
+            trainer.optimization.update_lr_schedulers("epoch", plateau=True, batch_idx=batch_idx)
+        metrics.epoch_row()
         trainer.progress["epoch"] += 1
         trainer.progress["batch_idx"] = 0
 
+
+# ---- where training stands in its data -----------------------------------------------------
+def is_stateful(loader: Any) -> bool:
+    """The loader saves and restores its own position (the nanolight data loader)."""
+    return all(callable(getattr(loader, name, None)) for name in ("state_dict", "load_state_dict"))
+
+
+def _generators(loader: Any) -> list[torch.Generator | None]:
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    inner = getattr(batch_sampler, "sampler", None)
+    return [
+        getattr(loader, "generator", None),
+        getattr(sampler, "generator", None),
+        getattr(inner, "generator", None) if inner is not sampler else None,
+    ]
+
+
+def capture_epoch_start(loader: Any) -> dict[str, Any]:
+    """RNG state that decides this epoch's sample order (before ``iter(loader)``)."""
+    gens = [g.get_state() if g is not None else None for g in _generators(loader)]
+    return {"torch": torch.get_rng_state(), "generators": gens}
+
+
+def restore_epoch_start(loader: Any, state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    for gen, saved in zip(_generators(loader), state["generators"], strict=False):
+        if gen is not None and saved is not None:
+            gen.set_state(saved)
+
+
+def skip(iterator: Iterator, n: int) -> None:
+    for _ in range(n):
+        next(iterator)

@@ -78,7 +78,8 @@ class Preemption:
             pending, self._pending = self._pending, None
             agreed = pending.wait() if pending is not None else 0  # started at the previous step
             if not agreed:
-                self._pending = self.trainer.strategy.start_max(code)  # read at the next check
+                # every rank sends its signal code, the world's maximum is read at the next check
+                self._pending = self.trainer.strategy.start_max(code)
         if agreed:
             self._stop(NAMES[agreed])
 

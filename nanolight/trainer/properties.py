@@ -1,17 +1,20 @@
 """The read-only attributes Lightning users read from a trainer (``trainer.global_step``,
-``trainer.callback_metrics``, ``trainer.num_val_batches``, ...), mixed into `NanoTrainer`, and
-``trainer.state`` (what the trainer is doing: Lightning's ``TrainerFn`` / ``RunningStage``)."""
+``trainer.callback_metrics``, ``trainer.max_epochs``, ...), mixed into `NanoTrainer`: each
+answered by the part that holds it (the strategy, the metric store, the fit loop, the config);
+and ``trainer.state`` (what the trainer is doing: Lightning's ``TrainerFn`` / ``RunningStage``)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-import torch
+from lightning_utilities.core.overrides import is_overridden
 
 from nanolight.callbacks.early_stopping import EarlyStopping
 from nanolight.callbacks.model_checkpoint import ModelCheckpoint
+from nanolight.module.module import NanoModule
+from nanolight.trainer.arguments import TrainerConfig
 
 if TYPE_CHECKING:
     from nanolight.loggers.base import Logger
@@ -41,9 +44,23 @@ def _stage_flag(stage: str) -> property:
     return property(get, set_, doc=f"True while the {stage!r} loop runs.")
 
 
-class TrainerProperties:
-    """Mixed into `NanoTrainer`."""
+def _from(part: str, name: str) -> property:
+    """A read-only attribute answered by one of the trainer's parts (``strategy``, ``metrics``)."""
+    return property(lambda self: getattr(getattr(self, part), name), doc=f"``trainer.{part}.{name}``")
 
+
+class TrainerProperties:
+    """Mixed into `NanoTrainer` (its only mixin): Lightning's read-only surface."""
+
+    is_global_zero = _from("strategy", "is_global_zero")
+    world_size = _from("strategy", "world_size")
+    global_rank = _from("strategy", "global_rank")
+    local_rank = _from("strategy", "local_rank")
+    optimizers = _from("strategy", "optimizers")
+    model = _from("strategy", "module")
+    callback_metrics = _from("metrics", "callback_metrics")
+    logged_metrics = _from("metrics", "logged_metrics")
+    progress_bar_metrics = _from("metrics", "progress_bar_metrics")
     training = _stage_flag("train")
     validating = _stage_flag("validate")
     testing = _stage_flag("test")
@@ -78,34 +95,6 @@ class TrainerProperties:
         """Lightning's flag: fit is running its epoch's last training batch (stays True through
         that epoch's end hooks)."""
         return self.fit_loop.is_last_batch
-
-    @property
-    def is_global_zero(self: NanoTrainer) -> bool:
-        return self.strategy.is_global_zero
-
-    @property
-    def world_size(self: NanoTrainer) -> int:
-        return self.strategy.world_size
-
-    @property
-    def global_rank(self: NanoTrainer) -> int:
-        return self.strategy.global_rank
-
-    @property
-    def local_rank(self: NanoTrainer) -> int:
-        return self.strategy.local_rank
-
-    @property
-    def callback_metrics(self: NanoTrainer) -> dict[str, torch.Tensor]:
-        return self.metrics.callback_metrics
-
-    @property
-    def logged_metrics(self: NanoTrainer) -> dict[str, torch.Tensor]:
-        return self.metrics.logged_metrics
-
-    @property
-    def progress_bar_metrics(self: NanoTrainer) -> dict[str, torch.Tensor]:
-        return self.metrics.progress_bar_metrics
 
     @property
     def logger(self: NanoTrainer) -> Logger | None:
@@ -145,24 +134,12 @@ class TrainerProperties:
         return self.fit_loop.train_loader
 
     @property
-    def optimizers(self: NanoTrainer) -> list[Any]:
-        return self.strategy.optimizers
-
-    @property
     def precision(self: NanoTrainer) -> str:
         return self.strategy.precision.mode
 
     @property
-    def model(self: NanoTrainer) -> Any:
-        return self.strategy.module
-
-    @property
     def enable_validation(self: NanoTrainer) -> bool:
         """Fit validates: a validation_step, a validation source and ``limit_val_batches`` > 0."""
-        from lightning_utilities.core.overrides import is_overridden
-
-        from nanolight.module.module import NanoModule
-
         module = self.lightning_module
         return (
             module is not None
@@ -191,11 +168,5 @@ class TrainerProperties:
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
 
-_CONFIG_NAMES = frozenset(
-    {
-        "max_steps", "max_epochs", "min_steps", "min_epochs", "accumulate_grad_batches", "gradient_clip_val",
-        "gradient_clip_algorithm", "val_check_interval", "check_val_every_n_epoch", "num_sanity_val_steps",
-        "limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
-        "overfit_batches", "log_every_n_steps", "fast_dev_run", "reload_dataloaders_every_n_epochs",
-    }
-)  # fmt: skip
+# the loop options read by their Lightning names (Lightning has no ``trainer.max_time``)
+_CONFIG_NAMES = frozenset(f.name for f in fields(TrainerConfig)) - {"max_time"}

@@ -77,7 +77,7 @@ def restore_state(trainer: NanoTrainer, path: Path) -> dict[str, Any]:
     module, strategy = trainer.lightning_module, trainer.strategy
     with _naming_an_intact_one(path):
         state = strategy.load_checkpoint(path, load_optimizer=False)
-    trainer.call_module_hook("on_load_checkpoint", state)
+    trainer.hooks.module("on_load_checkpoint", state)
     for cb in trainer.callbacks:
         cb.on_load_checkpoint(trainer, module, state)
     saved = state.get("callbacks", {})
@@ -133,7 +133,9 @@ def _naming_an_intact_one(path: Path) -> Iterator[None]:
         raise with_hint(exc, hint) from exc
 
 
-def resolve_ckpt_path(trainer: NanoTrainer, ckpt_path: str | Path | None, fn: str, model_given: bool) -> Path | None:
+def resolve_ckpt_path(
+    trainer: NanoTrainer, ckpt_path: str | Path | None, fn: str, model_given: bool
+) -> Path | None:
     """Lightning's rules: None restores nothing (fit, or a model was passed) or else the best
     checkpoint of the fit before; ``"best"`` -> the first ModelCheckpoint's best; ``"last"`` ->
     for fit, the newest complete checkpoint (the ``last`` pointer: resuming), otherwise the
@@ -178,5 +180,7 @@ def resolve_ckpt_path(trainer: NanoTrainer, ckpt_path: str | Path | None, fn: st
         return None
     found = resolve_checkpoint(ckpt_path)
     if found is None:
-        raise MissingCheckpointFile(f"checkpoint {ckpt_path} does not exist: pass a checkpoint directory, 'best' or 'last'")
+        raise MissingCheckpointFile(
+            f"checkpoint {ckpt_path} does not exist: pass a checkpoint directory, 'best' or 'last'"
+        )
     return found

@@ -1,5 +1,5 @@
-"""One optimizer step under automatic optimization: the strategy's micro-batch schedule, walked by
-the trainer, with Lightning's hooks in Lightning's order.
+"""One optimizer step: under automatic optimization the strategy's micro-batch schedule, walked by
+the trainer, with Lightning's hooks in Lightning's order; under manual optimization one batch.
 
 The strategy says in which order this rank runs the forwards and backwards of the step's `n`
 micro-batches (one after the other, or 1F1B / all-forward-all-backward under pipeline
@@ -23,6 +23,12 @@ token sum by the step's count so that this arithmetic yields the exact token mea
 
 ``batch_idx`` counts batches (micro-batches) within the epoch; ``global_step`` optimizer steps.
 A ``training_step`` that returns None skips that backward (the step still happens).
+
+Manual optimization (``automatic_optimization = False``): the module's ``training_step`` drives
+its optimizers -- ``self.optimizers()``, ``self.manual_backward(loss)`` (backward hooks included),
+``opt.step()`` (the gradients are finished, ``on_before_optimizer_step`` runs, ``global_step``
+counts it), ``opt.zero_grad()``, and its own schedulers. As in Lightning the trainer neither
+zeroes, clips nor steps anything itself.
 """
 
 from __future__ import annotations
@@ -33,13 +39,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nanolight.errors import UsageError
-from nanolight.strategies.base import FORWARD
-from nanolight.trainer.data_position import count_consumed
+from nanolight.strategies.base import FORWARD, Strategy
+from nanolight.trainer.data import count_consumed
 
 if TYPE_CHECKING:
     from nanolight.trainer.trainer import NanoTrainer
 
 END_EPOCH = -1  # what on_train_batch_start returns to end the epoch
+
+
+def refuse_under_pipeline(strategy: Strategy, message: str) -> None:
+    """Under pipeline parallelism every stage runs every micro-batch of the strategy's schedule
+    (only the last stage has the loss, 1F1B interleaves the micro-batches): nothing may skip
+    one, end the window early, or drive the schedule by hand."""
+    if strategy.pipelined:
+        raise UsageError(message)
 
 
 def extract_loss(output: Any) -> torch.Tensor | None:
@@ -60,14 +74,14 @@ def extract_loss(output: Any) -> torch.Tensor | None:
     return output if output.dim() == 0 else output.reshape(())
 
 
-def batch_outputs(output: Any, loss: torch.Tensor | None) -> dict[str, Any]:
-    """What on_train_batch_end receives: Lightning's ``{"loss": ..., **extras}`` (``{}`` if skipped)."""
-    if loss is None:
-        return {}
-    extras = output if isinstance(output, dict) else {}
-    out = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in extras.items()}
-    out["loss"] = loss.detach()
-    return out
+def batch_outputs(output: Any) -> dict[str, Any]:
+    """What on_train_batch_end receives: Lightning's ``{"loss": ..., **extras}``, detached (a bare
+    loss becomes ``{"loss": loss}``, anything else ``{}``)."""
+    if isinstance(output, torch.Tensor):
+        return {"loss": output.detach()}
+    if isinstance(output, dict):
+        return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in output.items()}
+    return {}
 
 
 class AutomaticStep:
@@ -89,8 +103,8 @@ class AutomaticStep:
             if not self._walk(actions, batches, first, last_forward):
                 return False
         count_consumed(trainer.progress, batches, strategy.data_parallel_size)
-        trainer.after_optimizer_step(last_of_epoch)
-        trainer.call_hook("on_train_batch_end", self.outputs.pop(n - 1), self.batches[n - 1], first + n - 1)
+        trainer.optimization.after_optimizer_step(last_of_epoch)
+        trainer.hooks.call("on_train_batch_end", self.outputs.pop(n - 1), self.batches[n - 1], first + n - 1)
         return True
 
     def _walk(
@@ -98,26 +112,25 @@ class AutomaticStep:
     ) -> bool:
         """The schedule up to and including the optimizer step; False if the epoch was ended."""
         trainer = self.trainer
-        strategy, hook = trainer.strategy, trainer.call_hook
-        n, epoch = len(batches), trainer.current_epoch
+        hooks, n, epoch = trainer.hooks, len(batches), trainer.current_epoch
         for pos, (kind, i) in enumerate(actions):
             if kind != FORWARD:
                 self._backward(i, n, first)
                 continue
-            self.batches[i] = batch = trainer.transfer_batch(batches[i])
+            self.batches[i] = batch = hooks.transfer_batch(batches[i])
             trainer.metrics.batch, trainer.fit_loop.batch_idx = batch, first + i
-            if hook("on_train_batch_start", batch, first + i, returns=True) == END_EPOCH:
-                if strategy.pipelined:
-                    raise UsageError(
-                        "on_train_batch_start returned -1 under pipeline parallelism: stop with trainer.should_stop"
-                    )
+            if hooks.call("on_train_batch_start", batch, first + i, returns=True) == END_EPOCH:
+                refuse_under_pipeline(
+                    trainer.strategy,
+                    "on_train_batch_start returned -1 under pipeline parallelism: stop with trainer.should_stop",
+                )
                 return False
             if pos < last_forward:
                 self._forward(i, first)
                 continue
             closure = _Closure(lambda rest=actions[pos + 1 :]: self._finish(rest, n, first))
             opt = trainer.nano_optimizers[0]
-            trainer.call_module_hook("optimizer_step", epoch, first + i, opt, closure)
+            hooks.module("optimizer_step", epoch, first + i, opt, closure)
             if not closure.ran:
                 raise UsageError(
                     "optimizer_step did not run its optimizer_closure: call optimizer.step(closure=optimizer_closure)"
@@ -128,28 +141,30 @@ class AutomaticStep:
     def _forward(self, i: int, first: int) -> None:
         trainer = self.trainer
         with trainer.strategy.forward_context(i):
-            output = trainer.call_step("training_step", self.batches[i], first + i)
+            output = trainer.hooks.step("training_step", self.batches[i], first + i)
         loss = extract_loss(output)
-        if loss is None and trainer.strategy.pipelined:
-            raise UsageError(
-                "training_step returned None under pipeline parallelism: every stage must run every micro-batch"
+        if loss is None:
+            refuse_under_pipeline(
+                trainer.strategy,
+                "training_step returned None under pipeline parallelism: every stage must run every micro-batch",
             )
-        self.losses[i], self.outputs[i] = loss, batch_outputs(output, loss)
+        self.losses[i] = loss
+        self.outputs[i] = {} if loss is None else {**batch_outputs(output), "loss": loss.detach()}
         if i == 0:  # Lightning zeroes after the window's first forward, before its backward
             for raw, opt in zip(trainer.optimizers, trainer.nano_optimizers, strict=True):
-                trainer.call_hook("on_before_zero_grad", raw)
-                trainer.call_module_hook("optimizer_zero_grad", trainer.current_epoch, first + i, opt)
+                trainer.hooks.call("on_before_zero_grad", raw)
+                trainer.hooks.module("optimizer_zero_grad", trainer.current_epoch, first + i, opt)
 
     def _backward(self, i: int, n: int, first: int) -> None:
         trainer = self.trainer
         loss = self.losses[i]
         if loss is not None:
-            trainer.backward(loss / trainer.config.accumulate_grad_batches, i, n)
+            trainer.optimization.backward(loss / trainer.config.accumulate_grad_batches, i, n)
             self.losses[i] = loss.detach()
         if i < n - 1:
             trainer.metrics.batch = self.batches[i]
-            trainer.call_hook("on_train_batch_end", self.outputs.pop(i), self.batches[i], first + i)
-            trainer.publish_step(sync=False)
+            trainer.hooks.call("on_train_batch_end", self.outputs.pop(i), self.batches[i], first + i)
+            trainer.metrics.publish_step(sync=False)
 
     def _finish(self, rest: list[tuple[str, int]], n: int, first: int) -> torch.Tensor:
         """The closure: the last training_step, the remaining schedule, final gradients, the
@@ -160,7 +175,7 @@ class AutomaticStep:
             self._backward(i, n, first)
         trainer.strategy.finish_backward()
         trainer.step_loss = self._step_loss()
-        trainer.before_optimizer_step(trainer.optimizers[0])
+        trainer.optimization.before_optimizer_step(trainer.optimizers[0])
         return trainer.step_loss
 
     def _step_loss(self) -> torch.Tensor:
@@ -186,3 +201,24 @@ class _Closure:
             self.ran = True
             self.loss = self.fn()
         return self.loss
+
+
+class ManualStep:
+    """Runs one batch under manual optimization (see the module docstring)."""
+
+    def __init__(self, trainer: NanoTrainer) -> None:
+        self.trainer = trainer
+
+    def run(self, batches: list[Any], first: int, last_of_epoch: bool) -> bool:
+        trainer, hooks = self.trainer, self.trainer.hooks
+        (raw,) = batches
+        batch = hooks.transfer_batch(raw)
+        trainer.metrics.batch, trainer.fit_loop.batch_idx = batch, first
+        if hooks.call("on_train_batch_start", batch, first, returns=True) == END_EPOCH:
+            return False
+        with trainer.strategy.autocast():
+            output = hooks.step("training_step", batch, first)
+        count_consumed(trainer.progress, batches, trainer.strategy.data_parallel_size)
+        trainer.metrics.publish_step(sync=True)
+        hooks.call("on_train_batch_end", batch_outputs(output), batch, first)
+        return True

@@ -44,7 +44,7 @@ def test_shards_hold_every_document_then_eos_like_the_token_file(tmp_path, tok, 
     ref = expected_tokens(tok, docs)
     assert stream_of(str(tmp_path / "out")) == ref
     flat = token_file(DataConfig(path=src, tokenizer=tok_dir, cache_dir=str(tmp_path / "c")), tok)
-    assert flat.tokens.tolist() == ref
+    assert flat.tokens[:].tolist() == ref
     assert len(index["shards"]) >= 3 and index["num_tokens"] == len(ref)
     assert index["dtype"] == "uint16" and index["tokenizer"]["eos_token_id"] == tok.eos_token_id
     assert index["num_documents"] == sum(1 for d in docs if d) and index["source"]["num_rows"] == len(docs)
@@ -85,7 +85,8 @@ def test_interrupted_preparation_resumes_where_it_stopped(tmp_path, tok_dir) -> 
     assert progress["next_row"] == 200 and not (tmp_path / "out" / "index.json").exists()
     with pytest.raises(DataError, match="unfinished preparation.*run it again"):
         PreparedData.open(str(tmp_path / "out"))
-    (tmp_path / "out" / f"{PROGRESS}.tmp-123-abcd").write_text("{half")  # what a kill mid-write leaves
+    (tmp_path / "out" / f".tmp-{PROGRESS}-123").write_text("{half")  # what a kill mid-write leaves
+    (tmp_path / "out" / f"{PROGRESS}.tmp-123-abcd").write_text("{half")  # and what earlier versions left
     (tmp_path / "out" / ".chunk-123_00000_of_00002.arrow").write_bytes(b"x")
     rows = []
     prepared(src, str(tmp_path / "out"), tok_dir, after_commit=rows.append, **kw)

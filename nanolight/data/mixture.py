@@ -22,9 +22,8 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from nanolight.data.docmask import make_batch
-from nanolight.data.loader import _check_sizes, epoch_order
-from nanolight.data.packed import PackedDataset
+from nanolight.data.config import BatchGeometry
+from nanolight.data.loader import PackedDataset, epoch_order, make_batch
 
 
 class MixtureSchedule:
@@ -95,14 +94,9 @@ class MixtureLoader:
         sources: list[PackedDataset],
         weights: list[float],
         names: list[str],
-        micro_batch_size: int,
-        accumulate_grad_batches: int = 1,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        seed: int = 0,
+        geometry: BatchGeometry,
         exhausted: str = "repeat",
     ) -> None:
-        _check_sizes(micro_batch_size, accumulate_grad_batches, dp_rank, dp_size)
         for name, ds in zip(names, sources, strict=True):
             if ds.seq_len != sources[0].seq_len:
                 raise ValueError(
@@ -112,9 +106,9 @@ class MixtureLoader:
                 raise ValueError(f"{name} has no training sample of seq_len={ds.seq_len}: prepare more data")
         self.sources, self.names, self.exhausted = sources, names, exhausted
         self.schedule = MixtureSchedule(weights)
-        self.micro_batch_size, self.accumulate_grad_batches = micro_batch_size, accumulate_grad_batches
-        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
-        self.global_batch_size = micro_batch_size * accumulate_grad_batches * dp_size
+        self.geometry, self.seed = geometry, geometry.seed
+        self.accumulate_grad_batches = geometry.accumulate_grad_batches
+        self.global_batch_size = geometry.global_batch_size
         self.epoch_samples: int | None = None
         if exhausted == "stop":
             first_repeat = min(self.schedule.position_of(i, len(ds)) for i, ds in enumerate(sources))
@@ -151,7 +145,7 @@ class MixtureLoader:
         return make_batch(torch.from_numpy(rows), self.sources[0].document_eos)
 
     def _warn_repeats(self, start: int) -> None:
-        if self.dp_rank != 0:  # every rank runs the same schedule: one of them says so
+        if self.geometry.dp_rank != 0:  # every rank runs the same schedule: one of them says so
             return
         for i, ds in enumerate(self.sources):
             before = self.schedule.count(i, start) // len(ds)
@@ -165,13 +159,14 @@ class MixtureLoader:
                 )
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        mbs, acc, g = self.micro_batch_size, self.accumulate_grad_batches, self.global_batch_size
+        mbs, g = self.geometry.micro_batch_size, self.global_batch_size
         while self.epoch_samples is None or self._pos + g <= self.epoch_samples:
             if self._micro == 0 and self.epoch_samples is None:
                 self._warn_repeats(self._pos)
-            first = self._pos + self.dp_rank * mbs * acc + self._micro * mbs
+            first = self._pos + self.geometry.rank_offset(self._micro)
             batch = self._batch(np.arange(first, first + mbs))
-            if self._micro + 1 == acc:  # state before yielding: state_dict() after it counts it
+            # the state moves before yielding: state_dict() right after this batch counts it
+            if self._micro + 1 == self.accumulate_grad_batches:
                 self._pos, self._micro = self._pos + g, 0
             else:
                 self._micro += 1

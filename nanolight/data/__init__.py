@@ -8,10 +8,10 @@ everything else here is exported for tests, benchmarks and users assembling thei
 """
 
 from nanolight.data.config import EMBEDDED, BatchGeometry, DataConfig, DataError, MixtureSource
-from nanolight.data.datamodule import DataModule, build_datamodule, token_file
+from nanolight.data.datamodule import DataModule, build_datamodule
 from nanolight.data.loader import EvalLoader, PackedDataset, PackedLoader, document_fields, split_blocks
 from nanolight.data.mixture import MixtureLoader, MixtureSchedule
-from nanolight.data.preparation import PrepareConfig, prepare
+from nanolight.data.preparation import PrepareConfig, prepare, token_file
 from nanolight.data.shards import PreparedData
 from nanolight.data.streaming import StreamingPackedLoader
 from nanolight.data.tokenizer import load_tokenizer, vocab_size

@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from nanolight.data.config import EMBEDDED, BatchGeometry, DataConfig, DataError
 from nanolight.data.loader import EvalLoader, PackedDataset, PackedLoader, split_blocks
 from nanolight.data.mixture import ConcatBlocks, MixtureLoader
-from nanolight.data.preparation import cached_preparation
+from nanolight.data.preparation import token_file
 from nanolight.data.shards import INDEX, PreparedData, is_prepared_dir
 from nanolight.data.sources import embedded_corpus, local_files, open_hub, open_local
 from nanolight.data.streaming import StreamingPackedLoader, hold_out
@@ -65,7 +65,7 @@ def build_datamodule(
                 f"data.path={cfg.path} is a prepared directory (read by memory map, no tokenizing): "
                 "set data.streaming=false"
             )
-        data = _open_prepared(cfg.path)
+        data = PreparedData.open(cfg.path)
         return _prepared(cfg, geometry, data, _run_tokenizer([("data.path", data)], cfg.tokenizer))
     if cfg.path != EMBEDDED:
         local_files(cfg.path)  # a missing local path fails now, not after a tokenizer is trained
@@ -77,28 +77,6 @@ def build_datamodule(
     if cfg.streaming:
         return _streaming(cfg, geometry, tok)
     return _prepared(cfg, geometry, token_file(cfg, tok, corpus, **shared), tok)
-
-
-def token_file(
-    cfg: DataConfig,
-    tok: PreTrainedTokenizerBase,
-    corpus: str | None = None,
-    *,
-    barrier: Callable[[], None] | None = None,
-    is_builder: bool = True,
-) -> PreparedData:
-    """The token shards of `cfg`'s source under `tok`, prepared into the data cache on a miss
-    (`preparation.cached_preparation` says what the cache key holds)."""
-    return PreparedData.open(cached_preparation(cfg, tok, corpus, barrier=barrier, is_builder=is_builder))
-
-
-def _open_prepared(path: str, key: str = "data.path") -> PreparedData:
-    """Open a prepared directory; a missing path names the config key that holds it."""
-    if not os.path.isdir(os.path.expanduser(path)):
-        raise DataError(
-            f"{key}={path!r} is not a directory: name one made by scripts/prepare_data.py --out <dir>"
-        )
-    return PreparedData.open(path)
 
 
 def _run_tokenizer(sources: list[tuple[str, PreparedData]], tokenizer: str) -> PreTrainedTokenizerBase:
@@ -147,7 +125,7 @@ def _mixture(cfg: DataConfig, geometry: BatchGeometry) -> DataModule:
     """Loaders over `cfg.mixture` (prepared directories with weights); validation = every source's held-out part."""
     assert cfg.mixture is not None
     keys = [f"data.mixture[{i}].path" for i in range(len(cfg.mixture))]
-    opened = [(k, _open_prepared(m.path, k)) for k, m in zip(keys, cfg.mixture, strict=True)]
+    opened = [(k, PreparedData.open(m.path, k)) for k, m in zip(keys, cfg.mixture, strict=True)]
     tok = _run_tokenizer(opened, cfg.tokenizer)
     eos = tok.eos_token_id if cfg.document_mask else None
     splits = [_blocks(data, cfg, geometry.seq_len, eos) for _, data in opened]

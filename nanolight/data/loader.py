@@ -30,7 +30,7 @@ targets before its micro-batches run needs them (`parallel/loss_tokens.py`).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -156,14 +156,14 @@ class PackedLoader:
     permutation), so the trainer's `for batch in loader` loop sees one epoch per pass and a
     resumed loader continues mid-epoch. `state_dict()` counts global samples consumed, so a run
     can resume at a different dp size or micro-batch split as long as it stopped at a step boundary.
+    `MixtureLoader` is this loader over several datasets; it says where global sample k comes from.
     """
 
     def __init__(self, dataset: PackedDataset, geometry: BatchGeometry, shuffle: bool = True) -> None:
-        self.dataset, self.geometry, self.shuffle = dataset, geometry, shuffle
-        self.seed = geometry.seed
-        self.accumulate_grad_batches = geometry.accumulate_grad_batches
-        self.global_batch_size = g = geometry.global_batch_size
-        if len(dataset) < g:
+        self.dataset, self.shuffle = dataset, shuffle
+        self._start(geometry, epoch_samples=len(dataset))
+        self._epoch_order: tuple[int, np.ndarray] | None = None  # (epoch, its sample order)
+        if len(dataset) < (g := self.global_batch_size):
             t, mbs, acc = dataset.seq_len, geometry.micro_batch_size, self.accumulate_grad_batches
             raise ValueError(
                 f"the training split has {len(dataset)} blocks of seq_len={t} ({len(dataset) * t} tokens) but "
@@ -171,13 +171,21 @@ class PackedLoader:
                 f"dp={geometry.dp_size}) = {g * t} tokens. Use more data, or lower micro_batch_size, "
                 "accumulate_grad_batches, seq_len or data.val_fraction"
             )
+
+    def _start(self, geometry: BatchGeometry, epoch_samples: int | None) -> None:
+        """The position every packed loader keeps, at the run's start; `epoch_samples` None: no epochs."""
+        self.geometry, self.seed, self.epoch_samples = geometry, geometry.seed, epoch_samples
+        self.accumulate_grad_batches = geometry.accumulate_grad_batches
+        self.global_batch_size = geometry.global_batch_size
         self._epoch = 0
         self._pos = 0  # global samples of completed global batches in this epoch
         self._micro = 0  # micro-batches of the current step this rank has yielded
 
     @property
     def steps_per_epoch(self) -> int:
-        return len(self.dataset) // self.global_batch_size
+        if self.epoch_samples is None:
+            raise TypeError("a mixture with data.mixture_exhausted=repeat has no epoch length")
+        return self.epoch_samples // self.global_batch_size
 
     def __len__(self) -> int:
         """Micro-batches per epoch on this rank (a full epoch, from its start)."""
@@ -187,15 +195,26 @@ class PackedLoader:
     def epoch(self) -> int:
         return self._epoch
 
+    def _batch(self, ks: np.ndarray) -> dict[str, torch.Tensor]:
+        """The micro-batch of this epoch's global samples `ks`."""
+        if self._epoch_order is None or self._epoch_order[0] != self._epoch:
+            order = epoch_order(len(self.dataset), self.seed, self._epoch, self.shuffle)
+            self._epoch_order = (self._epoch, order)
+        return self.dataset.batch(self._epoch_order[1][ks])
+
+    def _step_starts(self) -> None:
+        """Called before each step's first micro-batch (a mixture warns about a source repeating)."""
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        order = epoch_order(len(self.dataset), self.seed, self._epoch, self.shuffle)
-        mbs = self.geometry.micro_batch_size
-        while len(self.dataset) - self._pos >= self.global_batch_size:
+        mbs, g = self.geometry.micro_batch_size, self.global_batch_size
+        while self.epoch_samples is None or self._pos + g <= self.epoch_samples:
+            if self._micro == 0:
+                self._step_starts()
             start = self._pos + self.geometry.rank_offset(self._micro)
-            batch = self.dataset.batch(order[start : start + mbs])
+            batch = self._batch(np.arange(start, start + mbs))
             # advance the state before yielding: state_dict() right after this batch must count it
             if self._micro + 1 == self.accumulate_grad_batches:
-                self._pos, self._micro = self._pos + self.global_batch_size, 0
+                self._pos, self._micro = self._pos + g, 0
             else:
                 self._micro += 1
             yield batch
@@ -204,7 +223,7 @@ class PackedLoader:
         # step with a trainer that counts epochs by passes.
         self._epoch, self._pos, self._micro = self._epoch + 1, 0, 0
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         """Plain ints (safe for `torch.load(weights_only=True)`): where the next micro-batch comes from."""
         return {
             "epoch": self._epoch,
@@ -213,7 +232,7 @@ class PackedLoader:
             "seed": self.seed,
         }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at the next unseen micro-batch of the run that saved `state`."""
         if int(state["seed"]) != self.seed:
             raise ValueError(

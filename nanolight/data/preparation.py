@@ -1,5 +1,5 @@
 """Tokenize a corpus once into token shards: scripts/prepare_data.py (`prepare`), and a local
-corpus trained on directly, prepared the same way into the data cache (`cached_preparation`).
+corpus trained on directly, prepared the same way into the data cache (`token_file`).
 
 The source (local files, a hub dataset or `embedded`) is opened as a map-style `datasets`
 table and tokenized chunk by chunk: each chunk of rows goes through `datasets.map(num_proc=N)`
@@ -36,6 +36,7 @@ from nanolight.data.shards import (
     INDEX,
     PROGRESS,
     VERSION,
+    PreparedData,
     ShardWriter,
     check_shards,
     is_prepared_dir,
@@ -385,16 +386,16 @@ def _map_chunk(
     return lengths, values, kept
 
 
-def cached_preparation(
+def token_file(
     cfg: DataConfig,
     tok: PreTrainedTokenizerBase,
     corpus: str | None = None,
     *,
     barrier: Callable[[], None] | None = None,
     is_builder: bool = True,
-) -> str:
-    """The directory of `cfg`'s source prepared (as by scripts/prepare_data.py) into the data cache,
-    tokenizing only on a miss, so a local corpus is read through the same format and loader.
+) -> PreparedData:
+    """The shards of `cfg`'s source under `tok`, prepared (as by scripts/prepare_data.py) into the
+    data cache on a miss, so a local corpus is read through the same format and loader.
 
     Cache key: local files by (path, size, mtime) each, a hub dataset by its `datasets`
     fingerprint (so a hub source is opened through the HF cache even on a cache hit); plus the
@@ -425,4 +426,4 @@ def cached_preparation(
         )
         prepare(prep, progress=False, tokenizer=tok, key="data.path")
 
-    return build_once(path, build, barrier=barrier, is_builder=is_builder)
+    return PreparedData.open(build_once(path, build, barrier=barrier, is_builder=is_builder))

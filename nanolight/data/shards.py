@@ -130,8 +130,13 @@ class PreparedData:
     tokens: TokenShards
 
     @classmethod
-    def open(cls, path: str) -> PreparedData:
+    def open(cls, path: str, key: str = "data.path") -> PreparedData:
+        """Open a prepared directory, checked; a missing one names the config `key` that holds it."""
         p = os.path.abspath(os.path.expanduser(path))
+        if not os.path.isdir(p):
+            raise DataError(
+                f"{key}={path!r} is not a directory: name one made by scripts/prepare_data.py --out <dir>"
+            )
         index = read_index(p)
         problems = check_shards(p, index)
         if problems:

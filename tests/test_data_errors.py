@@ -127,11 +127,14 @@ def test_missing_data_and_tokenizers_are_one_data_error(tmp_path, tok_dir, monke
 
 
 def test_the_recipe_prints_a_missing_data_path_as_one_line(tmp_path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "recipes" / "smollm.py"), f"data.path={tmp_path / 'nope.jsonl'}",
-         f"trainer.default_root_dir={tmp_path / 'run'}", "logger=csv"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
+    args = [
+        f"data.path={tmp_path / 'nope.jsonl'}",
+        f"trainer.default_root_dir={tmp_path / 'run'}",
+        "logger=csv",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, str(REPO / "recipes" / "smollm.py"), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stderr.startswith("nanolight: error: data.path=") and "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr

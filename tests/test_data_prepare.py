@@ -154,10 +154,12 @@ def _alive(pid: int) -> bool:
 def test_sigkilled_cli_run_leaves_no_worker_behind(tmp_path, tok_dir) -> None:
     """`--num-proc 2`: SIGKILL of prepare_data.py runs no cleanup; its map's processes must end too."""
     src = write_docs(str(tmp_path / "docs.jsonl"), DOCS * 300)
-    cmd = [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--source", src, "--tokenizer", tok_dir,
-           "--out", str(tmp_path / "out"), "--num-proc", "2", "--chunk-docs", "400", "--cache-dir", str(tmp_path / "c")]  # fmt: skip
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    script = [sys.executable, str(REPO / "scripts" / "prepare_data.py")]
+    flags = ["--source", src, "--tokenizer", tok_dir, "--out", str(tmp_path / "out"), "--num-proc", "2"]
+    cmd = [*script, *flags, "--chunk-docs", "400", "--cache-dir", str(tmp_path / "c")]
+    proc = subprocess.Popen(
+        cmd, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline, workers = time.time() + 120, []
     while time.time() < deadline and proc.poll() is None and len(workers) < 3:
         workers = _children(proc.pid)  # a tokenizing map at work: its 2 workers and its manager

@@ -163,7 +163,7 @@ def hold_out(
 class StreamingPackedLoader:
     """Micro-batches {"input_ids", "target_ids"} (micro_batch_size, seq_len) of this rank's stream share.
 
-    Never ends (see streaming.py): a rank that finishes its share starts another pass. The
+    Never ends (see above): a rank that finishes its share starts another pass. The
     state holds the stream's own position, so resuming costs one window whatever the step.
     """
 

@@ -1,5 +1,5 @@
 """Bad data files give one clear error naming the file and what is wrong, on every path that reads them
-(token file, streaming, prepare_data) -- not StopIteration, UnicodeDecodeError or ArrowInvalid."""
+(the cache's preparation, streaming, prepare_data) -- not StopIteration, UnicodeDecodeError or ArrowInvalid."""
 
 from __future__ import annotations
 

@@ -20,8 +20,17 @@ from transformers import AutoTokenizer
 
 import nanolight.data.preparation as preparation_mod
 import nanolight.data.tokenizer as tokenizer_mod
-from nanolight.data import BatchGeometry, DataConfig, build_datamodule, load_tokenizer, token_file, vocab_size
+from nanolight.data import (
+    BatchGeometry,
+    DataConfig,
+    PreparedData,
+    build_datamodule,
+    load_tokenizer,
+    token_file,
+    vocab_size,
+)
 from nanolight.data.cache import build_once
+from nanolight.data.shards import is_prepared_dir
 
 
 def cfg_for(path: str, cache: str, tok_dir: str, **kw) -> DataConfig:
@@ -37,6 +46,8 @@ def test_local_formats_tokenize_every_document_followed_by_eos(tmp_path, tok, to
     tf = token_file(cfg_for(src, str(tmp_path / "c"), tok_dir), tok)
     assert tf.tokens[:].tolist() == expected_tokens(tok, DOCS)
     assert tf.tokens.dtype == np.uint16 and tf.index["num_tokens"] == len(tf.tokens)
+    # one on-disk format: the cache holds what scripts/prepare_data.py writes, opened the same way
+    assert is_prepared_dir(tf.path) and PreparedData.open(tf.path).index == tf.index
 
 
 def test_txt_files_glob_one_document_per_file(tmp_path, tok, tok_dir) -> None:

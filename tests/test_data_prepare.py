@@ -1,7 +1,7 @@
 """scripts/prepare_data.py: token shards + index from local files, deterministic, resumable, repairable.
 
 The reference for every token is the tokenizer run on each document alone (`expected_tokens`),
-and the flat token file the pipeline already builds from the same files.
+and the shards the pipeline prepares into its cache from the same files (`token_file`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from nanolight.data import DataConfig, DataError, PreparedData, load_tokenizer, 
 from nanolight.data.shards import PROGRESS
 
 REPO = Path(__file__).resolve().parents[1]
-MIXED = DOCS[:60] + ["", None] + DOCS[60:]  # empty rows are skipped, as by the token file
+MIXED = DOCS[:60] + ["", None] + DOCS[60:]  # empty rows are skipped, in the cache's shards too
 
 pytest_plugins = ["_data_helpers"]  # the tok / tok_dir fixtures
 

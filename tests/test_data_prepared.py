@@ -1,4 +1,4 @@
-"""Training from prepared shards: the same batches as the flat token file at every layout, per-rank
+"""Training from prepared shards: the same batches as the cache's own preparation at every layout, per-rank
 reads of about 1/dp of the bytes, resume at another dp, and fix-it errors before training."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`python recipes/smollm.py` on prepared data, a mixture and a stream: the prepared embedded corpus
-trains with the token file's losses (the same batches) at dp=1 and dp=2, a mixture with document
+trains with the cached corpus's losses (the same batches) at dp=1 and dp=2, a mixture with document
 fields runs, and a streaming run at dp=2 resumes with the uninterrupted run's losses."""
 
 from __future__ import annotations

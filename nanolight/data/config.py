@@ -72,7 +72,7 @@ class DataConfig:
         too large to tokenize up front.
     tokenizer: `embedded` (a byte-level BPE trained on the embedded corpus), a local tokenizer
         directory or a hub name such as `HuggingFaceTB/SmolLM-135M`.
-    cache_dir: where the embedded corpus, embedded tokenizer and token files are written once
+    cache_dir: where the embedded corpus, embedded tokenizer and token shards are written once
         and reused (`~` is expanded). A config field, not an environment variable.
     val_fraction: share of packed blocks held out for validation (map-style data).
     val_blocks: exact number of held-out blocks instead of `val_fraction`; a stream has no known

@@ -36,7 +36,8 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nanolight.data import (  # noqa: E402  # noqa: E402
+from nanolight.data import (  # noqa: E402
+    BatchGeometry,
     DataConfig,
     MixtureLoader,
     PackedDataset,
@@ -47,9 +48,8 @@ from nanolight.data import (  # noqa: E402  # noqa: E402
     build_datamodule,
     prepare,
 )
-from nanolight.data.corpus import embedded_corpus  # noqa: E402
-from nanolight.data.shard_writer import ShardWriter  # noqa: E402
-from nanolight.data.sources import open_local  # noqa: E402
+from nanolight.data.shards import ShardWriter  # noqa: E402
+from nanolight.data.sources import embedded_corpus, open_local  # noqa: E402
 from nanolight.data.tokenizer import embedded_tokenizer_dir, load_tokenizer  # noqa: E402
 from nanolight.models.llama import LlamaForCausalLM  # noqa: E402
 from nanolight.models.llama_config import LlamaConfig  # noqa: E402
@@ -152,7 +152,7 @@ def bench_loader_vs_step(prep_dir: str, corpus: str, tok_dir: str, steps: int, r
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig.preset("smollm-tiny"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batch = next(iter(build_datamodule(DataConfig(path=prep_dir), seq, mbs).train_loader))
+    batch = next(iter(build_datamodule(DataConfig(path=prep_dir), BatchGeometry(seq, mbs)).train_loader))
 
     def train_step() -> None:
         loss = model(batch["input_ids"], target_ids=batch["target_ids"])
@@ -169,10 +169,15 @@ def bench_loader_vs_step(prep_dir: str, corpus: str, tok_dir: str, steps: int, r
     fns = {
         "train step": lambda: [train_step() for _ in range(steps)],
         "prepared loader": per_step(
-            build_datamodule(DataConfig(path=prep_dir), seq, mbs, seed=1).train_loader, n_mapped
+            build_datamodule(DataConfig(path=prep_dir), BatchGeometry(seq, mbs, seed=1)).train_loader,
+            n_mapped,
         ),
-        "mixture loader": per_step(build_datamodule(mix, seq, mbs, seed=1).train_loader, n_mapped),
-        "stream loader": per_step(build_datamodule(stream, seq, mbs, seed=1).train_loader, n_stream),
+        "mixture loader": per_step(
+            build_datamodule(mix, BatchGeometry(seq, mbs, seed=1)).train_loader, n_mapped
+        ),
+        "stream loader": per_step(
+            build_datamodule(stream, BatchGeometry(seq, mbs, seed=1)).train_loader, n_stream
+        ),
     }
     train_step()  # warm-up
     t = median_times(fns, reps)
@@ -209,7 +214,7 @@ def bench_resume(work: str, corpus: str, tok_dir: str, reps: int) -> None:
 
     def packed(at: int) -> Callable[[], object]:
         def run() -> object:
-            loader = PackedLoader(PackedDataset(data.tokens, seq), mbs, 1, 0, 1, seed=1)
+            loader = PackedLoader(PackedDataset(data.tokens, seq), BatchGeometry(seq, mbs, seed=1))
             loader.load_state_dict(
                 {"epoch": 0, "samples_consumed": at, "micro_batches_in_step": 0, "seed": 1}
             )
@@ -220,7 +225,7 @@ def bench_resume(work: str, corpus: str, tok_dir: str, reps: int) -> None:
     def mixture(at: int) -> Callable[[], object]:
         def run() -> object:
             sources = [PackedDataset(data.tokens, seq), PackedDataset(data.tokens, seq)]
-            loader = MixtureLoader(sources, [0.7, 0.3], ["a", "b"], mbs, seed=1)
+            loader = MixtureLoader(sources, [0.7, 0.3], ["a", "b"], BatchGeometry(seq, mbs, seed=1))
             state = loader.state_dict()
             loader.load_state_dict({**state, "samples_consumed": at})
             return next(iter(loader))
@@ -229,17 +234,17 @@ def bench_resume(work: str, corpus: str, tok_dir: str, reps: int) -> None:
 
     tok = load_tokenizer(tok_dir)
     ds = open_local([corpus], streaming=True, cache_dir=f"{work}/hf")
-    kw = {"seed": 1, "tokenize_batch_size": 64}
-    warm = StreamingPackedLoader(ds, tok, "text", seq, mbs, **kw)
+    kw = {"tokenize_batch_size": 64}
+    warm = StreamingPackedLoader(ds, tok, "text", BatchGeometry(seq, mbs, seed=1), **kw)
     it = iter(warm)
     for _ in range(100_000 // mbs):
         next(it)
     late = warm.state_dict()
-    fresh = StreamingPackedLoader(ds, tok, "text", seq, mbs, **kw).state_dict()
+    fresh = StreamingPackedLoader(ds, tok, "text", BatchGeometry(seq, mbs, seed=1), **kw).state_dict()
 
     def streaming(state: dict) -> Callable[[], object]:
         def run() -> object:
-            loader = StreamingPackedLoader(ds, tok, "text", seq, mbs, **kw)
+            loader = StreamingPackedLoader(ds, tok, "text", BatchGeometry(seq, mbs, seed=1), **kw)
             loader.load_state_dict(state)
             return next(iter(loader))
 

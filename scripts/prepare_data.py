@@ -44,12 +44,7 @@ def parse_args(argv: list[str] | None = None) -> PrepareConfig:
     p.add_argument(
         "--cache-dir", default="~/.cache/nanolight", help="embedded corpus/tokenizer, datasets cache"
     )
-    a = p.parse_args(argv)
-    return PrepareConfig(
-        source=a.source, tokenizer=a.tokenizer, out=a.out, name=a.name, split=a.split, revision=a.revision,
-        text_field=a.text_field, num_proc=a.num_proc, shard_size_mb=a.shard_size_mb, chunk_docs=a.chunk_docs,
-        batch_size=a.batch_size, cache_dir=a.cache_dir,
-    )  # fmt: skip
+    return PrepareConfig(**vars(p.parse_args(argv)))  # every flag is the field of its name
 
 
 def main(argv: list[str] | None = None) -> int:

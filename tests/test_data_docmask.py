@@ -9,7 +9,7 @@ import pytest
 import torch
 from _data_helpers import DOCS, prepared, write_docs
 
-from nanolight.data import DataConfig, build_datamodule, document_fields
+from nanolight.data import BatchGeometry, DataConfig, build_datamodule, document_fields
 
 T = 24
 
@@ -70,8 +70,8 @@ def test_every_data_path_yields_document_fields_when_asked(tmp_path, tok, tok_di
         "mixture": {"mixture": [{"path": str(tmp_path / "p"), "weight": 1}]},
         "streaming": {"path": src, "tokenizer": tok_dir, "streaming": True, "val_blocks": 4},
     }[path]
-    on = build_datamodule(DataConfig(cache_dir=cache, document_mask=True, **kw), T, 2, seed=1)
-    off = build_datamodule(DataConfig(cache_dir=cache, **kw), T, 2, seed=1)
+    on = build_datamodule(DataConfig(cache_dir=cache, document_mask=True, **kw), BatchGeometry(T, 2, seed=1))
+    off = build_datamodule(DataConfig(cache_dir=cache, **kw), BatchGeometry(T, 2, seed=1))
     it_on, it_off = iter(on.train_loader), iter(off.train_loader)
     for _ in range(5):
         a, b = next(it_on), next(it_off)

@@ -1,5 +1,5 @@
 """Bad data files give one clear error naming the file and what is wrong, on every path that reads them
-(token file, streaming, prepare_data) -- not StopIteration, UnicodeDecodeError or ArrowInvalid."""
+(the cache's preparation, streaming, prepare_data) -- not StopIteration, UnicodeDecodeError or ArrowInvalid."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import transformers
 from _data_helpers import DOCS, prepared, write_docs
 
-from nanolight.data import DataConfig, DataError, build_datamodule, load_tokenizer
+from nanolight.data import BatchGeometry, DataConfig, DataError, build_datamodule, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,7 +54,7 @@ def test_bad_files_are_named_by_the_training_loaders(tmp_path, tok_dir, streamin
     for name, (path, what) in _bad_files(tmp_path).items():
         cfg = DataConfig(path=path, tokenizer=tok_dir, cache_dir=str(tmp_path / "c"), streaming=streaming)
         with pytest.raises(DataError) as err:
-            build_datamodule(cfg, seq_len=8, micro_batch_size=1)
+            build_datamodule(cfg, BatchGeometry(seq_len=8, micro_batch_size=1))
         assert path in str(err.value) and what in str(err.value), (name, str(err.value))
 
 
@@ -63,7 +63,8 @@ def test_a_bad_file_among_good_ones_is_named(tmp_path, tok_dir) -> None:
     (tmp_path / "b.jsonl").write_bytes(b"")
     with pytest.raises(DataError, match=r"b\.jsonl is empty"):
         build_datamodule(
-            DataConfig(path=str(tmp_path / "*.jsonl"), tokenizer=tok_dir), seq_len=8, micro_batch_size=1
+            DataConfig(path=str(tmp_path / "*.jsonl"), tokenizer=tok_dir),
+            BatchGeometry(seq_len=8, micro_batch_size=1),
         )
     assert os.path.exists(good)
 
@@ -81,14 +82,14 @@ def test_damage_past_the_first_bytes_is_still_named(tmp_path, tok_dir) -> None:
     path.write_text("".join(json.dumps({"text": f"a b c {i}"}) + "\n" for i in range(5000)) + "{not json\n")
     cfg = DataConfig(path=str(path), tokenizer=tok_dir, cache_dir=str(tmp_path / "c"))
     with pytest.raises(DataError, match=r"could not read .*late\.jsonl"):
-        build_datamodule(cfg, seq_len=8, micro_batch_size=1)
+        build_datamodule(cfg, BatchGeometry(seq_len=8, micro_batch_size=1))
 
 
 def test_stream_damaged_midway_names_the_file_when_read(tmp_path, tok_dir) -> None:
     path = tmp_path / "late.jsonl"
     path.write_text("".join(json.dumps({"text": f"a b c {i}"}) + "\n" for i in range(5000)) + "{not json\n")
     cfg = DataConfig(path=str(path), tokenizer=tok_dir, cache_dir=str(tmp_path / "c"), streaming=True)
-    train, _, _ = build_datamodule(cfg, seq_len=8, micro_batch_size=1)
+    train, _, _ = build_datamodule(cfg, BatchGeometry(seq_len=8, micro_batch_size=1))
     with pytest.raises(DataError, match=r"could not read .*late\.jsonl"):
         for _ in train:
             pass
@@ -102,7 +103,9 @@ def test_missing_data_and_tokenizers_are_one_data_error(tmp_path, tok_dir, monke
     empty.mkdir()
     for path in (str(tmp_path / "nope"), str(empty)):
         with pytest.raises(DataError, match=r"data.path=.*matches no data file"):
-            build_datamodule(DataConfig(path=path, tokenizer=tok_dir), seq_len=8, micro_batch_size=1)
+            build_datamodule(
+                DataConfig(path=path, tokenizer=tok_dir), BatchGeometry(seq_len=8, micro_batch_size=1)
+            )
     with pytest.raises(DataError, match=r"holds no loadable tokenizer"):
         load_tokenizer(str(empty))
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # as on a machine whose network is simply down
@@ -124,11 +127,14 @@ def test_missing_data_and_tokenizers_are_one_data_error(tmp_path, tok_dir, monke
 
 
 def test_the_recipe_prints_a_missing_data_path_as_one_line(tmp_path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "recipes" / "smollm.py"), f"data.path={tmp_path / 'nope.jsonl'}",
-         f"trainer.default_root_dir={tmp_path / 'run'}", "logger=csv"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
+    args = [
+        f"data.path={tmp_path / 'nope.jsonl'}",
+        f"trainer.default_root_dir={tmp_path / 'run'}",
+        "logger=csv",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, str(REPO / "recipes" / "smollm.py"), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stderr.startswith("nanolight: error: data.path=") and "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
@@ -141,11 +147,13 @@ def test_a_prepared_directory_without_its_index_is_named_and_prepared_again(tmp_
     first = prepared(src, out, tok_dir, cache_dir=str(tmp_path / "c"))
     os.remove(os.path.join(out, "index.json"))
     with pytest.raises(DataError, match=r"holds prepared shards but no index.json .* --out") as err:
-        build_datamodule(DataConfig(path=out, tokenizer=tok_dir), seq_len=8, micro_batch_size=1)
+        build_datamodule(
+            DataConfig(path=out, tokenizer=tok_dir), BatchGeometry(seq_len=8, micro_batch_size=1)
+        )
     assert "tokenizer.json" not in str(err.value)
     again = prepared(src, out, tok_dir, cache_dir=str(tmp_path / "c"))
     assert again["shards"] == first["shards"]
-    build_datamodule(DataConfig(path=out), seq_len=8, micro_batch_size=1)
+    build_datamodule(DataConfig(path=out), BatchGeometry(seq_len=8, micro_batch_size=1))
 
 
 def test_garbage_lines_are_one_message(tmp_path, tok_dir, capfd) -> None:
@@ -154,6 +162,6 @@ def test_garbage_lines_are_one_message(tmp_path, tok_dir, capfd) -> None:
     path.write_text("".join(json.dumps({"text": f"a b c {i}"}) + "\n" for i in range(50)) + "garbage here\n")
     cfg = DataConfig(path=str(path), tokenizer=tok_dir, cache_dir=str(tmp_path / "c"))
     with pytest.raises(DataError, match=r"could not read .*garbage.jsonl"):
-        build_datamodule(cfg, seq_len=8, micro_batch_size=1)
+        build_datamodule(cfg, BatchGeometry(seq_len=8, micro_batch_size=1))
     out, err = capfd.readouterr()
     assert "garbage.jsonl" not in out + err, out + err

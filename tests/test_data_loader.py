@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanolight.data import EvalLoader, PackedDataset, PackedLoader, split_blocks
+from nanolight.data import BatchGeometry, EvalLoader, PackedDataset, PackedLoader, split_blocks
 
 T = 4
 N_BLOCKS = 50
@@ -31,7 +31,7 @@ def block_ids(batch: dict[str, torch.Tensor]) -> list[int]:
 
 def global_batches(dp: int, mbs: int, acc: int, steps: int, seed: int = 7, state=None) -> list[list[int]]:
     """The first `steps` global batches (block ids, rank-major) a layout produces, plus the loaders."""
-    loaders = [PackedLoader(dataset(), mbs, acc, r, dp, seed) for r in range(dp)]
+    loaders = [PackedLoader(dataset(), BatchGeometry(T, mbs, acc, r, dp, seed)) for r in range(dp)]
     if state is not None:
         for loader in loaders:
             loader.load_state_dict(state)
@@ -68,7 +68,7 @@ def test_global_batch_identical_across_layouts() -> None:
 @pytest.mark.parametrize("dp,mbs,acc", [(1, 3, 1), (2, 2, 2), (4, 1, 2), (4, 3, 1)])
 def test_no_sample_lost_or_duplicated(dp: int, mbs: int, acc: int) -> None:
     g = dp * mbs * acc
-    loaders = [PackedLoader(dataset(), mbs, acc, r, dp, seed=3) for r in range(dp)]
+    loaders = [PackedLoader(dataset(), BatchGeometry(T, mbs, acc, r, dp, seed=3)) for r in range(dp)]
     epochs = []
     for _ in range(3):
         seen = [b for loader in loaders for batch in loader for b in block_ids(batch)]
@@ -82,7 +82,7 @@ def test_no_sample_lost_or_duplicated(dp: int, mbs: int, acc: int) -> None:
 
 
 def test_shuffle_off_is_sequential_and_seed_changes_order() -> None:
-    loader = PackedLoader(dataset(), 4, 1, 0, 1, seed=0, shuffle=False)
+    loader = PackedLoader(dataset(), BatchGeometry(T, 4, 1, 0, 1, seed=0), shuffle=False)
     assert block_ids(next(iter(loader))) == [0, 1, 2, 3]
     assert global_batches(1, 12, 1, 1, seed=1) != global_batches(1, 12, 1, 1, seed=2)
 
@@ -93,7 +93,7 @@ def test_resume_yields_exactly_the_remaining_batches(k: int, layout: tuple[int, 
     dp, mbs, acc = layout
     total = 11
     full = global_batches(dp, mbs, acc, total)
-    loaders = [PackedLoader(dataset(), mbs, acc, r, dp, seed=7) for r in range(dp)]
+    loaders = [PackedLoader(dataset(), BatchGeometry(T, mbs, acc, r, dp, seed=7)) for r in range(dp)]
     streams = [_forever(loader) for loader in loaders]
     for _ in range(k):
         for s in streams:
@@ -109,7 +109,7 @@ def test_resume_yields_exactly_the_remaining_batches(k: int, layout: tuple[int, 
 
 def test_resume_at_another_layout_continues_the_same_global_batches() -> None:
     full = global_batches(1, 12, 1, 7)
-    loader = PackedLoader(dataset(), 12, 1, 0, 1, seed=7)
+    loader = PackedLoader(dataset(), BatchGeometry(T, 12, 1, 0, 1, seed=7))
     it = _forever(loader)
     for _ in range(2):
         next(it)
@@ -117,15 +117,15 @@ def test_resume_at_another_layout_continues_the_same_global_batches() -> None:
 
 
 def test_epoch_loop_protocol_and_mid_step_resume() -> None:
-    loader = PackedLoader(dataset(), 2, 3, 0, 1, seed=1)
+    loader = PackedLoader(dataset(), BatchGeometry(T, 2, 3, 0, 1, seed=1))
     counts = []
     for _ in range(3):
         counts.append(sum(1 for _ in loader))
     assert counts == [len(loader)] * 3 and loader.state_dict()["epoch"] == 3
-    a = PackedLoader(dataset(), 2, 3, 0, 1, seed=1)
+    a = PackedLoader(dataset(), BatchGeometry(T, 2, 3, 0, 1, seed=1))
     it = iter(a)
     next(it)
-    b = PackedLoader(dataset(), 2, 3, 0, 1, seed=1)
+    b = PackedLoader(dataset(), BatchGeometry(T, 2, 3, 0, 1, seed=1))
     b.load_state_dict(a.state_dict())  # mid-step (same layout): resumes at micro-batch 1 of the step
     assert block_ids(next(iter(b))) == block_ids(next(it))
 
@@ -133,27 +133,27 @@ def test_epoch_loop_protocol_and_mid_step_resume() -> None:
 def test_saved_at_epoch_end_resumes_with_an_empty_pass_then_next_epoch() -> None:
     """The trainer counts epochs by passes: a loader saved right after an epoch's last step
     (max_steps hit there, generator not exhausted) must close that epoch, not skip into the next."""
-    ref = PackedLoader(dataset(), 12, 1, seed=7)
+    ref = PackedLoader(dataset(), BatchGeometry(T, 12, 1, seed=7))
     epochs = [[block_ids(b) for b in ref] for _ in range(2)]
-    a = PackedLoader(dataset(), 12, 1, seed=7)
+    a = PackedLoader(dataset(), BatchGeometry(T, 12, 1, seed=7))
     it = iter(a)
     for _ in range(a.steps_per_epoch):
         next(it)
-    b = PackedLoader(dataset(), 12, 1, seed=7)
+    b = PackedLoader(dataset(), BatchGeometry(T, 12, 1, seed=7))
     b.load_state_dict(a.state_dict())
     assert list(b) == [] and b.epoch == 1
     assert [block_ids(x) for x in b] == epochs[1]
 
 
 def test_resume_with_other_seed_is_an_error() -> None:
-    state = PackedLoader(dataset(), 4, 1, seed=1).state_dict()
+    state = PackedLoader(dataset(), BatchGeometry(T, 4, 1, seed=1)).state_dict()
     with pytest.raises(ValueError, match="seed"):
-        PackedLoader(dataset(), 4, 1, seed=2).load_state_dict(state)
+        PackedLoader(dataset(), BatchGeometry(T, 4, 1, seed=2)).load_state_dict(state)
 
 
 def test_too_few_blocks_names_tokens_needed() -> None:
     with pytest.raises(ValueError, match=r"50 blocks .* needs 64 blocks") as err:
-        PackedLoader(dataset(), 8, 4, 0, 2)
+        PackedLoader(dataset(), BatchGeometry(T, 8, 4, 0, 2))
     assert "256 tokens" in str(err.value) and "micro_batch_size" in str(err.value)
 
 
@@ -170,8 +170,19 @@ def test_split_blocks_is_deterministic_and_disjoint() -> None:
 
 def test_eval_loader_shards_and_restarts() -> None:
     ds = dataset()
-    loaders = [EvalLoader(ds, 3, r, 2) for r in range(2)]
+    loaders = [EvalLoader(ds, BatchGeometry(T, 3, 1, r, 2)) for r in range(2)]
     passes = [[b for batch in loader for b in block_ids(batch)] for loader in loaders]
     assert all(len(loader) == N_BLOCKS // 6 for loader in loaders)
     assert set(passes[0]).isdisjoint(passes[1]) and len(passes[0]) == len(passes[1]) == 24
     assert [b for batch in loaders[0] for b in block_ids(batch)] == passes[0]  # same blocks every pass
+
+
+def test_batch_geometry_checks_itself() -> None:
+    geometry = BatchGeometry(seq_len=T, micro_batch_size=2, accumulate_grad_batches=3, dp_rank=1, dp_size=2)
+    assert geometry.global_batch_size == 12 and geometry.rank_offset(2) == 10  # rank 1's third micro-batch
+    with pytest.raises(ValueError, match="seq_len must be >= 1"):
+        BatchGeometry(seq_len=0, micro_batch_size=1)
+    with pytest.raises(ValueError, match="micro_batch_size and accumulate_grad_batches must be >= 1"):
+        BatchGeometry(seq_len=T, micro_batch_size=1, accumulate_grad_batches=0)
+    with pytest.raises(ValueError, match=r"dp_rank=2 must be in \[0, dp_size=2\)"):
+        BatchGeometry(seq_len=T, micro_batch_size=1, dp_rank=2, dp_size=2)

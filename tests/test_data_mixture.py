@@ -13,7 +13,7 @@ import torch
 from _data_helpers import DOCS, prepared, write_docs
 from hydra import compose, initialize_config_dir
 
-from nanolight.data import DataConfig, DataError, MixtureSchedule, build_datamodule
+from nanolight.data import BatchGeometry, DataConfig, DataError, MixtureSchedule, build_datamodule
 from nanolight.data.tokenizer import train_bpe_tokenizer
 from nanolight.pretrain.config import ConfigError, load_config
 
@@ -77,7 +77,9 @@ def mix_cfg(paths: list[str], weights=WEIGHTS, **kw) -> DataConfig:
 
 
 def run(cfg: DataConfig, dp: int, mbs: int, acc: int, n: int, state=None) -> list[list[tuple[int, ...]]]:
-    loaders = [build_datamodule(cfg, T, mbs, acc, r, dp, seed=9).train_loader for r in range(dp)]
+    loaders = [
+        build_datamodule(cfg, BatchGeometry(T, mbs, acc, r, dp, seed=9)).train_loader for r in range(dp)
+    ]
     for loader in loaders:
         if state is not None:
             loader.load_state_dict(state)
@@ -92,7 +94,9 @@ def source_of(sources: list[str], cfg: DataConfig) -> dict[tuple[int, ...], int]
     """Which source each training row belongs to (asserting that no row is in two sources)."""
     rows: dict[tuple[int, ...], int] = {}
     for i, p in enumerate(sources):
-        train = build_datamodule(DataConfig(path=p, val_fraction=cfg.val_fraction), T, 1).train_loader.dataset
+        train = build_datamodule(
+            DataConfig(path=p, val_fraction=cfg.val_fraction), BatchGeometry(T, 1)
+        ).train_loader.dataset
         for row in train.rows(np.arange(len(train))).tolist():
             assert rows.setdefault(tuple(row), i) == i
     return rows
@@ -108,7 +112,9 @@ def test_every_global_batch_holds_the_weights_at_every_layout(sources) -> None:
         assert np.bincount([owner[row] for row in batch], minlength=3).tolist() == [7, 2, 1]
     # the smallest source runs out first: a whole pass over it, then a new order of the same samples
     small = [row for batch in run(cfg, 1, 10, 1, 130) for row in batch if owner[row] == 2]
-    train2 = build_datamodule(DataConfig(path=sources[2], val_fraction=0.05), T, 1).train_loader.dataset
+    train2 = build_datamodule(
+        DataConfig(path=sources[2], val_fraction=0.05), BatchGeometry(T, 1)
+    ).train_loader.dataset
     every = Counter(tuple(r) for r in train2.rows(np.arange(len(train2))).tolist())
     n = len(train2)
     assert Counter(small[:n]) == every == Counter(small[n : 2 * n]) and small[:n] != small[n : 2 * n]
@@ -118,7 +124,7 @@ def test_every_global_batch_holds_the_weights_at_every_layout(sources) -> None:
 def test_resume_equals_the_uninterrupted_run_at_any_dp(sources, stop, dp) -> None:
     cfg = mix_cfg(sources)
     ref = run(cfg, 1, 10, 1, 25)
-    first = build_datamodule(cfg, T, 10, 1, seed=9).train_loader
+    first = build_datamodule(cfg, BatchGeometry(T, 10, 1, seed=9)).train_loader
     it = iter(first)
     for _ in range(stop):
         next(it)
@@ -132,7 +138,9 @@ def test_resume_equals_the_uninterrupted_run_at_any_dp(sources, stop, dp) -> Non
 def test_repeat_warns_and_stop_ends_the_epoch(sources) -> None:
     with pytest.warns(UserWarning, match=r"data.mixture\[2\] .* ran out of samples at step 6\d .* repeating"):
         run(mix_cfg(sources), 1, 10, 1, 70)
-    stop = build_datamodule(mix_cfg(sources, mixture_exhausted="stop"), T, 10, seed=9).train_loader
+    stop = build_datamodule(
+        mix_cfg(sources, mixture_exhausted="stop"), BatchGeometry(T, 10, seed=9)
+    ).train_loader
     epoch0 = [b["input_ids"].tolist() for b in stop]
     n_small = len(stop.sources[2])
     assert len(epoch0) == len(stop) == n_small * 10 // 10 and len(epoch0) > 0  # 1 of 10 is source 2
@@ -142,18 +150,19 @@ def test_repeat_warns_and_stop_ends_the_epoch(sources) -> None:
 
 def test_mixture_errors_name_the_key(sources, tmp_path, tok_dir) -> None:
     with pytest.raises(DataError, match=r"data.mixture\[1\].path=.*not a directory"):
-        build_datamodule(mix_cfg([sources[0], str(tmp_path / "nope"), sources[2]]), T, 2)
+        build_datamodule(mix_cfg([sources[0], str(tmp_path / "nope"), sources[2]]), BatchGeometry(T, 2))
     (tmp_path / "raw").mkdir()
     with pytest.raises(DataError, match="not a directory made by scripts/prepare_data.py"):
-        build_datamodule(mix_cfg([sources[0], str(tmp_path / "raw")], [1, 1]), T, 2)
+        build_datamodule(mix_cfg([sources[0], str(tmp_path / "raw")], [1, 1]), BatchGeometry(T, 2))
     other_tok = str(tmp_path / "tok2")
     train_bpe_tokenizer(iter(DOCS), other_tok, vocab_size=300)
     prepared(write_docs(str(tmp_path / "o.jsonl"), DOCS), str(tmp_path / "other"), other_tok)
     with pytest.raises(DataError, match=r"data.mixture\[1\].path=.*other.*tokenizer"):
-        build_datamodule(mix_cfg([sources[0], str(tmp_path / "other")], [1, 1]), T, 2)
+        build_datamodule(mix_cfg([sources[0], str(tmp_path / "other")], [1, 1]), BatchGeometry(T, 2))
     with pytest.raises(ValueError, match=r"data.mixture differs from the checkpoint's"):
-        state = build_datamodule(mix_cfg(sources), T, 2).train_loader.state_dict()
-        build_datamodule(mix_cfg(sources, [0.5, 0.3, 0.2]), T, 2).train_loader.load_state_dict(state)
+        state = build_datamodule(mix_cfg(sources), BatchGeometry(T, 2)).train_loader.state_dict()
+        other = build_datamodule(mix_cfg(sources, [0.5, 0.3, 0.2]), BatchGeometry(T, 2)).train_loader
+        other.load_state_dict(state)
 
 
 def test_mixture_from_the_command_line_and_its_config_errors() -> None:

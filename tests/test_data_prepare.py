@@ -1,7 +1,7 @@
 """scripts/prepare_data.py: token shards + index from local files, deterministic, resumable, repairable.
 
 The reference for every token is the tokenizer run on each document alone (`expected_tokens`),
-and the flat token file the pipeline already builds from the same files.
+and the shards the pipeline prepares into its cache from the same files (`token_file`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from nanolight.data import DataConfig, DataError, PreparedData, load_tokenizer, 
 from nanolight.data.shards import PROGRESS
 
 REPO = Path(__file__).resolve().parents[1]
-MIXED = DOCS[:60] + ["", None] + DOCS[60:]  # empty rows are skipped, as by the token file
+MIXED = DOCS[:60] + ["", None] + DOCS[60:]  # empty rows are skipped, in the cache's shards too
 
 pytest_plugins = ["_data_helpers"]  # the tok / tok_dir fixtures
 
@@ -44,7 +44,7 @@ def test_shards_hold_every_document_then_eos_like_the_token_file(tmp_path, tok, 
     ref = expected_tokens(tok, docs)
     assert stream_of(str(tmp_path / "out")) == ref
     flat = token_file(DataConfig(path=src, tokenizer=tok_dir, cache_dir=str(tmp_path / "c")), tok)
-    assert flat.tokens.tolist() == ref
+    assert flat.tokens[:].tolist() == ref
     assert len(index["shards"]) >= 3 and index["num_tokens"] == len(ref)
     assert index["dtype"] == "uint16" and index["tokenizer"]["eos_token_id"] == tok.eos_token_id
     assert index["num_documents"] == sum(1 for d in docs if d) and index["source"]["num_rows"] == len(docs)
@@ -85,7 +85,8 @@ def test_interrupted_preparation_resumes_where_it_stopped(tmp_path, tok_dir) -> 
     assert progress["next_row"] == 200 and not (tmp_path / "out" / "index.json").exists()
     with pytest.raises(DataError, match="unfinished preparation.*run it again"):
         PreparedData.open(str(tmp_path / "out"))
-    (tmp_path / "out" / f"{PROGRESS}.tmp-123-abcd").write_text("{half")  # what a kill mid-write leaves
+    (tmp_path / "out" / f".tmp-{PROGRESS}-123").write_text("{half")  # what a kill mid-write leaves
+    (tmp_path / "out" / f"{PROGRESS}.tmp-123-abcd").write_text("{half")  # and what earlier versions left
     (tmp_path / "out" / ".chunk-123_00000_of_00002.arrow").write_bytes(b"x")
     rows = []
     prepared(src, str(tmp_path / "out"), tok_dir, after_commit=rows.append, **kw)
@@ -153,10 +154,12 @@ def _alive(pid: int) -> bool:
 def test_sigkilled_cli_run_leaves_no_worker_behind(tmp_path, tok_dir) -> None:
     """`--num-proc 2`: SIGKILL of prepare_data.py runs no cleanup; its map's processes must end too."""
     src = write_docs(str(tmp_path / "docs.jsonl"), DOCS * 300)
-    cmd = [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--source", src, "--tokenizer", tok_dir,
-           "--out", str(tmp_path / "out"), "--num-proc", "2", "--chunk-docs", "400", "--cache-dir", str(tmp_path / "c")]  # fmt: skip
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    script = [sys.executable, str(REPO / "scripts" / "prepare_data.py")]
+    flags = ["--source", src, "--tokenizer", tok_dir, "--out", str(tmp_path / "out"), "--num-proc", "2"]
+    cmd = [*script, *flags, "--chunk-docs", "400", "--cache-dir", str(tmp_path / "c")]
+    proc = subprocess.Popen(
+        cmd, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline, workers = time.time() + 120, []
     while time.time() < deadline and proc.poll() is None and len(workers) < 3:
         workers = _children(proc.pid)  # a tokenizing map at work: its 2 workers and its manager

@@ -1,4 +1,4 @@
-"""Training from prepared shards: the same batches as the flat token file at every layout, per-rank
+"""Training from prepared shards: the same batches as the cache's own preparation at every layout, per-rank
 reads of about 1/dp of the bytes, resume at another dp, and fix-it errors before training."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from _data_helpers import DOCS, prepared, write_docs
 
-from nanolight.data import DataConfig, DataError, build_datamodule
-from nanolight.data.corpus import embedded_corpus
+from nanolight.data import BatchGeometry, DataConfig, DataError, build_datamodule
+from nanolight.data.sources import embedded_corpus
 from nanolight.data.tokenizer import embedded_tokenizer_dir, tokenizer_identity
 from nanolight.models.llama_config import LlamaConfig
 from nanolight.pretrain.config import ConfigError, PretrainConfig, TrainConfig
@@ -23,7 +23,7 @@ def steps(
     cfg: DataConfig, dp: int, mbs: int, acc: int, n: int, seed: int = 3, state=None
 ) -> list[list[list[int]]]:
     """The first `n` global batches (rows, rank-major) of a layout, from fresh loaders."""
-    loaders = [build_datamodule(cfg, T, mbs, acc, r, dp, seed).train_loader for r in range(dp)]
+    loaders = [build_datamodule(cfg, BatchGeometry(T, mbs, acc, r, dp, seed)).train_loader for r in range(dp)]
     for loader in loaders:
         if state is not None:
             loader.load_state_dict(state)
@@ -50,7 +50,7 @@ def test_prepared_embedded_corpus_gives_the_token_files_batches_at_every_layout(
     ref = steps(flat, 1, 4, 1, STEPS)
     assert steps(prep, 1, 4, 1, STEPS) == ref
     assert steps(prep, 2, 1, 2, STEPS) == ref and steps(prep, 4, 1, 1, STEPS) == ref
-    a, b = build_datamodule(flat, T, 2), build_datamodule(prep, T, 2)
+    a, b = build_datamodule(flat, BatchGeometry(T, 2)), build_datamodule(prep, BatchGeometry(T, 2))
     assert tokenizer_identity(a.tokenizer) == tokenizer_identity(b.tokenizer)  # the data's own tokenizer
     assert [x["input_ids"].tolist() for x in a.val_loader] == [x["input_ids"].tolist() for x in b.val_loader]
 
@@ -58,7 +58,7 @@ def test_prepared_embedded_corpus_gives_the_token_files_batches_at_every_layout(
 def test_resume_at_another_dp_continues_the_same_global_batches(embedded) -> None:
     _, prep = embedded
     ref = steps(prep, 1, 4, 1, STEPS)
-    first = build_datamodule(prep, T, 4, 1, 0, 1, 3).train_loader
+    first = build_datamodule(prep, BatchGeometry(T, 4, 1, 0, 1, 3)).train_loader
     it = iter(first)
     for _ in range(2):
         next(it)
@@ -68,7 +68,7 @@ def test_resume_at_another_dp_continues_the_same_global_batches(embedded) -> Non
 def test_each_dp_rank_reads_only_its_own_samples_bytes(embedded) -> None:
     _, prep = embedded
     dp, mbs, n = 4, 2, 10
-    loaders = [build_datamodule(prep, T, mbs, 1, r, dp, 3).train_loader for r in range(dp)]
+    loaders = [build_datamodule(prep, BatchGeometry(T, mbs, 1, r, dp, 3)).train_loader for r in range(dp)]
     for loader in loaders:
         it = iter(loader)
         for _ in range(n):
@@ -88,9 +88,9 @@ def test_an_index_from_another_tokenizer_is_refused(tmp_path, tok_dir, embedded)
     with pytest.raises(
         DataError, match=r"out/index.json says its tokens come from tokenizer .*bpe.*identity"
     ):
-        build_datamodule(DataConfig(path=out, tokenizer=other), T, 2)
+        build_datamodule(DataConfig(path=out, tokenizer=other), BatchGeometry(T, 2))
     assert (
-        build_datamodule(DataConfig(path=out, tokenizer=tok_dir), T, 2).tokenizer is not None
+        build_datamodule(DataConfig(path=out, tokenizer=tok_dir), BatchGeometry(T, 2)).tokenizer is not None
     )  # the same one
 
 
@@ -107,8 +107,8 @@ def test_prepared_dir_errors(tmp_path, tok_dir) -> None:
     out = str(tmp_path / "out")
     prepared(src, out, tok_dir)
     with pytest.raises(DataError, match="data.streaming=false"):
-        build_datamodule(DataConfig(path=out, streaming=True), T, 2)
+        build_datamodule(DataConfig(path=out, streaming=True), BatchGeometry(T, 2))
     with pytest.raises(ValueError, match=r"one global batch needs \d+ blocks"):
-        build_datamodule(DataConfig(path=out, val_fraction=0), T, 64, dp_size=8)
+        build_datamodule(DataConfig(path=out, val_fraction=0), BatchGeometry(T, 64, dp_size=8))
     rows = np.fromfile(f"{out}/shard-00000.bin", dtype=np.uint16)
     assert len(rows) > 0

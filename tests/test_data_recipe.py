@@ -1,5 +1,5 @@
 """`python recipes/smollm.py` on prepared data, a mixture and a stream: the prepared embedded corpus
-trains with the token file's losses (the same batches) at dp=1 and dp=2, a mixture with document
+trains with the cached corpus's losses (the same batches) at dp=1 and dp=2, a mixture with document
 fields runs, and a streaming run at dp=2 resumes with the uninterrupted run's losses."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from _data_helpers import prepared
 from test_recipe_e2e import BASE_OVERRIDES, REPO, losses, recipe
 
 from nanolight.data import DataConfig
-from nanolight.data.corpus import embedded_corpus
+from nanolight.data.sources import embedded_corpus
 from nanolight.data.tokenizer import embedded_tokenizer_dir
 
 STEPS = ["trainer.max_steps=4", "logger=csv", "checkpoint.every_n_steps=2"]
@@ -59,7 +59,7 @@ def test_mixture_with_document_fields_runs(tmp_path, cache_and_prepared) -> None
 @pytest.mark.slow
 def test_streaming_at_dp2_resumes_exactly_and_refuses_another_dp(tmp_path, cache_and_prepared) -> None:
     cache, _ = cache_and_prepared
-    corpus = next((cache / "corpus").glob("*.jsonl"))
+    corpus = next((cache / "corpus").glob("*[!k]/corpus.jsonl"))
     stream = [f"data.path={corpus}", "data.streaming=true", "data.val_blocks=8", "data.shuffle_buffer=16"]
     dp2 = [*STEPS, *stream, "trainer.micro_batch_size=2", "+parallel.dp=2"]
     full = tmp_path / "full"

@@ -13,7 +13,7 @@ import pytest
 import torch
 from _data_helpers import DOCS, write_docs
 
-from nanolight.data import DataConfig, StreamingPackedLoader, build_datamodule
+from nanolight.data import BatchGeometry, DataConfig, StreamingPackedLoader, build_datamodule
 from nanolight.data.streaming import digest
 
 T = 16
@@ -39,7 +39,9 @@ def loaders(
     ds, tok, dp: int, mbs: int = 1, acc: int = 1, window: int = 8, **kw
 ) -> list[StreamingPackedLoader]:
     return [
-        StreamingPackedLoader(ds, tok, "text", T, mbs, acc, r, dp, seed=5, shuffle_buffer=window, **kw)
+        StreamingPackedLoader(
+            ds, tok, "text", BatchGeometry(T, mbs, acc, r, dp, seed=5), shuffle_buffer=window, **kw
+        )
         for r in range(dp)
     ]
 
@@ -191,7 +193,7 @@ def test_validation_documents_are_the_streams_first_and_never_trained_on(tmp_pat
         write_docs(str(tmp_path / f"part{k}.jsonl"), docs[k * 50 : (k + 1) * 50])
     cfg = DataConfig(path=str(tmp_path / "*.jsonl"), tokenizer=tok_dir, streaming=True, val_blocks=6)
     for dp in (1, 2):
-        dms = [build_datamodule(cfg, T, 2, 1, r, dp, seed=1) for r in range(dp)]
+        dms = [build_datamodule(cfg, BatchGeometry(T, 2, 1, r, dp, seed=1)) for r in range(dp)]
         tok = dms[0].tokenizer
         val = [row for b in dms[0].val_loader for row in b["input_ids"].tolist()]
         ids = np.concatenate(

@@ -17,7 +17,7 @@ from _tiny import tiny_config
 from torch.nn.attention.flex_attention import create_block_mask
 
 import nanolight.models.attention as attention
-from nanolight.data.docmask import document_fields
+from nanolight.data import document_fields
 from nanolight.models import LlamaForCausalLM
 from nanolight.precision import Precision
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from _tiny import run_distributed, tiny_config
 
-from nanolight.data.docmask import document_fields
+from nanolight.data import document_fields
 from nanolight.models import LlamaForCausalLM
 from nanolight.strategies.parallel3d import Parallel3DStrategy
 

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from nanolight import Callback, NanoTrainer
 from nanolight.checkpoint import CheckpointReader
-from nanolight.data.docmask import make_batch
+from nanolight.data.loader import make_batch
 from nanolight.models import LlamaForCausalLM
 from nanolight.models.fused_loss import linear_cross_entropy
 from nanolight.strategies.parallel3d import Parallel3DStrategy

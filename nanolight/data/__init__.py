@@ -1,25 +1,24 @@
 """Data pipeline: text (embedded stdlib corpus, local files or a hub dataset) -> tokenizer ->
-token shards (scripts/prepare_data.py) or a cached flat token file -> packed `seq_len` blocks,
-alone or in a weighted mixture -> dp-sharded, resumable micro-batches; or a stream of which
-each dp rank reads its own share.
+token shards (scripts/prepare_data.py, or prepared once into the data cache) -> packed `seq_len`
+blocks, alone or in a weighted mixture -> dp-sharded, resumable micro-batches; or a stream of
+which each dp rank reads its own share.
 
-The recipe calls `build_datamodule(cfg.data, seq_len, micro_batch_size, ...)`; everything else
-here is exported for tests, benchmarks and users assembling their own pipeline.
+The recipe calls `build_datamodule(cfg.data, BatchGeometry(seq_len, micro_batch_size, ...))`;
+everything else here is exported for tests, benchmarks and users assembling their own pipeline.
 """
 
-from nanolight.data.config import EMBEDDED, DataConfig, DataError, MixtureSource
-from nanolight.data.datamodule import DataModule, build_datamodule, token_file
-from nanolight.data.docmask import document_fields
-from nanolight.data.loader import EvalLoader, PackedLoader
+from nanolight.data.config import EMBEDDED, BatchGeometry, DataConfig, DataError, MixtureSource
+from nanolight.data.datamodule import DataModule, build_datamodule
+from nanolight.data.loader import EvalLoader, PackedDataset, PackedLoader, document_fields, split_blocks
 from nanolight.data.mixture import MixtureLoader, MixtureSchedule
-from nanolight.data.packed import PackedDataset, split_blocks
-from nanolight.data.preparation import PrepareConfig, prepare
+from nanolight.data.preparation import PrepareConfig, prepare, token_file
 from nanolight.data.shards import PreparedData
-from nanolight.data.stream_loader import StreamingPackedLoader
+from nanolight.data.streaming import StreamingPackedLoader
 from nanolight.data.tokenizer import load_tokenizer, vocab_size
 
 __all__ = [
     "EMBEDDED",
+    "BatchGeometry",
     "DataConfig",
     "DataError",
     "DataModule",

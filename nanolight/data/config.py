@@ -1,6 +1,7 @@
-"""`DataConfig`: what text to train on, how to tokenize it, and where the token cache lives.
+"""`DataConfig`: what text to train on, how to tokenize it, and where the token cache lives;
+`BatchGeometry`: the shape of this rank's share of a step, which every loader takes.
 
-The schema lives next to the data pipeline it configures (DESIGN.md) and validates itself in
+The schemas live next to the data pipeline they configure (DESIGN.md) and validate themselves in
 `__post_init__`, so a bad `data=` override fails in the parent process with a message that says
 which key is wrong and how to fix it, before any rank tokenizes anything.
 """
@@ -71,7 +72,7 @@ class DataConfig:
         too large to tokenize up front.
     tokenizer: `embedded` (a byte-level BPE trained on the embedded corpus), a local tokenizer
         directory or a hub name such as `HuggingFaceTB/SmolLM-135M`.
-    cache_dir: where the embedded corpus, embedded tokenizer and token files are written once
+    cache_dir: where the embedded corpus, embedded tokenizer and token shards are written once
         and reused (`~` is expanded). A config field, not an environment variable.
     val_fraction: share of packed blocks held out for validation (map-style data).
     val_blocks: exact number of held-out blocks instead of `val_fraction`; a stream has no known
@@ -172,3 +173,38 @@ class DataConfig:
     def cache_root(self) -> str:
         """`cache_dir` with `~` expanded and made absolute (ranks may differ in cwd)."""
         return os.path.abspath(os.path.expanduser(self.cache_dir))
+
+
+@dataclass(frozen=True)
+class BatchGeometry:
+    """How a step's data is cut, on this rank: the one value every loader takes.
+
+    Global batch s is samples [s*G, (s+1)*G) of the data's order, G = micro_batch_size *
+    accumulate_grad_batches * dp_size; dp rank r takes the r-th contiguous slice of G and yields
+    it as `accumulate_grad_batches` micro-batches of `micro_batch_size` rows of `seq_len` tokens.
+    `seed` orders the samples. Every rank passes the same values but its own `dp_rank`.
+    """
+
+    seq_len: int
+    micro_batch_size: int
+    accumulate_grad_batches: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
+        if self.micro_batch_size < 1 or self.accumulate_grad_batches < 1:
+            raise ValueError("micro_batch_size and accumulate_grad_batches must be >= 1")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank={self.dp_rank} must be in [0, dp_size={self.dp_size})")
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step over all dp ranks."""
+        return self.micro_batch_size * self.accumulate_grad_batches * self.dp_size
+
+    def rank_offset(self, micro: int) -> int:
+        """Where this rank's micro-batch `micro` of a step starts within the step's global batch."""
+        return (self.dp_rank * self.accumulate_grad_batches + micro) * self.micro_batch_size

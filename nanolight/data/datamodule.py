@@ -1,36 +1,35 @@
 """`build_datamodule`: the one call the recipe makes to turn a `DataConfig` into loaders.
 
-Four sources, one contract (batches, state_dict, the global batch rule):
-- a directory made by scripts/prepare_data.py (`data.path=<dir>`), or several with weights
-  (`data.mixture`): memory-mapped shards, nothing built at run time (prepared.py, mixture.py);
-- a stream (`data.streaming=true`): each dp rank reads and tokenizes its share (streaming.py);
-- otherwise the embedded corpus, local files or a hub dataset, tokenized once into a cached
-  token file: embedded corpus (only if asked for) -> tokenizer -> token file -> blocks, each
-  step cached and built by one process at a time (see cache.py).
+Two sources, one contract (batches, state_dict, the global batch rule):
+- token shards, memory-mapped and packed at read time, served by `PackedLoader` (one seeded
+  permutation over all samples, global batch s = order[s*G:(s+1)*G], rank r's slice of it) or,
+  for `data.mixture`, by `MixtureLoader`. They are a directory made by scripts/prepare_data.py
+  (`data.path=<dir>`, nothing built at run time), or the embedded corpus, local files or a hub
+  dataset prepared the same way once into the data cache: embedded corpus (only if asked for)
+  -> tokenizer -> shards, each step cached and built by one process at a time (see cache.py).
+  So every layout sees the same global batch at every step, resuming is a consumed-samples
+  counter, and a rank reads only its own samples' bytes (`TokenShards` maps a shard when one of
+  them first touches it);
+- a stream (`data.streaming=true`): each dp rank reads and tokenizes its share (streaming.py).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from nanolight.data.config import EMBEDDED, DataConfig, DataError
-from nanolight.data.corpus import embedded_corpus
-from nanolight.data.loader import EvalLoader, PackedLoader
-from nanolight.data.mixture import MixtureLoader
-from nanolight.data.packed import PackedDataset, split_blocks
-from nanolight.data.prepared import build_mixture, build_prepared, eval_loader
-from nanolight.data.shards import is_prepared_dir
-from nanolight.data.sources import guard_reads, local_files, local_identity, open_hub, open_local
-from nanolight.data.stream_loader import StreamingPackedLoader
-from nanolight.data.streaming import hold_out
-from nanolight.data.tokenizer import resolve_tokenizer, tokenizer_identity
-from nanolight.data.tokens import TokenFile, cached_token_file, iter_token_chunks
+from nanolight.data.config import EMBEDDED, BatchGeometry, DataConfig, DataError
+from nanolight.data.loader import EvalLoader, PackedDataset, PackedLoader, split_blocks
+from nanolight.data.mixture import ConcatBlocks, MixtureLoader
+from nanolight.data.preparation import token_file
+from nanolight.data.shards import INDEX, PreparedData, is_prepared_dir
+from nanolight.data.sources import embedded_corpus, local_files, open_hub, open_local
+from nanolight.data.streaming import StreamingPackedLoader, hold_out
+from nanolight.data.tokenizer import load_tokenizer, resolve_tokenizer, tokenizer_identity
 
 
 class DataModule(NamedTuple):
@@ -43,102 +42,101 @@ class DataModule(NamedTuple):
 
 def build_datamodule(
     cfg: DataConfig,
-    seq_len: int,
-    micro_batch_size: int,
-    accumulate_grad_batches: int = 1,
-    dp_rank: int = 0,
-    dp_size: int = 1,
-    seed: int = 0,
+    geometry: BatchGeometry,
     barrier: Callable[[], None] | None = None,
     is_builder: bool = True,
 ) -> DataModule:
     """Loaders for this dp rank, the validation loader (None without a val split) and the tokenizer.
 
-    Every rank calls this with the same `cfg`, sizes and `seed`, and its own `dp_rank`. Cache
-    builds are serialized with a file lock; on a filesystem without working file locks, pass a
-    `barrier` (e.g. `torch.distributed.barrier`) and `is_builder=(local_rank == 0)`, and every
-    rank must then call this (the barrier is entered once per cached artifact on every rank).
-    Train batches are {"input_ids", "target_ids"} (micro_batch_size, seq_len) int64 (targets
-    already shifted: `docmask.make_batch`), plus "position_ids" and "document_ids" with
-    `data.document_mask`; checkpoint
-    `train_loader.state_dict()` after each step. The recipe checks `len(tokenizer)`
-    (`nanolight.data.vocab_size`) against the model's vocab size.
+    Every rank calls this with the same `cfg` and `geometry` but its own `geometry.dp_rank`.
+    Cache builds are serialized with a file lock; on a filesystem without working file locks,
+    pass a `barrier` (e.g. `torch.distributed.barrier`) and `is_builder=(local_rank == 0)`, and
+    every rank must then call this (the barrier is entered once per cached artifact on every
+    rank). Train batches are {"input_ids", "target_ids"} (micro_batch_size, seq_len) int64
+    (targets already shifted: `loader.make_batch`), plus "position_ids" and "document_ids" with
+    `data.document_mask`; checkpoint `train_loader.state_dict()` after each step. The recipe
+    checks `len(tokenizer)` (`nanolight.data.vocab_size`) against the model's vocab size.
     """
-    sizes = (seq_len, micro_batch_size, accumulate_grad_batches, dp_rank, dp_size, seed)
     if cfg.mixture is not None:
-        return DataModule(*build_mixture(cfg, *sizes))
+        return _mixture(cfg, geometry)
     if cfg.path != EMBEDDED and is_prepared_dir(cfg.path):
         if cfg.streaming:
             raise DataError(
                 f"data.path={cfg.path} is a prepared directory (read by memory map, no tokenizing): "
                 "set data.streaming=false"
             )
-        return DataModule(*build_prepared(cfg, *sizes))
+        data = PreparedData.open(cfg.path)
+        return _prepared(cfg, geometry, data, _run_tokenizer([("data.path", data)], cfg.tokenizer))
     if cfg.path != EMBEDDED:
         local_files(cfg.path)  # a missing local path fails now, not after a tokenizer is trained
-    shared = {"barrier": barrier, "is_builder": is_builder}
+    shared: dict[str, Any] = {"barrier": barrier, "is_builder": is_builder}
     corpus = None
     if cfg.path == EMBEDDED or cfg.tokenizer == EMBEDDED:
         corpus = embedded_corpus(cfg.cache_root, cfg.embedded_max_mb, **shared)
     tok = resolve_tokenizer(cfg, corpus, **shared)
     if cfg.streaming:
-        return _streaming(
-            cfg, tok, seq_len, micro_batch_size, accumulate_grad_batches, dp_rank, dp_size, seed
-        )
-
-    tokens = token_file(cfg, tok, corpus, **shared)
-    n_blocks = len(tokens.tokens) // seq_len
-    train_ids, val_ids = split_blocks(n_blocks, cfg.val_fraction, cfg.val_blocks)  # the same at every layout
-    eos = tok.eos_token_id if cfg.document_mask else None
-    train = PackedLoader(
-        PackedDataset(tokens.tokens, seq_len, train_ids, eos),
-        micro_batch_size, accumulate_grad_batches, dp_rank, dp_size, seed,
-    )  # fmt: skip
-    val = eval_loader(PackedDataset(tokens.tokens, seq_len, val_ids, eos), micro_batch_size, dp_rank, dp_size)
-    return DataModule(train, val, tok)
+        return _streaming(cfg, geometry, tok)
+    return _prepared(cfg, geometry, token_file(cfg, tok, corpus, **shared), tok)
 
 
-def token_file(
-    cfg: DataConfig,
-    tok: PreTrainedTokenizerBase,
-    corpus: str | None = None,
-    *,
-    barrier: Callable[[], None] | None = None,
-    is_builder: bool = True,
-) -> TokenFile:
-    """The cached token file of `cfg`'s source under `tok`, tokenizing only on a cache miss.
+def _run_tokenizer(sources: list[tuple[str, PreparedData]], tokenizer: str) -> PreTrainedTokenizerBase:
+    """The run's tokenizer: `tokenizer` if named (it must be the data's), else the one saved with the data.
 
-    Cache key: local files by (path, size, mtime) each, a hub dataset by its `datasets`
-    fingerprint (so a hub source is opened through the HF cache even on a token-cache hit);
-    plus the tokenizer's full definition and `text_field`.
+    Every source must come from that tokenizer: token ids from another tokenizer mean other text,
+    and nothing downstream could tell.
     """
-    files = [corpus] if cfg.path == EMBEDDED and corpus else local_files(cfg.path)
-    base = {"text_field": cfg.text_field, "tokenizer": tokenizer_identity(tok)}
-    use_map = bool(cfg.num_proc and cfg.num_proc > 1)
-    if files is not None:
-        identity = {**base, "source": local_identity(files)}
-
-        def make() -> Iterable[np.ndarray]:
-            datasets_cache = os.path.join(cfg.cache_root, "hf-datasets")
-            ds = open_local(files, streaming=not use_map, cache_dir=datasets_cache)
-            chunks = iter_token_chunks(ds, tok, cfg.text_field, cfg.tokenize_batch_size, cfg.num_proc)
-            return guard_reads(chunks, files)
-
-    else:
-        hub = open_hub(cfg, streaming=False)
-        source = {"hub": cfg.path, "name": cfg.name, "split": cfg.split, "fingerprint": hub._fingerprint}
-        identity = {**base, "source": source}
-
-        def make() -> Iterable[np.ndarray]:
-            return iter_token_chunks(hub, tok, cfg.text_field, cfg.tokenize_batch_size, cfg.num_proc)
-
-    return cached_token_file(cfg.cache_root, identity, make, len(tok), barrier=barrier, is_builder=is_builder)
+    first = sources[0][1]
+    tok = load_tokenizer(first.tokenizer_dir if tokenizer == EMBEDDED else tokenizer)
+    identity = tokenizer_identity(tok)
+    run_name = (
+        tokenizer if tokenizer != EMBEDDED else f"{first.tokenizer['name']!r} from {first.tokenizer_dir}"
+    )
+    for key, data in sources:
+        saved = data.tokenizer
+        if saved["identity"] != identity:
+            raise DataError(
+                f"{key}={data.path}: {os.path.join(data.path, INDEX)} says its tokens come from tokenizer "
+                f"{saved['name']!r} (identity {saved['identity']}, {saved['vocab_size']} ids), but this run's "
+                f"tokenizer is {run_name} (identity {identity}, {len(tok)} ids). Prepare every source with the "
+                "same --tokenizer, and set data.tokenizer to it or leave it at `embedded` (the data's own)"
+            )
+    return tok
 
 
-def _streaming(
-    cfg: DataConfig, tok: PreTrainedTokenizerBase, seq_len: int, micro_batch_size: int,
-    accumulate_grad_batches: int, dp_rank: int, dp_size: int, seed: int,
-) -> DataModule:  # fmt: skip
+def _blocks(
+    data: PreparedData, cfg: DataConfig, seq_len: int, document_eos: int | None
+) -> tuple[PackedDataset, PackedDataset]:
+    """(train, val) datasets of prepared shards; the held-out blocks are the same at every layout."""
+    train_ids, val_ids = split_blocks(len(data.tokens) // seq_len, cfg.val_fraction, cfg.val_blocks)
+    train = PackedDataset(data.tokens, seq_len, train_ids, document_eos)
+    return train, PackedDataset(data.tokens, seq_len, val_ids, document_eos)
+
+
+def _prepared(
+    cfg: DataConfig, geometry: BatchGeometry, data: PreparedData, tok: PreTrainedTokenizerBase
+) -> DataModule:
+    """Loaders over one set of shards (a prepared directory or the cached preparation)."""
+    eos = tok.eos_token_id if cfg.document_mask else None
+    train, val = _blocks(data, cfg, geometry.seq_len, eos)
+    return DataModule(PackedLoader(train, geometry), EvalLoader.of(val, geometry), tok)
+
+
+def _mixture(cfg: DataConfig, geometry: BatchGeometry) -> DataModule:
+    """Loaders over `cfg.mixture` (prepared directories with weights); validation = every source's held-out part."""
+    assert cfg.mixture is not None
+    keys = [f"data.mixture[{i}].path" for i in range(len(cfg.mixture))]
+    opened = [(k, PreparedData.open(m.path, k)) for k, m in zip(keys, cfg.mixture, strict=True)]
+    tok = _run_tokenizer(opened, cfg.tokenizer)
+    eos = tok.eos_token_id if cfg.document_mask else None
+    splits = [_blocks(data, cfg, geometry.seq_len, eos) for _, data in opened]
+    names = [f"data.mixture[{i}] ({m.name or m.path})" for i, m in enumerate(cfg.mixture)]
+    weights = [m.weight for m in cfg.mixture]
+    loader = MixtureLoader([t for t, _ in splits], weights, names, geometry, cfg.mixture_exhausted)
+    val = ConcatBlocks([v for _, v in splits])
+    return DataModule(loader, EvalLoader.of(val, geometry), tok)  # type: ignore[arg-type]
+
+
+def _streaming(cfg: DataConfig, geometry: BatchGeometry, tok: PreTrainedTokenizerBase) -> DataModule:
     files = local_files(cfg.path)
     ds: Any
     if files is not None:
@@ -151,12 +149,19 @@ def _streaming(
             "(a stream has no length to take data.val_fraction of)",
             stacklevel=3,
         )
+    seq_len = geometry.seq_len
     held = hold_out(ds, tok, cfg.text_field, seq_len, cfg.val_blocks or 0, cfg.tokenize_batch_size)
     eos = tok.eos_token_id if cfg.document_mask else None
     train = StreamingPackedLoader(
-        ds, tok, cfg.text_field, seq_len, micro_batch_size, accumulate_grad_batches, dp_rank, dp_size, seed,
-        shuffle_buffer=cfg.shuffle_buffer, skip_documents=held.documents,
-        tokenize_batch_size=cfg.tokenize_batch_size, document_eos=eos, source_files=files or [cfg.path],
-    )  # fmt: skip
-    val = eval_loader(PackedDataset(held.tokens, seq_len, None, eos), micro_batch_size, dp_rank, dp_size)
+        ds,
+        tok,
+        cfg.text_field,
+        geometry,
+        shuffle_buffer=cfg.shuffle_buffer,
+        skip_documents=held.documents,
+        tokenize_batch_size=cfg.tokenize_batch_size,
+        document_eos=eos,
+        source_files=files or [cfg.path],
+    )
+    val = EvalLoader.of(PackedDataset(held.tokens, seq_len, None, eos), geometry)
     return DataModule(train, val, tok)

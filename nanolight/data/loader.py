@@ -1,22 +1,88 @@
-"""Data-parallel, resumable loaders over a `PackedDataset`.
+"""Packed blocks and the one loader that serves them: dp-sharded, resumable, the same global batch
+at every layout.
 
-The rule (CONTRACTS.md) that makes runs comparable across layouts: an epoch's sample order is a
-permutation from (seed, epoch); global batch s is order[s*G:(s+1)*G] with
-G = micro_batch_size * accumulate_grad_batches * dp_size; dp rank r takes the r-th contiguous
-slice of G and yields it as `accumulate_grad_batches` micro-batches. Concatenating all ranks'
-micro-batches of a step, rank-major, gives the same ordered global batch at any dp size and any
-micro-batch split. The last `len(dataset) % G` samples of an epoch (an incomplete global batch)
-are dropped; the next epoch's permutation brings them back in.
+Packing concatenates every document (each followed by EOS) and cuts the stream into blocks of
+exactly `seq_len` tokens, so no compute is spent on padding; a block may span document
+boundaries, and the EOS tells the model where one document ends. The last `num_tokens % seq_len`
+tokens do not fill a block and are dropped (at most seq_len - 1 tokens of the whole corpus).
+
+The rule (DESIGN.md) that makes runs comparable across layouts: an epoch's sample order is a
+permutation from (seed, epoch); global batch s is order[s*G:(s+1)*G] and dp rank r takes the
+r-th contiguous slice of it (`BatchGeometry`), yielded as `accumulate_grad_batches`
+micro-batches. Concatenating all ranks' micro-batches of a step, rank-major, gives the same
+ordered global batch at any dp size and any micro-batch split. The last `len(dataset) % G`
+samples of an epoch (an incomplete global batch) are dropped; the next epoch's permutation
+brings them back in.
+
+With `data.document_mask=true` every batch also carries, per token,
+
+    position_ids   0, 1, 2, ... restarting at 0 on the token after each EOS (and at the row start)
+    document_ids   0 for the row's first (possibly partial) document, +1 after each EOS
+
+so the model can build a block-diagonal causal mask (tokens attend only within their document
+id) or flash-attn's varlen offsets, and rotary positions start afresh per document. Both are
+computed from the row alone: nothing crosses a row, and the EOS belongs to the document it ends.
+The next-token targets are made here too, while the row is whole (`make_batch`): a rank that
+holds a piece of it (context parallelism) could not shift its own, and counting a step's valid
+targets before its micro-batches run needs them (`parallel/loss_tokens.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from nanolight.data.packed import PackedDataset
+from nanolight.data.config import BatchGeometry
+from nanolight.models.llama import shift_labels
+
+_VAL_SEED = 0x5EED  # the held-out blocks do not depend on the training seed: val loss stays comparable
+
+
+def document_fields(input_ids: torch.Tensor, eos_id: int) -> dict[str, torch.Tensor]:
+    """{"position_ids", "document_ids"} (int64, shape of `input_ids` (B, T)) for packed rows."""
+    is_eos = (input_ids == eos_id).to(torch.int64)
+    # a document starts after each EOS: the count of EOS strictly before a token is its document
+    document_ids = torch.cumsum(is_eos, dim=-1) - is_eos
+    t = input_ids.shape[-1]
+    arange = torch.arange(t, dtype=torch.int64).expand_as(input_ids)
+    # position = index - index of the document's first token; first tokens are where the id changes
+    starts = torch.zeros_like(document_ids, dtype=torch.bool)
+    starts[..., 0] = True
+    starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
+    first = torch.cummax(torch.where(starts, arange, torch.zeros_like(arange)), dim=-1).values
+    return {"position_ids": arange - first, "document_ids": document_ids}
+
+
+def make_batch(ids: torch.Tensor, document_eos: int | None) -> dict[str, torch.Tensor]:
+    """The loaders' batch dict: input_ids and `target_ids` -- the next token, -100 at the row's last
+    position and, with document fields, at each document's last token (`shift_labels`)."""
+    if document_eos is None:
+        return {"input_ids": ids, "target_ids": shift_labels(ids)}
+    fields = document_fields(ids, document_eos)
+    return {"input_ids": ids, "target_ids": shift_labels(ids, fields["document_ids"]), **fields}
+
+
+def split_blocks(
+    n_blocks: int, val_fraction: float, val_blocks: int | None = None, min_val_blocks: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val) block ids: a fixed pseudo-random `val_fraction` (or `val_blocks`) held out.
+
+    Random rather than the tail: a sorted corpus's tail is one topic (e.g. the stdlib's `xml` and
+    `zoneinfo`), a biased validation set. A positive `val_fraction` holds out at least
+    `min_val_blocks`; the held-out set for a larger count is a superset. The split depends on the
+    data alone, never on the layout (a layout-dependent minimum, such as one validation batch of
+    micro_batch_size * dp, would change the training samples with dp): a split too small for one
+    validation batch is the validation loader's error to report.
+    """
+    n_val = val_blocks if val_blocks is not None else int(round(val_fraction * n_blocks))
+    if val_fraction > 0 and val_blocks is None:
+        n_val = max(n_val, min_val_blocks)
+    n_val = min(n_val, n_blocks)
+    perm = np.random.default_rng(_VAL_SEED).permutation(n_blocks)
+    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
 
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool, key: tuple[int, ...] = ()) -> np.ndarray:
@@ -31,11 +97,56 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool, key: tuple[int, ..
     return order
 
 
-def _check_sizes(micro_batch_size: int, accumulate_grad_batches: int, dp_rank: int, dp_size: int) -> None:
-    if micro_batch_size < 1 or accumulate_grad_batches < 1:
-        raise ValueError("micro_batch_size and accumulate_grad_batches must be >= 1")
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+class TokenArray(Protocol):
+    """A flat token sequence: prepared shards (`TokenShards`) or, in tests, an array."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, item: slice) -> np.ndarray: ...
+
+
+class PackedDataset(torch.utils.data.Dataset):
+    """Blocks of `seq_len` tokens from a flat token array, restricted to `block_ids`.
+
+    Item i is {"input_ids": (T,), "target_ids": (T,)} int64, target t the token t+1 (-100 at the
+    block's last position), so no block overlaps the next. Block b is tokens [b*T, (b+1)*T):
+    reading a batch touches only its blocks' bytes. With `document_eos` (the EOS id) items also
+    carry `position_ids` and `document_ids`.
+    """
+
+    def __init__(
+        self,
+        tokens: TokenArray,
+        seq_len: int,
+        block_ids: np.ndarray | None = None,
+        document_eos: int | None = None,
+    ) -> None:
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        n_blocks = len(tokens) // seq_len
+        self.tokens, self.seq_len, self.document_eos = tokens, seq_len, document_eos
+        self.block_ids = np.arange(n_blocks) if block_ids is None else np.asarray(block_ids, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        batch = self.batch(np.array([i]))
+        return {k: v[0] for k, v in batch.items()}
+
+    def rows(self, indices: np.ndarray) -> np.ndarray:
+        """(len(indices), seq_len) int64 token rows of dataset positions `indices`."""
+        t = self.seq_len
+        if isinstance(self.tokens, np.ndarray):  # one fancy-index read of a reshaped view
+            n = len(self.tokens) // t
+            return self.tokens[: n * t].reshape(n, t)[self.block_ids[indices]].astype(np.int64)
+        out = np.empty((len(indices), t), dtype=np.int64)
+        for row, b in enumerate(self.block_ids[indices]):
+            out[row] = self.tokens[int(b) * t : (int(b) + 1) * t]
+        return out
+
+    def batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
+        """Stacked items `indices` (positions in this dataset)."""
+        return make_batch(torch.from_numpy(self.rows(np.asarray(indices))), self.document_eos)
 
 
 class PackedLoader:
@@ -45,41 +156,36 @@ class PackedLoader:
     permutation), so the trainer's `for batch in loader` loop sees one epoch per pass and a
     resumed loader continues mid-epoch. `state_dict()` counts global samples consumed, so a run
     can resume at a different dp size or micro-batch split as long as it stopped at a step boundary.
+    `MixtureLoader` is this loader over several datasets; it says where global sample k comes from.
     """
 
-    def __init__(
-        self,
-        dataset: PackedDataset,
-        micro_batch_size: int,
-        accumulate_grad_batches: int = 1,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        seed: int = 0,
-        shuffle: bool = True,
-    ) -> None:
-        _check_sizes(micro_batch_size, accumulate_grad_batches, dp_rank, dp_size)
-        self.dataset = dataset
-        self.micro_batch_size = micro_batch_size
-        self.accumulate_grad_batches = accumulate_grad_batches
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.seed, self.shuffle = seed, shuffle
-        self.global_batch_size = micro_batch_size * accumulate_grad_batches * dp_size
-        if len(dataset) < self.global_batch_size:
-            seq_len = dataset.seq_len
+    def __init__(self, dataset: PackedDataset, geometry: BatchGeometry, shuffle: bool = True) -> None:
+        self.dataset, self.shuffle = dataset, shuffle
+        self._start(geometry, epoch_samples=len(dataset))
+        self._epoch_order: tuple[int, np.ndarray] | None = None  # (epoch, its sample order)
+        if len(dataset) < (g := self.global_batch_size):
+            t, mbs, acc = dataset.seq_len, geometry.micro_batch_size, self.accumulate_grad_batches
             raise ValueError(
-                f"the training split has {len(dataset)} blocks of seq_len={seq_len} "
-                f"({len(dataset) * seq_len} tokens) but one global batch needs {self.global_batch_size} blocks "
-                f"(micro_batch_size={micro_batch_size} x accumulate_grad_batches={accumulate_grad_batches} x "
-                f"dp={dp_size}) = {self.global_batch_size * seq_len} tokens. Use more data, or lower "
-                "micro_batch_size, accumulate_grad_batches, seq_len or data.val_fraction"
+                f"the training split has {len(dataset)} blocks of seq_len={t} ({len(dataset) * t} tokens) but "
+                f"one global batch needs {g} blocks (micro_batch_size={mbs} x accumulate_grad_batches={acc} x "
+                f"dp={geometry.dp_size}) = {g * t} tokens. Use more data, or lower micro_batch_size, "
+                "accumulate_grad_batches, seq_len or data.val_fraction"
             )
+
+    def _start(self, geometry: BatchGeometry, epoch_samples: int | None) -> None:
+        """The position every packed loader keeps, at the run's start; `epoch_samples` None: no epochs."""
+        self.geometry, self.seed, self.epoch_samples = geometry, geometry.seed, epoch_samples
+        self.accumulate_grad_batches = geometry.accumulate_grad_batches
+        self.global_batch_size = geometry.global_batch_size
         self._epoch = 0
         self._pos = 0  # global samples of completed global batches in this epoch
         self._micro = 0  # micro-batches of the current step this rank has yielded
 
     @property
     def steps_per_epoch(self) -> int:
-        return len(self.dataset) // self.global_batch_size
+        if self.epoch_samples is None:
+            raise TypeError("a mixture with data.mixture_exhausted=repeat has no epoch length")
+        return self.epoch_samples // self.global_batch_size
 
     def __len__(self) -> int:
         """Micro-batches per epoch on this rank (a full epoch, from its start)."""
@@ -89,25 +195,35 @@ class PackedLoader:
     def epoch(self) -> int:
         return self._epoch
 
+    def _batch(self, ks: np.ndarray) -> dict[str, torch.Tensor]:
+        """The micro-batch of this epoch's global samples `ks`."""
+        if self._epoch_order is None or self._epoch_order[0] != self._epoch:
+            order = epoch_order(len(self.dataset), self.seed, self._epoch, self.shuffle)
+            self._epoch_order = (self._epoch, order)
+        return self.dataset.batch(self._epoch_order[1][ks])
+
+    def _step_starts(self) -> None:
+        """Called before each step's first micro-batch (a mixture warns about a source repeating)."""
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        order = epoch_order(len(self.dataset), self.seed, self._epoch, self.shuffle)
-        mbs, acc = self.micro_batch_size, self.accumulate_grad_batches
-        while len(self.dataset) - self._pos >= self.global_batch_size:
-            rank_start = self._pos + self.dp_rank * mbs * acc
-            j = self._micro
-            batch = self.dataset.batch(order[rank_start + j * mbs : rank_start + (j + 1) * mbs])
+        mbs, g = self.geometry.micro_batch_size, self.global_batch_size
+        while self.epoch_samples is None or self._pos + g <= self.epoch_samples:
+            if self._micro == 0:
+                self._step_starts()
+            start = self._pos + self.geometry.rank_offset(self._micro)
+            batch = self._batch(np.arange(start, start + mbs))
             # advance the state before yielding: state_dict() right after this batch must count it
-            if j + 1 == acc:
-                self._pos, self._micro = self._pos + self.global_batch_size, 0
+            if self._micro + 1 == self.accumulate_grad_batches:
+                self._pos, self._micro = self._pos + g, 0
             else:
-                self._micro = j + 1
+                self._micro += 1
             yield batch
         # Only a pass that runs to its end moves to the next epoch. A loader saved right after the
         # last step of an epoch therefore resumes with an empty pass that closes that epoch, in
         # step with a trainer that counts epochs by passes.
         self._epoch, self._pos, self._micro = self._epoch + 1, 0, 0
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         """Plain ints (safe for `torch.load(weights_only=True)`): where the next micro-batch comes from."""
         return {
             "epoch": self._epoch,
@@ -116,7 +232,7 @@ class PackedLoader:
             "seed": self.seed,
         }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at the next unseen micro-batch of the run that saved `state`."""
         if int(state["seed"]) != self.seed:
             raise ValueError(
@@ -137,20 +253,32 @@ class EvalLoader:
 
     Each pass covers floor(len / (micro_batch_size * dp)) micro-batches per rank, the same count
     on every rank (ranks run the same number of collectives); the few leftover blocks are skipped.
+    `dataset` is a `PackedDataset` or anything with `len` and `batch(indices)` (a mixture's
+    held-out blocks); `geometry`'s accumulation and seed do not apply.
     """
 
-    def __init__(
-        self, dataset: PackedDataset, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1
-    ) -> None:
-        _check_sizes(micro_batch_size, 1, dp_rank, dp_size)
-        self.dataset = dataset
-        self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+    def __init__(self, dataset: PackedDataset, geometry: BatchGeometry) -> None:
+        self.dataset, self.geometry = dataset, geometry
 
     def __len__(self) -> int:
-        return len(self.dataset) // (self.micro_batch_size * self.dp_size)
+        return len(self.dataset) // (self.geometry.micro_batch_size * self.geometry.dp_size)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        mbs, g = self.micro_batch_size, self.micro_batch_size * self.dp_size
+        mbs, dp_rank = self.geometry.micro_batch_size, self.geometry.dp_rank
         for s in range(len(self)):
-            start = s * g + self.dp_rank * mbs
+            start = (s * self.geometry.dp_size + dp_rank) * mbs
             yield self.dataset.batch(np.arange(start, start + mbs))
+
+    @classmethod
+    def of(cls, val: PackedDataset, geometry: BatchGeometry) -> EvalLoader | None:
+        """The validation loader, None without held-out blocks; fewer than one batch is an error."""
+        if len(val) == 0:
+            return None
+        mbs, dp = geometry.micro_batch_size, geometry.dp_size
+        if len(val) < mbs * dp:
+            raise ValueError(
+                f"the validation split has {len(val)} blocks, fewer than one validation batch "
+                f"(micro_batch_size={mbs} x dp={dp}); raise data.val_fraction / data.val_blocks, "
+                "or set data.val_fraction=0 for no validation"
+            )
+        return cls(val, geometry)

@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 import torch
 
-from nanolight.data.docmask import make_batch
-from nanolight.data.loader import _check_sizes, epoch_order
-from nanolight.data.packed import PackedDataset
+from nanolight.data.config import BatchGeometry
+from nanolight.data.loader import PackedDataset, PackedLoader, epoch_order, make_batch
 
 
 class MixtureSchedule:
@@ -81,8 +80,9 @@ def _interleave(counts: np.ndarray) -> np.ndarray:
     return table
 
 
-class MixtureLoader:
-    """This dp rank's micro-batches from several `PackedDataset`s mixed by weight.
+class MixtureLoader(PackedLoader):
+    """This dp rank's micro-batches from several `PackedDataset`s mixed by weight: a `PackedLoader`
+    whose global sample k comes from the source and sample number `MixtureSchedule` gives it.
 
     `exhausted="repeat"`: a source that runs out starts a new pass in a new order (with a
     warning) and the loader never ends an epoch (bound the run with max_steps). `"stop"`: the
@@ -95,14 +95,9 @@ class MixtureLoader:
         sources: list[PackedDataset],
         weights: list[float],
         names: list[str],
-        micro_batch_size: int,
-        accumulate_grad_batches: int = 1,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        seed: int = 0,
+        geometry: BatchGeometry,
         exhausted: str = "repeat",
     ) -> None:
-        _check_sizes(micro_batch_size, accumulate_grad_batches, dp_rank, dp_size)
         for name, ds in zip(names, sources, strict=True):
             if ds.seq_len != sources[0].seq_len:
                 raise ValueError(
@@ -112,25 +107,17 @@ class MixtureLoader:
                 raise ValueError(f"{name} has no training sample of seq_len={ds.seq_len}: prepare more data")
         self.sources, self.names, self.exhausted = sources, names, exhausted
         self.schedule = MixtureSchedule(weights)
-        self.micro_batch_size, self.accumulate_grad_batches = micro_batch_size, accumulate_grad_batches
-        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
-        self.global_batch_size = micro_batch_size * accumulate_grad_batches * dp_size
-        self.epoch_samples: int | None = None
+        self._orders: dict[int, tuple[int, np.ndarray]] = {}  # source -> (pass, its sample order)
+        epoch_samples, g = None, geometry.global_batch_size
         if exhausted == "stop":
             first_repeat = min(self.schedule.position_of(i, len(ds)) for i, ds in enumerate(sources))
-            self.epoch_samples = first_repeat // self.global_batch_size * self.global_batch_size
-            if self.epoch_samples == 0:
+            epoch_samples = first_repeat // g * g
+            if epoch_samples == 0:
                 raise ValueError(
                     f"with data.mixture_exhausted=stop a source runs out before one global batch of "
-                    f"{self.global_batch_size} samples: prepare more data for the small sources or use repeat"
+                    f"{g} samples: prepare more data for the small sources or use repeat"
                 )
-        self._epoch, self._pos, self._micro = 0, 0, 0
-        self._orders: dict[int, tuple[int, np.ndarray]] = {}  # source -> (pass, its sample order)
-
-    def __len__(self) -> int:
-        if self.epoch_samples is None:
-            raise TypeError("a mixture with data.mixture_exhausted=repeat has no epoch length")
-        return self.epoch_samples // self.global_batch_size * self.accumulate_grad_batches
+        self._start(geometry, epoch_samples)
 
     def _order(self, source: int, pass_: int) -> np.ndarray:
         cached = self._orders.get(source)
@@ -150,9 +137,11 @@ class MixtureLoader:
                 rows[sel] = ds.rows(self._order(int(s), int(p))[local[sel] % len(ds)])
         return make_batch(torch.from_numpy(rows), self.sources[0].document_eos)
 
-    def _warn_repeats(self, start: int) -> None:
-        if self.dp_rank != 0:  # every rank runs the same schedule: one of them says so
+    def _step_starts(self) -> None:
+        """Under `repeat`, rank 0 warns when this step runs a source out (every rank runs the same schedule)."""
+        if self.epoch_samples is not None or self.geometry.dp_rank != 0:
             return
+        start = self._pos
         for i, ds in enumerate(self.sources):
             before = self.schedule.count(i, start) // len(ds)
             after = self.schedule.count(i, start + self.global_batch_size) // len(ds)
@@ -164,35 +153,14 @@ class MixtureLoader:
                     stacklevel=3,
                 )
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        mbs, acc, g = self.micro_batch_size, self.accumulate_grad_batches, self.global_batch_size
-        while self.epoch_samples is None or self._pos + g <= self.epoch_samples:
-            if self._micro == 0 and self.epoch_samples is None:
-                self._warn_repeats(self._pos)
-            first = self._pos + self.dp_rank * mbs * acc + self._micro * mbs
-            batch = self._batch(np.arange(first, first + mbs))
-            if self._micro + 1 == acc:  # state before yielding: state_dict() after it counts it
-                self._pos, self._micro = self._pos + g, 0
-            else:
-                self._micro += 1
-            yield batch
-        self._epoch, self._pos, self._micro = self._epoch + 1, 0, 0
-
-    def state_dict(self) -> dict[str, int | list[int]]:
+    def state_dict(self) -> dict[str, Any]:
         return {
-            "epoch": self._epoch,
-            "samples_consumed": self._pos,
-            "micro_batches_in_step": self._micro,
-            "seed": self.seed,
+            **super().state_dict(),
             "mixture_counts": [int(c) for c in self.schedule.counts],
             "source_samples": [len(ds) for ds in self.sources],
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        if int(state["seed"]) != self.seed:
-            raise ValueError(
-                f"the checkpoint's mixture order comes from seed={state['seed']}, not {self.seed}"
-            )
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = (list(state["mixture_counts"]), list(state["source_samples"]))
         now = ([int(c) for c in self.schedule.counts], [len(ds) for ds in self.sources])
         if saved != now:
@@ -201,12 +169,7 @@ class MixtureLoader:
                 f"samples per source {saved[1]} vs {now[1]}): its sample position means other samples "
                 "now. Resume with the checkpoint's mixture and seq_len"
             )
-        if int(state["micro_batches_in_step"]) >= self.accumulate_grad_batches:
-            raise ValueError(
-                "the checkpoint stopped mid-step at another accumulate_grad_batches; use the same"
-            )
-        self._epoch, self._pos = int(state["epoch"]), int(state["samples_consumed"])
-        self._micro = int(state["micro_batches_in_step"])
+        super().load_state_dict(state)
 
 
 class ConcatBlocks:

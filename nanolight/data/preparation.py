@@ -1,12 +1,13 @@
-"""Tokenize a corpus once into token shards (scripts/prepare_data.py is the command line).
+"""Tokenize a corpus once into token shards: scripts/prepare_data.py (`prepare`), and a local
+corpus trained on directly, prepared the same way into the data cache (`token_file`).
 
 The source (local files, a hub dataset or `embedded`) is opened as a map-style `datasets`
 table and tokenized chunk by chunk: each chunk of rows goes through `datasets.map(num_proc=N)`
 (N worker processes, one single-threaded tokenizer each) or, with N = 1, through one
 multi-threaded batch call in this process. Each worker gets every N-th row of the chunk rather
 than a contiguous slice, so a run of long documents cannot leave one worker late. Each chunk is
-committed (see shard_writer.py), so a killed preparation continues from its last chunk, and
-one whose shards were later damaged is repaired from the first damaged shard on.
+committed (see shards.py), so a killed preparation continues from its last chunk, and one
+whose shards were later damaged is repaired from the first damaged shard on.
 """
 
 from __future__ import annotations
@@ -21,29 +22,38 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from nanolight.data.cache import write_atomically
+from nanolight.checkpoint.atomic import atomic_directory, remove_stale
+from nanolight.data.cache import build_once, fingerprint
 from nanolight.data.config import EMBEDDED, DataConfig, DataError
-from nanolight.data.corpus import embedded_corpus
-from nanolight.data.shard_writer import ShardWriter
 from nanolight.data.shards import (
     FORMAT,
     INDEX,
     PROGRESS,
     VERSION,
+    PreparedData,
+    ShardWriter,
     check_shards,
     is_prepared_dir,
     prepared_leftovers,
     read_index,
+    token_dtype,
 )
-from nanolight.data.sources import check_text_field, local_files, local_identity, open_hub, open_local
-from nanolight.data.tokenize import Encoder, tokenize_rows
-from nanolight.data.tokenizer import resolve_tokenizer, tokenizer_identity
-from nanolight.data.tokens import token_dtype
+from nanolight.data.sources import (
+    check_text_field,
+    embedded_corpus,
+    local_files,
+    local_identity,
+    open_hub,
+    open_local,
+    read_error,
+)
+from nanolight.data.tokenizer import Encoder, resolve_tokenizer, tokenizer_identity
 
 _INPUT_KEYS = ("source", "tokenizer", "text_field", "dtype", "shard_tokens")
 
@@ -82,9 +92,14 @@ class PrepareConfig:
 
     def data_config(self) -> DataConfig:
         return DataConfig(
-            path=self.source, name=self.name, split=self.split, revision=self.revision,
-            text_field=self.text_field, tokenizer=self.tokenizer, cache_dir=self.cache_dir,
-        )  # fmt: skip
+            path=self.source,
+            name=self.name,
+            split=self.split,
+            revision=self.revision,
+            text_field=self.text_field,
+            tokenizer=self.tokenizer,
+            cache_dir=self.cache_dir,
+        )
 
 
 _FORKING = [0]  # the pid of the process forking now (read by the child: its parent)
@@ -110,16 +125,23 @@ def _arm_parent_death() -> None:
 
 
 def prepare(
-    cfg: PrepareConfig, *, progress: bool = True, after_commit: Callable[[int], None] | None = None
+    cfg: PrepareConfig,
+    *,
+    progress: bool = True,
+    after_commit: Callable[[int], None] | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    key: str = "--source",
 ) -> dict[str, Any]:
     """Tokenize `cfg.source` into `cfg.out` (or finish / repair an earlier run there); returns the index.
 
     `after_commit(next_row)` runs after every committed chunk (tests use it to stop a run midway).
+    `tokenizer` is the one `cfg.tokenizer` names, when the caller has loaded it already; `key` is
+    the option errors name the source by.
     """
     out = os.path.abspath(os.path.expanduser(cfg.out))
     if cfg.num_proc > 1:
         children_die_with_their_parent()
-    tok, ds, files = _open_source(cfg)
+    tok, ds, files = _open_source(cfg, tokenizer, key)
     dtype = token_dtype(len(tok))
     inputs = {
         "source": _source_identity(cfg, files, ds),
@@ -137,7 +159,8 @@ def prepare(
     _remove_leftovers(out)
     state = _resume_state(out, inputs)
     if not os.path.isdir(os.path.join(out, "tokenizer")):  # the run loads it from here: no hub access
-        write_atomically(os.path.join(out, "tokenizer"), tok.save_pretrained)
+        with atomic_directory(os.path.join(out, "tokenizer")) as tmp:
+            tok.save_pretrained(str(tmp))
     if state == "complete":
         if progress:
             print(f"{out}: already complete (every shard checked against {INDEX})", file=sys.stderr)
@@ -145,36 +168,29 @@ def prepare(
     writer = ShardWriter(out, dtype, inputs["shard_tokens"], state)
     if state is None:
         writer.commit(inputs, 0)  # from now on the directory is a preparation a rerun continues
-    _tokenize(
-        cfg,
-        ds,
-        tok,
-        writer,
-        inputs,
-        (state or {}).get("next_row", 0),
-        files or [cfg.source],
-        progress,
-        after_commit,
-    )
+    row = (state or {}).get("next_row", 0)
+    _tokenize(cfg, ds, tok, writer, inputs, row, files or [cfg.source], progress, after_commit)
     if not writer.shards and (writer.open is None or writer.open["documents"] == 0):
         raise DataError(
-            f"--source {cfg.source} holds no text: every `{cfg.text_field}` is empty. Check the files and "
-            "--text-field"
+            f"{key} {cfg.source} holds no text (0 tokens): every `{cfg.text_field}` is empty. Check the "
+            "files and the text field"
         )
     return writer.finish({"format": FORMAT, "version": VERSION, **inputs}, len(ds))
 
 
-def _open_source(cfg: PrepareConfig) -> tuple[PreTrainedTokenizerBase, Any, list[str] | None]:
+def _open_source(
+    cfg: PrepareConfig, tok: PreTrainedTokenizerBase | None, key: str
+) -> tuple[PreTrainedTokenizerBase, Any, list[str] | None]:
     """(tokenizer, map-style dataset, local files or None for a hub dataset) of `cfg`."""
     dcfg = cfg.data_config()
     if cfg.source != EMBEDDED and is_prepared_dir(cfg.source):
-        raise DataError(f"--source {cfg.source} is already a prepared directory; train on it with data.path")
+        raise DataError(f"{key} {cfg.source} is already a prepared directory; train on it with data.path")
     # the embedded corpus is the source, or what the embedded tokenizer trains on (built once, cached)
     corpus = None
-    if EMBEDDED in (cfg.source, cfg.tokenizer):
+    if cfg.source == EMBEDDED or (tok is None and cfg.tokenizer == EMBEDDED):
         corpus = embedded_corpus(dcfg.cache_root, dcfg.embedded_max_mb)
-    files = [corpus] if cfg.source == EMBEDDED and corpus else local_files(cfg.source, key="--source")
-    tok = resolve_tokenizer(dcfg, corpus)
+    files = [corpus] if cfg.source == EMBEDDED and corpus else local_files(cfg.source, key=key)
+    tok = tok or resolve_tokenizer(dcfg, corpus)
     hf_cache = os.path.join(dcfg.cache_root, "hf-datasets")
     if files:  # downloaded / converted to arrow with the same worker count
         ds = open_local(files, streaming=False, cache_dir=hf_cache, num_proc=cfg.num_proc)
@@ -227,13 +243,15 @@ def _tokenize(
 
 
 def _remove_leftovers(out: str) -> None:
-    """Temporaries a killed run left: half-written index/progress/tokenizer, map outputs (our names only)."""
-    names = [f"{n}.tmp-*" for n in (INDEX, PROGRESS, "tokenizer")] + [".chunk-*"]
-    for path in [p for n in names for p in glob.glob(os.path.join(out, n))]:
-        if os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            os.remove(path)
+    """Temporaries a killed run left: half-written index/progress/tokenizer (atomic.py's names, and
+    the `<name>.tmp-*` of earlier versions), map outputs (our names only)."""
+    remove_stale(Path(out))
+    for name in [f"{n}.tmp-*" for n in (INDEX, PROGRESS, "tokenizer")] + [".chunk-*"]:
+        for path in glob.glob(os.path.join(out, name)):
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
 
 
 def _source_identity(cfg: PrepareConfig, files: list[str] | None, ds: Any) -> dict[str, Any]:
@@ -292,3 +310,120 @@ def _progress_bar(enabled: bool, total: int, done: int, out: str) -> Any:
     if done:
         print(f"{out}: resuming at document row {done:,} of {total:,}", file=sys.stderr)
     return tqdm(total=total, initial=done, unit="doc", unit_scale=True, desc="tokenize", file=sys.stderr)
+
+
+def tokenize_rows(
+    ds: Any,
+    start: int,
+    stop: int,
+    encoder: Encoder,
+    eos: int,
+    num_proc: int,
+    batch_size: int,
+    work_dir: str,
+    source: list[str],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, document end offsets, source row per document) of rows [start, stop) of `ds`;
+    `source` (the files, or the hub name) is what an error names."""
+    try:
+        if num_proc <= 1:
+            texts = ds[start:stop][encoder.text_field]
+            ids, keep = [], []
+            for i in range(0, len(texts), batch_size * 64):  # big calls: the tokenizer threads them
+                part_ids, part_keep = encoder.encode(texts[i : i + batch_size * 64])
+                ids += part_ids
+                keep += part_keep
+            lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+            values = np.concatenate(ids) if ids else np.zeros(0, dtype=encoder.dtype)
+            kept = np.asarray(keep, dtype=bool)
+        else:
+            lengths, values, kept = _map_chunk(ds, start, stop, encoder, num_proc, batch_size, work_dir)
+    except Exception as err:  # e.g. a text that is not a string: name the source, not a worker traceback
+        raise read_error(source, err) from err
+    rows = start + np.flatnonzero(kept)
+    lengths = lengths[kept]
+    # each document's tokens, then EOS: insert one EOS after every document's last token
+    tokens = np.insert(values, np.cumsum(lengths), np.asarray(eos, dtype=values.dtype))
+    return tokens, np.cumsum(lengths + 1), rows
+
+
+def _map_chunk(
+    ds: Any, start: int, stop: int, encoder: Encoder, num_proc: int, batch_size: int, work_dir: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    import datasets
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    list_feature = getattr(datasets, "List", None) or datasets.Sequence  # datasets < 4 calls it Sequence
+
+    # worker w gets rows start+w, start+w+N, ...: datasets hands each worker a contiguous slice
+    order = np.concatenate([np.arange(start + w, stop, num_proc) for w in range(num_proc)])
+    features = datasets.Features(
+        {"ids": list_feature(datasets.Value(encoder.dtype.name)), "keep": datasets.Value("bool")}
+    )
+    cache = os.path.join(work_dir, f".chunk-{os.getpid()}.arrow")
+    workers = min(num_proc, len(order))
+    mapped = ds.select(order).map(
+        Encoder(encoder.backend, encoder.text_field, encoder.dtype, worker=workers > 1),
+        batched=True,
+        batch_size=batch_size,
+        num_proc=workers,
+        remove_columns=ds.column_names,
+        features=features,
+        cache_file_name=cache,
+        load_from_cache_file=False,
+    )
+    inverse = np.empty(len(order), dtype=np.int64)
+    inverse[order - start] = np.arange(len(order))  # back to row order
+    table = mapped.data.table.take(pa.array(inverse))
+    ids = table.column("ids").combine_chunks()
+    lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
+    values = ids.flatten().to_numpy(zero_copy_only=False).astype(encoder.dtype, copy=False)
+    kept = table.column("keep").to_numpy(zero_copy_only=False).astype(bool)
+    del mapped, table, ids
+    for f in glob.glob(cache.replace(".arrow", "*")):
+        os.remove(f)
+    return lengths, values, kept
+
+
+def token_file(
+    cfg: DataConfig,
+    tok: PreTrainedTokenizerBase,
+    corpus: str | None = None,
+    *,
+    barrier: Callable[[], None] | None = None,
+    is_builder: bool = True,
+) -> PreparedData:
+    """The shards of `cfg`'s source under `tok`, prepared (as by scripts/prepare_data.py) into the
+    data cache on a miss, so a local corpus is read through the same format and loader.
+
+    Cache key: local files by (path, size, mtime) each, a hub dataset by its `datasets`
+    fingerprint (so a hub source is opened through the HF cache even on a cache hit); plus the
+    tokenizer's full definition and `text_field`. Shards of one document stream concatenate to
+    the same tokens whatever the shard size: the blocks and their order do not depend on it.
+    """
+    files = [corpus] if cfg.path == EMBEDDED and corpus else local_files(cfg.path)
+    if files is not None:
+        source: Any = local_identity(files)
+    else:
+        source = {"hub": cfg.path, "name": cfg.name, "split": cfg.split}
+        source["fingerprint"] = open_hub(cfg, streaming=False)._fingerprint
+    identity = {"source": source, "tokenizer": tokenizer_identity(tok), "text_field": cfg.text_field}
+    path = os.path.join(cfg.cache_root, "shards", fingerprint({**identity, "version": VERSION}))
+
+    def build(tmp: str) -> None:
+        prep = PrepareConfig(
+            source=corpus if cfg.path == EMBEDDED and corpus else cfg.path,
+            tokenizer=cfg.tokenizer,
+            out=tmp,
+            name=cfg.name,
+            split=cfg.split,
+            revision=cfg.revision,
+            text_field=cfg.text_field,
+            num_proc=cfg.num_proc or 1,
+            batch_size=cfg.tokenize_batch_size,
+            cache_dir=cfg.cache_dir,
+        )
+        prepare(prep, progress=False, tokenizer=tok, key="data.path")
+
+    return PreparedData.open(build_once(path, build, barrier=barrier, is_builder=is_builder))

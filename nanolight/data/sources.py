@@ -1,9 +1,16 @@
-"""Where documents come from: local files (path, directory or glob) or a Hugging Face hub dataset.
+"""Where documents come from: the embedded corpus, local files (path, directory or glob) or a
+Hugging Face hub dataset.
 
-Both end up as a `datasets` object whose rows hold `text_field`. Local files are recognized by
+All end up as a `datasets` object whose rows hold `text_field`. Local files are recognized by
 extension and read with the matching `datasets` builder; anything that is not a local path is
 taken as a hub dataset name. A local-looking path that does not exist is an error right away,
 not a confusing hub lookup.
+
+The embedded default corpus is this Python installation's own standard library source: every
+machine that can run nanolight has it, it is real text (code, docstrings, comments) of a few
+MB, and it needs no network -- so `python recipes/smollm.py` works out of the box. It is
+written once as JSONL into the cache (one document per source file) and then read like any
+other local file, so the embedded path exercises the same tokenize/shard/cache code as user data.
 """
 
 from __future__ import annotations
@@ -12,14 +19,19 @@ import glob
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator
+import sys
+import sysconfig
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from nanolight.data.cache import build_once, fingerprint
 from nanolight.data.config import DataConfig, DataError, DataNotFound
 
 T = TypeVar("T")
 _PEEK = 1 << 16  # bytes of each text file read up front to tell a data file from garbage
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idle_test"}
+_CORPUS_FORMAT = 2  # bump when the corpus layout changes, so old caches are not reused
 
 # extension -> (datasets builder, extra builder kwargs)
 _BUILDERS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -212,3 +224,56 @@ def check_text_field(columns: list[str] | None, text_field: str) -> None:
             f"data.text_field={text_field!r} is not a column of the dataset; available columns: "
             f"{sorted(columns)}. Set data.text_field to the one holding the document text"
         )
+
+
+def stdlib_files(max_bytes: int, root: str | None = None) -> Iterator[tuple[str, str]]:
+    """Yield (relative path, absolute path) of stdlib .py files in sorted order, up to `max_bytes`.
+
+    Sorted walk and whole-file cap make the corpus identical on every rank and every run.
+    Test suites and third-party packages are skipped: they are not the standard library's prose.
+    """
+    root = root or sysconfig.get_paths()["stdlib"]
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
+        for name in sorted(filenames):
+            if not name.endswith(".py"):
+                continue
+            full = os.path.join(dirpath, name)
+            size = os.path.getsize(full)
+            if total + size > max_bytes:
+                return
+            total += size
+            yield os.path.relpath(full, root), full
+
+
+def embedded_corpus(
+    cache_root: str,
+    max_mb: float,
+    *,
+    barrier: Callable[[], None] | None = None,
+    is_builder: bool = True,
+) -> str:
+    """Path of the cached JSONL corpus (`{"text", "path"}` per line), written on first use.
+
+    It lies in a directory named by its content key, which the embedded tokenizer's key reuses."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    key = fingerprint({"python": sys.version, "stdlib": stdlib, "max_mb": max_mb, "format": _CORPUS_FORMAT})
+    path = os.path.join(cache_root, "corpus", f"stdlib-{key}")
+
+    def build(tmp: str) -> None:
+        count = 0
+        with open(os.path.join(tmp, "corpus.jsonl"), "w", encoding="utf-8") as out:
+            for rel, full in stdlib_files(int(max_mb * 1e6), stdlib):
+                with open(full, encoding="utf-8", errors="replace") as f:
+                    text = f.read()
+                if text.strip():
+                    out.write(json.dumps({"text": text, "path": rel}) + "\n")
+                    count += 1
+        if count == 0:
+            raise RuntimeError(
+                f"no .py source files under {stdlib} (this Python ships without its stdlib sources?): "
+                "set data.path to a local .jsonl/.txt corpus or a hub dataset instead of `embedded`"
+            )
+
+    return os.path.join(build_once(path, build, barrier=barrier, is_builder=is_builder), "corpus.jsonl")

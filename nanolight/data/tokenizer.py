@@ -1,4 +1,5 @@
-"""Tokenizers: the embedded byte-level BPE (trained once on the embedded corpus) or any HF one.
+"""Tokenizers: the embedded byte-level BPE (trained once on the embedded corpus) or any HF one,
+and `Encoder`, which turns documents into token ids with it.
 
 The embedded tokenizer is saved as a normal Hugging Face tokenizer directory, so everything
 downstream -- tokenization, checkpoints that ship a tokenizer, `AutoTokenizer.from_pretrained`
@@ -13,8 +14,10 @@ import json
 import os
 import socket
 from collections.abc import Callable, Iterator
+from typing import Any
 from urllib.parse import urlparse
 
+import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from nanolight.data.cache import build_once, fingerprint
@@ -71,7 +74,7 @@ def embedded_tokenizer_dir(
     """Directory of the embedded tokenizer trained on `corpus_path`, trained on first use."""
     key = fingerprint(
         {
-            "corpus": os.path.basename(corpus_path),  # the corpus file name is its own content key
+            "corpus": os.path.basename(os.path.dirname(corpus_path)),  # its directory: the content key
             "vocab": cfg.embedded_vocab_size,
             "train_mb": cfg.tokenizer_train_mb,
             "format": _FORMAT,
@@ -171,3 +174,44 @@ def resolve_tokenizer(
     if corpus_path is None:
         raise ValueError("data.tokenizer=embedded needs the embedded corpus; internal call without it")
     return load_tokenizer(embedded_tokenizer_dir(cfg, corpus_path, barrier=barrier, is_builder=is_builder))
+
+
+class Encoder:
+    """Documents -> token ids through the Rust tokenizer directly (`encode_batch_fast`: no offsets,
+    no Python BatchEncoding), since at corpus scale the wrappers cost more than the merges.
+
+    Called on a batch of rows it is the `datasets.map` function ({"ids": token ids per row,
+    "keep": has text}); a class rather than a closure so it pickles into the map workers by value
+    (the tokenizer travels as its JSON definition). Rows whose text is empty or missing are
+    skipped: every kept document becomes its tokens followed by EOS.
+    """
+
+    def __init__(self, backend: Any, text_field: str, dtype: np.dtype, worker: bool = False) -> None:
+        self.backend, self.text_field, self.dtype = backend, text_field, np.dtype(dtype)
+        self.worker = worker  # runs in a map worker process: one thread, one worker per core
+
+    @classmethod
+    def of(cls, tokenizer: Any, text_field: str, dtype: np.dtype) -> Encoder:
+        """The encoder of a Hugging Face tokenizer; it needs the fast (Rust) backend."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise DataError(
+                f"tokenizer {tokenizer.name_or_path!r} has no fast (Rust) backend: load it with "
+                "AutoTokenizer (use_fast=True) and save it with save_pretrained, which writes tokenizer.json"
+            )
+        return cls(backend, text_field, dtype)
+
+    def encode(self, texts: list[str | None]) -> tuple[list[np.ndarray], list[bool]]:
+        keep = [bool(t) for t in texts]
+        batch = [t for t, k in zip(texts, keep, strict=True) if k]
+        fast = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        encoded = iter(fast(batch, add_special_tokens=False))
+        empty = np.zeros(0, dtype=self.dtype)
+        ids = [np.asarray(next(encoded).ids, dtype=self.dtype) if k else empty for k in keep]
+        return ids, keep
+
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        if self.worker:  # this forked worker's own setting: N workers x N tokenizer threads oversubscribe
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        ids, keep = self.encode(batch[self.text_field])
+        return {"ids": ids, "keep": keep}

@@ -50,7 +50,7 @@ def shift_labels(labels: torch.Tensor, document_ids: torch.Tensor | None = None)
     -100 at the last position (nothing follows it) and, with `document_ids`, at a document's last
     token (the next document's first token is not its continuation).
 
-    Done where the sequence is still whole -- the data (`data/docmask.py`), or the model's
+    Done where the sequence is still whole -- the data (`data/loader.py`), or the model's
     HF-style ``labels=`` path -- never on a piece of a sequence: a rank holding the middle of a
     sequence (context parallelism) cannot see the token after its last one.
     """

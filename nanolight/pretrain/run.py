@@ -24,7 +24,7 @@ from nanolight.callbacks import (
     ThroughputMonitor,
 )
 from nanolight.checkpoint.atomic import atomic_directory, atomic_write_text
-from nanolight.data import DataConfig, build_datamodule, vocab_size
+from nanolight.data import BatchGeometry, DataConfig, build_datamodule, vocab_size
 from nanolight.loggers import CSVLogger, Logger, WandbLogger
 from nanolight.loggers.wandb_logger import has_wandb_credentials
 from nanolight.parallel.launcher import detect_environment
@@ -79,9 +79,10 @@ def check_run_dir(config: PretrainConfig) -> Path:
 
 def build_data(config: PretrainConfig, dp_rank: int = 0, dp_size: int = 1):
     t, data = config.trainer, config.data
-    dm = build_datamodule(
-        data, t.seq_len, t.micro_batch_size, t.accumulate_grad_batches, dp_rank, dp_size, config.seed
+    batches = BatchGeometry(
+        t.seq_len, t.micro_batch_size, t.accumulate_grad_batches, dp_rank, dp_size, config.seed
     )
+    dm = build_datamodule(data, batches)
     if vocab_size(dm.tokenizer) > config.model.vocab_size:
         raise ConfigError(
             f"the tokenizer ({dm.tokenizer.name_or_path}) has {vocab_size(dm.tokenizer)} tokens but the model's "

@@ -16,8 +16,7 @@ from _tiny import run_distributed, tiny_config
 
 from nanolight.models import LlamaForCausalLM
 from nanolight.parallel import data_parallel
-from nanolight.parallel.data_parallel import GradReducer
-from nanolight.parallel.grad_buckets import build_buckets
+from nanolight.parallel.data_parallel import GradReducer, build_buckets
 
 MICRO, B, T, BUCKET = 3, 2, 16, 16 * 1024
 

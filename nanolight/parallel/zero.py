@@ -41,8 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from nanolight.parallel.data_parallel import DEFAULT_BUCKET_BYTES, GradReducer, all_gather_single
-from nanolight.parallel.grad_buckets import Bucket
+from nanolight.parallel.data_parallel import DEFAULT_BUCKET_BYTES, Bucket, GradReducer, all_gather_single
 
 
 class ZeroOptimizer:

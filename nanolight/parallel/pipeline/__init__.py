@@ -1,8 +1,8 @@
 """Pipeline parallelism: split by module name (`split.py`), schedules as data (`schedules.py`),
-point-to-point exchange (`p2p.py`), a rank's chunks (`chunks.py`) and its stage (`stage.py`)."""
+point-to-point exchange (`p2p.py`), a rank's chunks and their schedule (`runner.py`) and its stage (`stage.py`)."""
 
-from nanolight.parallel.pipeline.chunks import StageChunks
 from nanolight.parallel.pipeline.p2p import StageP2P
+from nanolight.parallel.pipeline.runner import StageChunks
 from nanolight.parallel.pipeline.schedules import (
     BACKWARD,
     FORWARD,

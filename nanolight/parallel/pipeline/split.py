@@ -10,7 +10,7 @@ tensor-parallel plan; nothing here knows Llama:
 With v virtual stages per rank (interleaved 1F1B) the blocks are cut into p*v runs ("chunks");
 chunk g is virtual stage g and lives on rank g mod p, so rank r holds the v non-adjacent runs
 r, r+p, r+2p, ... (`PipelineSplit.chunks`); the first modules go with chunk 0 (rank 0), the
-last with chunk p*v-1 (rank p-1). `chunks.py` runs one chunk at a time.
+last with chunk p*v-1 (rank p-1). `runner.py` (`StageChunks`) runs one chunk at a time.
 
 A "first" module whose parameter is tied to a "last" module's (the embedding that *is*
 ``lm_head.weight``) is kept on the last stage too: it costs no memory there and keeps the

@@ -5,7 +5,7 @@ micro-batch. After the split (`split.py`) the model holds only this rank's modul
 forward skips the absent ones (it takes ``hidden_states=`` in place of its embedding's output and
 returns its last hidden state when it has no head). The stage wraps that forward on the instance
 (module names, hooks and ``state_dict`` keys are untouched); a rank holds one chunk of layers, or
-v of them under interleaving (`chunks.py`).
+v of them under interleaving (`runner.py` `StageChunks`).
 
 How the trainer's walk of the schedule drives it. The strategy hands each step's stage-level
 list (`schedules.stage_schedule`: chunk forwards and backwards) to `start_step` and the trainer
@@ -38,9 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanolight.parallel.pipeline.chunks import StageChunks
 from nanolight.parallel.pipeline.p2p import StageP2P
-from nanolight.parallel.pipeline.runner import Placeholder, StepRun
+from nanolight.parallel.pipeline.runner import Placeholder, StageChunks, StepRun
 from nanolight.parallel.pipeline.schedules import Action, stage_schedule, trainer_schedule
 from nanolight.parallel.pipeline.split import PipelineSplit
 

@@ -86,9 +86,14 @@ class CheckpointIndex:
             for name, e in self.tensors.items()
         }
         raw = {
-            "format": self.format, "topology": self.topology, "files": self.files,
-            "aliases": self.aliases, "extras": self.extras, "checksums": self.checksums, "tensors": tensors,
-        }  # fmt: skip
+            "format": self.format,
+            "topology": self.topology,
+            "files": self.files,
+            "aliases": self.aliases,
+            "extras": self.extras,
+            "checksums": self.checksums,
+            "tensors": tensors,
+        }
         return json.dumps(raw, separators=(",", ":")) + "\n"  # `python -m json.tool` to read
 
     @classmethod
@@ -102,9 +107,13 @@ class CheckpointIndex:
                 for name, e in raw["tensors"].items()
             }
             return cls(
-                raw["topology"], tensors, raw["files"], raw.get("aliases", {}), raw.get("extras", {}),
+                raw["topology"],
+                tensors,
+                raw["files"],
+                raw.get("aliases", {}),
+                raw.get("extras", {}),
                 raw.get("checksums", {}),  # absent in indexes written before checksums (still read)
-            )  # fmt: skip
+            )
         except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
             raise CheckpointError(
                 f"checkpoint index {where} is unreadable ({exc}); the save did not finish or the file "

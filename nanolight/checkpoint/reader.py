@@ -12,12 +12,14 @@ Each file is checked when this rank first opens it -- there, as large as written
 (damage that keeps the size) -- so a missing or damaged shard is an error naming the file; a
 one-process directory's ``checksums.json`` plays the index's part. Only the files a rank reads are
 touched: at resume a rank of a 4,096-rank run opens the index and its few shards, never stats the
-other thousands (`verify_all` checks every file, for `intact.py`).
+other thousands. `verify_all` checks every file: `newest_intact` asks it of each candidate when a
+checkpoint turns out damaged, so the error can name the newest whole one to resume from.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +41,20 @@ GROUPS_FILE = "optimizer_groups.pt"  # sharded: every optimizer's param-group hy
 CHECKSUMS_FILE = "checksums.json"  # one process: {file: {"size", "crc32"}} of what was written
 ONE_PROCESS = {"tp": 1, "pp": 1, "dp": 1, "world_size": 1}
 SAFETENSORS_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-}  # fmt: skip
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+_STEP = re.compile(r"(?:^|[-_])step[-=](\d+)")  # step-12, epoch=0-step=12, ...-step=12-...
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
@@ -270,3 +283,24 @@ def _blocks(shards: list[Shard]) -> list[tuple[list[int], list[int], list[Shard]
         key = (tuple(shard.offset), tuple(shard.shape))
         groups.setdefault(key, (shard.offset, shard.shape, []))[2].append(shard)
     return list(groups.values())
+
+
+def is_intact(path: str | Path) -> bool:
+    """Every file of checkpoint `path` is there, as large as written and with its checksum (a
+    checkpoint from before checksums: every file opens)."""
+    try:
+        CheckpointReader.open(path).verify_all()
+    except (CheckpointError, OSError, ValueError):
+        return False
+    return True
+
+
+def newest_intact(parent: Path, exclude: Path | None = None) -> Path | None:
+    """The newest checkpoint under `parent` (other than `exclude`) that `is_intact`, by the step in
+    its name: the recipe's ``step-<N>``, Lightning's ``epoch=<E>-step=<N>`` or a template's. Asked
+    only when a checkpoint is damaged (it opens every file)."""
+    steps = {p: int(m[-1]) for p in Path(parent).iterdir() if p.is_dir() and (m := _STEP.findall(p.name))}
+    for step in sorted(steps, key=lambda p: steps[p], reverse=True):
+        if (exclude is None or step.resolve() != Path(exclude).resolve()) and is_intact(step):
+            return step
+    return None

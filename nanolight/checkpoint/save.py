@@ -218,9 +218,15 @@ def save_sharded(
 
 
 def _finish(
-    tmp: Path, final: Path, parts: list[RankPart], optimizers: list[Any], layout: Any,
-    trainer_state: dict, topology: dict, model_meta: dict | None,
-) -> None:  # fmt: skip
+    tmp: Path,
+    final: Path,
+    parts: list[RankPart],
+    optimizers: list[Any],
+    layout: Any,
+    trainer_state: dict,
+    topology: dict,
+    model_meta: dict | None,
+) -> None:
     groups = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in optimizers]
     crcs = {
         GROUPS_FILE: save_torch(tmp / GROUPS_FILE, groups),

@@ -104,9 +104,11 @@ class CausalLMPretrain(NanoModule):
         key = "target_ids" if "target_ids" in batch else "labels"  # the data's, or HF-style labels
         targets = {key: batch[key]}
         return self.model(
-            batch["input_ids"], position_ids=batch.get("position_ids"), document_ids=batch.get("document_ids"),
+            batch["input_ids"],
+            position_ids=batch.get("position_ids"),
+            document_ids=batch.get("document_ids"),
             **targets,
-        )  # fmt: skip
+        )
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self(batch)
@@ -117,9 +119,11 @@ class CausalLMPretrain(NanoModule):
         self.log("train/loss", self.trainer.step_loss, prog_bar=True)
 
     def configure_gradient_clipping(
-        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         norm = self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
         if norm is not None:  # the pre-clip global norm, summed over every parallel rank
             self.log("grad_norm", norm)
@@ -136,9 +140,12 @@ class CausalLMPretrain(NanoModule):
     def configure_optimizers(self):
         o = self.optim
         optimizer = torch.optim.AdamW(
-            param_groups(self.model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+            param_groups(self.model, o.weight_decay),
+            lr=o.lr,
+            betas=tuple(o.betas),
+            eps=o.eps,
             **adamw_kernel(next(self.model.parameters()).device),
-        )  # fmt: skip
+        )
         schedule = warmup_cosine(o.warmup_steps, self.max_steps, o.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

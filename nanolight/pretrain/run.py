@@ -197,9 +197,15 @@ def run(config: PretrainConfig, overrides: list[str] | None = None) -> NanoTrain
     token_ids = {k: getattr(dm.tokenizer, k) for k in TOKEN_IDS if getattr(dm.tokenizer, k) is not None}
     c = config.checkpoint
     module = CausalLMPretrain(
-        config.model, config.optim, t.seq_len, t.max_steps, c.init_from, str(tokenizer_dir), token_ids,
+        config.model,
+        config.optim,
+        t.seq_len,
+        t.max_steps,
+        c.init_from,
+        str(tokenizer_dir),
+        token_ids,
         heldout.bytes_per_token if heldout else None,
-    )  # fmt: skip
+    )
     checks = [PredictionCheck(prediction)] if prediction is not None else []
     trainer = build_trainer(config, strategy, root, GreedySamples(dm.tokenizer), *checks)
     # resume="last" with no checkpoint yet starts fresh with a warning, as Lightning does

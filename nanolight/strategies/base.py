@@ -34,6 +34,7 @@ Call order during ``NanoTrainer.fit`` (each a method below)::
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
@@ -46,6 +47,7 @@ from nanolight.checkpoint.load import load_model, load_optimizers, trainer_state
 from nanolight.checkpoint.pretrained import model_dir_files, step_dir_meta
 from nanolight.checkpoint.reader import CheckpointReader
 from nanolight.checkpoint.save import save_one_process
+from nanolight.errors import UsageError
 from nanolight.parallel.agreement import Agreed
 from nanolight.parallel.grads import clip_, global_norm
 from nanolight.parallel.layout import ModelLayout
@@ -53,7 +55,6 @@ from nanolight.parallel.loss_tokens import loss_divisor, step_targets
 from nanolight.parallel.pipeline.schedules import BACKWARD, FORWARD, Action, one_by_one
 from nanolight.parallel.zero import ZeroOptimizer
 from nanolight.precision import Precision
-from nanolight.strategies.shared_dir import check_shared_directory
 
 __all__ = ["BACKWARD", "FORWARD", "Action", "Strategy"]
 
@@ -301,8 +302,29 @@ class Strategy:
         return bool(self.start_max(int(flag)).wait())
 
     def check_shared_directory(self, path: str | Path) -> None:
-        """Every rank must see the directory rank 0 writes into (`shared_dir.py`)."""
-        check_shared_directory(self, path)
+        """Every rank must see the directory rank 0 writes into (checkpoints are written by all
+        ranks): checked at start-up, not hours later at the first save. Rank 0 writes a token
+        there, every rank reads it back, and the ranks agree on the answer (collective)."""
+        if self.world_size == 1:
+            return
+        path, token = Path(path), self.broadcast(uuid.uuid4().hex if self.is_global_zero else None)
+        probe = path / f".nanolight-shared-{token[:12]}"
+        if self.is_global_zero:
+            path.mkdir(parents=True, exist_ok=True)
+            probe.write_text(token)
+        self.barrier()
+        seen = probe.read_text() if probe.is_file() else None
+        if self.any_rank(seen != token):
+            if self.is_global_zero:
+                probe.unlink(missing_ok=True)
+            raise UsageError(
+                f"rank {self.global_rank} {'sees' if seen == token else 'does not see'} the run directory "
+                f"{path} that rank 0 writes (not every rank sees it): put trainer.default_root_dir on a "
+                "filesystem that every node shares (or a path that exists on every node)"
+            )
+        self.barrier()
+        if self.is_global_zero:
+            probe.unlink(missing_ok=True)
 
     # ---- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self, path: str | Path, state: dict[str, Any], weights_only: bool = False) -> None:

@@ -94,9 +94,16 @@ class Parallel3DStrategy(Strategy):
         self.blocks = BlockOptions(activation_checkpointing, activation_checkpointing_every, compile)
         self.compiled: CompiledBlocks | None = None  # set by setup_module when compiling
         self.config = ParallelConfig(
-            tp=tp, pp=pp, dp=dp, cp=cp, zero_stage=zero_stage, pp_schedule=pp_schedule,
-            sequence_parallel=sequence_parallel, timeout_s=timeout_s, pp_virtual=pp_virtual,
-        )  # fmt: skip
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            cp=cp,
+            zero_stage=zero_stage,
+            pp_schedule=pp_schedule,
+            sequence_parallel=sequence_parallel,
+            timeout_s=timeout_s,
+            pp_virtual=pp_virtual,
+        )
         self.init_seed, self.pretrained = init_seed, pretrained
         self.backend, self.timeout = backend, timedelta(seconds=timeout_s)
         self.device_ids = list(device_ids) if device_ids else None  # GPU of local rank i (devices=[2, 3])
@@ -151,8 +158,14 @@ class Parallel3DStrategy(Strategy):
     @property
     def topology(self) -> dict[str, Any]:
         ctx, cfg = self._ctx, self.config
-        return {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size, "world_size": ctx.world_size,
-                "zero_stage": cfg.zero_stage, "sequence_parallel": cfg.sequence_parallel}  # fmt: skip
+        return {
+            "tp": ctx.tp_size,
+            "pp": ctx.pp_size,
+            "dp": ctx.dp_size,
+            "world_size": ctx.world_size,
+            "zero_stage": cfg.zero_stage,
+            "sequence_parallel": cfg.sequence_parallel,
+        }
 
     # ---- lifecycle -----------------------------------------------------------------------
     def setup_environment(self) -> None:
@@ -216,9 +229,14 @@ class Parallel3DStrategy(Strategy):
         cfg, master = self.config, self.precision.master_weights
         self.precision.check_layout(cfg.zero_stage, self._ctx.dp_size)
         self.grads = GradientSync(
-            self.module, self.layout, self._ctx, cfg.sequence_parallel, 1 if master else cfg.zero_stage,
-            self.dp_bucket_bytes, grad_dtype=torch.float32 if master else None,
-        )  # fmt: skip
+            self.module,
+            self.layout,
+            self._ctx,
+            cfg.sequence_parallel,
+            1 if master else cfg.zero_stage,
+            self.dp_bucket_bytes,
+            grad_dtype=torch.float32 if master else None,
+        )
         self.optimizers = self.grads.wrap_optimizers(list(optimizers))
         if master:
             self.precision.cast_to_compute(self.module)
@@ -308,9 +326,16 @@ class Parallel3DStrategy(Strategy):
         optimizers = [] if weights_only else self.optimizers
         with self.weights_in_fp32():  # bf16-master: the fp32 masters are what is written
             save_sharded(
-                Path(path), self.module, optimizers, self.layout, state, self.topology, self._model_meta,
-                self.root_device, model_dir_files(self.module),
-            )  # fmt: skip
+                Path(path),
+                self.module,
+                optimizers,
+                self.layout,
+                state,
+                self.topology,
+                self._model_meta,
+                self.root_device,
+                model_dir_files(self.module),
+            )
 
     def on_weights_loaded(self) -> None:
         if self.grads is not None and self.grads.zero is not None:

@@ -22,9 +22,8 @@ key>`` for optimizer k's per-parameter state (Adam's ``exp_avg``, ``exp_avg_sq``
 every file's byte size and CRC-32, so a truncated, missing or damaged file is found before its
 tensors are used.
 
-A one-process checkpoint (``model.safetensors`` + ``optimizer.pt``) has no ``index.json`` on disk;
-`reader.py` builds the same index for it in memory (every tensor one whole shard), so both
-layouts are read, and resharded, by one reader.
+One process writes the same index (one shard per tensor). A directory without one (a model
+directory, an old one-process checkpoint) gets it built in memory by `reader.py`.
 """
 
 from __future__ import annotations

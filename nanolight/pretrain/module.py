@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from nanolight.checkpoint.load import load_model
-from nanolight.checkpoint.pretrained import stored_model_prefix
-from nanolight.checkpoint.reader import CheckpointReader
+from nanolight.checkpoint.reader import CheckpointReader, stored_model_prefix
 from nanolight.models.flops import flops_per_token
 from nanolight.models.llama import LlamaConfig, LlamaForCausalLM
 from nanolight.module import NanoModule
@@ -68,16 +67,13 @@ class CausalLMPretrain(NanoModule):
         seq_len: int,
         max_steps: int,
         init_from: str | None = None,
-        tokenizer_dir: str | None = None,
-        hf_extra: dict | None = None,
         bytes_per_token: float | None = None,
     ) -> None:
-        """`tokenizer_dir` / `hf_extra` (the tokenizer's HF token ids) go into every checkpoint, so
-        that a checkpoint converts to a complete Hugging Face directory. `bytes_per_token` (of the
-        held-out text) turns the validation loss into ``val/bits_per_byte``, comparable across
-        tokenizers and with a compressor's."""
+        """`bytes_per_token` (of the held-out text) turns the validation loss into
+        ``val/bits_per_byte``, comparable across tokenizers and with a compressor's. (What the
+        checkpoints carry for a complete export is the strategy's: `run.py` hands it over.)"""
         super().__init__()
-        self.init_from, self.tokenizer_dir, self.hf_extra = init_from, tokenizer_dir, hf_extra or {}
+        self.init_from = init_from
         self.bytes_per_token = bytes_per_token
         self.model_config = model_config
         self.optim = optim

@@ -44,9 +44,8 @@ import torch
 from torch import nn
 
 from nanolight.checkpoint.load import load_model, load_optimizers, trainer_state
-from nanolight.checkpoint.pretrained import model_dir_files, step_dir_meta
 from nanolight.checkpoint.reader import CheckpointReader
-from nanolight.checkpoint.save import save_one_process
+from nanolight.checkpoint.save import ExportExtras, save_checkpoint
 from nanolight.errors import UsageError
 from nanolight.parallel.agreement import Agreed
 from nanolight.parallel.grads import clip_, global_norm
@@ -62,8 +61,9 @@ __all__ = ["BACKWARD", "FORWARD", "Action", "Strategy"]
 class Strategy:
     """Base strategy. Subclasses must set `root_device`; everything else has a 1-process default."""
 
-    def __init__(self, precision: str | Precision = "32-true") -> None:
+    def __init__(self, precision: str | Precision = "32-true", export: ExportExtras | None = None) -> None:
         self.precision = precision if isinstance(precision, Precision) else Precision(precision)
+        self.export = export  # what a run adds to each checkpoint so it exports complete (the recipe's)
         self.module: nn.Module | None = None  # the NanoModule being trained
         self.optimizers: list[torch.optim.Optimizer] = []
         self.layout: ModelLayout | None = None  # where each tensor lives (set by setup_module)
@@ -328,17 +328,25 @@ class Strategy:
 
     # ---- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self, path: str | Path, state: dict[str, Any], weights_only: bool = False) -> None:
-        """Write checkpoint directory `path` atomically: weights, optimizer state (not with
-        `weights_only`) and the trainer's `state` (tensors and plain containers only: read back
-        with ``torch.load(weights_only=True)``)."""
-        assert self.module is not None
-        if self.is_global_zero:
-            optimizers = [] if weights_only else [opt.state_dict() for opt in self.optimizers]
-            meta = step_dir_meta(self.module, index=None)  # a Llama inside: also a model dir
-            files = model_dir_files(self.module)  # e.g. its tokenizer: exports are complete
-            with self.weights_in_fp32():
-                save_one_process(Path(path), self.module.state_dict(), optimizers, state, meta, files)
-        self.barrier("save_checkpoint")
+        """Write checkpoint directory `path` atomically: every rank its part of the weights and of
+        the optimizer state (not with `weights_only`), rank 0 the trainer's `state` (tensors and
+        plain containers only: read back with ``torch.load(weights_only=True)``), `export` and
+        the index (`checkpoint/save.py`; collective when there are several ranks)."""
+        assert self.module is not None and self.layout is not None
+        optimizers = [] if weights_only else self.optimizers
+        ranks = self.parallel_context is not None
+        with self.weights_in_fp32():  # bf16-master: the fp32 masters are what is written
+            save_checkpoint(
+                Path(path),
+                self.module,
+                optimizers,
+                self.layout,
+                state,
+                self.topology,
+                self.root_device,
+                self.export,
+                ranks,
+            )
 
     def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
         """Load this rank's part of the weights (+ optimizer state) from a checkpoint of any layout;

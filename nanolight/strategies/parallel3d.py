@@ -34,9 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 from nanolight.checkpoint.load import load_model
-from nanolight.checkpoint.pretrained import model_dir_files, step_dir_meta, stored_model_prefix
-from nanolight.checkpoint.reader import CheckpointReader
-from nanolight.checkpoint.save import save_sharded
+from nanolight.checkpoint.pretrained import carried_extras
+from nanolight.checkpoint.reader import CheckpointReader, stored_model_prefix
+from nanolight.checkpoint.save import ExportExtras
 from nanolight.parallel import ParallelConfig, ParallelContext
 from nanolight.parallel.block_options import BlockOptions
 from nanolight.parallel.blocks import decoder_blocks
@@ -65,6 +65,7 @@ class Parallel3DStrategy(Strategy):
     `device_ids`: the CUDA device of each local rank (Lightning's ``devices=[2, 3]``); default:
     the local rank's (`parallel/launcher.py`, `cuda_device_index`). `cp`: the context-parallel
     degree, a dimension of the `ParallelContext`'s mesh; only 1 until ring attention exists.
+    `export`: what the run adds to each checkpoint so it exports complete (`ExportExtras`).
     """
 
     def __init__(
@@ -89,8 +90,9 @@ class Parallel3DStrategy(Strategy):
         pp_virtual: int = 1,
         device_ids: Sequence[int] | None = None,
         cp: int = 1,
+        export: ExportExtras | None = None,
     ) -> None:
-        super().__init__(precision)
+        super().__init__(precision, export)
         self.blocks = BlockOptions(activation_checkpointing, activation_checkpointing_every, compile)
         self.compiled: CompiledBlocks | None = None  # set by setup_module when compiling
         self.config = ParallelConfig(
@@ -113,7 +115,6 @@ class Parallel3DStrategy(Strategy):
         self._ctx: ParallelContext | None = None
         self.stage: PipelineStage | None = None  # pp > 1: this rank's pipeline stage
         self.grads: GradientSync | None = None  # built by setup_optimizers
-        self._model_meta: dict[str, Any] | None = None  # config / generation files: set by setup_module
         self._local_rank = 0  # set by setup_environment
 
     @classmethod
@@ -194,10 +195,11 @@ class Parallel3DStrategy(Strategy):
         ctx, cfg = self._ctx, self.config
         model, prefix = find_plan_model(module, required=cfg.tp * cfg.pp > 1)
         self.module = module
+        if self.pretrained is not None:  # its exports keep the starting directory's HF token ids
+            self.export = carried_extras(self.pretrained, self.export)
         if model is None:  # any nn.Module under plain data parallelism: every rank holds it whole
             module.to(self.root_device)
             self.layout = replicated_layout(module, ctx)
-            self._model_meta = step_dir_meta(module, self.pretrained)
             self.precision.convert_module(module)
             broadcast_replicas(module, ctx)
             return module
@@ -214,7 +216,6 @@ class Parallel3DStrategy(Strategy):
         self.compiled = self.blocks.apply(module, self.is_global_zero)  # after tp and the split, before dp
         if sharded.split is not None:
             self.stage = PipelineStage.of(model, sharded.split, ctx, compute_context=self.autocast)
-        self._model_meta = step_dir_meta(module, self.pretrained)
         if not sharded.on_meta:
             broadcast_replicas(module, ctx)  # each rank built (and sliced) its own
         return module
@@ -322,20 +323,7 @@ class Parallel3DStrategy(Strategy):
     # ---- checkpoints: per-rank shards + index ------------------------------------------------
     @watched("a checkpoint save")
     def save_checkpoint(self, path: str | Path, state: dict[str, Any], weights_only: bool = False) -> None:
-        """Every rank writes what it owns; rank 0 the index; published atomically (collective)."""
-        optimizers = [] if weights_only else self.optimizers
-        with self.weights_in_fp32():  # bf16-master: the fp32 masters are what is written
-            save_sharded(
-                Path(path),
-                self.module,
-                optimizers,
-                self.layout,
-                state,
-                self.topology,
-                self._model_meta,
-                self.root_device,
-                model_dir_files(self.module),
-            )
+        super().save_checkpoint(path, state, weights_only)  # every rank its shards, rank 0 the index
 
     def on_weights_loaded(self) -> None:
         if self.grads is not None and self.grads.zero is not None:

@@ -117,13 +117,8 @@ def write_checkpoint(
         # Omitted when unused: transformers' AutoTokenizer reads this config.json too, and warns
         # on any `rope_scaling` key (deprecated in 5.x). Absent reads back as None.
         del fields["rope_scaling"]
-    meta = {
-        **fields,
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "sharding": None,
-        "hf_extra": hf_extra or {},
-    }
+    tags = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "sharding": None}
+    meta = {**fields, **tags, "hf_extra": hf_extra or {}}
     Path(directory, CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     save_tensors(Path(directory, WEIGHTS_FILE), state_dict)
 

@@ -163,9 +163,6 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._entry(name).shape)
 
-    def extra(self, name: str, default: Any = None) -> Any:
-        return self.index.extras.get(name, default)
-
     def _entry(self, name: str) -> TensorEntry:
         stored = self.index.resolve(name)
         if stored not in self.index.tensors:

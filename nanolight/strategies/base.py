@@ -272,8 +272,9 @@ class Strategy:
         return [p for g in optimizer.param_groups for p in g["params"]]
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Apply the update (a ZeRO strategy also all-gathers updated shards here)."""
-        optimizer.step()
+        """Apply the update (ZeRO-1 also all-gathers the updated weights over dp here)."""
+        with self.watch("the optimizer step (ZeRO-1's all-gather of the updated weights over dp)"):
+            optimizer.step()
 
     # ---- collectives ---------------------------------------------------------------------
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
@@ -335,7 +336,8 @@ class Strategy:
         assert self.module is not None and self.layout is not None
         optimizers = [] if weights_only else self.optimizers
         ranks = self.parallel_context is not None
-        with self.weights_in_fp32():  # bf16-master: the fp32 masters are what is written
+        # bf16-master: the fp32 masters are what is written
+        with self.watch("a checkpoint save"), self.weights_in_fp32():
             save_checkpoint(
                 Path(path),
                 self.module,
@@ -352,13 +354,14 @@ class Strategy:
         """Load this rank's part of the weights (+ optimizer state) from a checkpoint of any layout;
         returns the trainer state saved with it."""
         assert self.module is not None and self.layout is not None
-        reader = CheckpointReader.open(path)
-        with self.weights_in_fp32():  # bf16-master: the fp32 values reach the masters
-            load_model(reader, self.module, self.layout)
-            self.on_weights_loaded()
-        if load_optimizer:
-            self._load_optimizers(reader)
-        return trainer_state(reader, self.global_rank, self.topology, self.layout.dp_rank)
+        with self.watch("loading a checkpoint"):
+            reader = CheckpointReader.open(path)
+            with self.weights_in_fp32():  # bf16-master: the fp32 values reach the masters
+                load_model(reader, self.module, self.layout)
+                self.on_weights_loaded()
+            if load_optimizer:
+                self._load_optimizers(reader)
+            return trainer_state(reader, self.global_rank, self.topology, self.layout.dp_rank)
 
     def load_optimizer_checkpoint(self, path: str | Path) -> None:
         """Load the optimizer state(s) stored in checkpoint directory `path`."""

@@ -229,14 +229,9 @@ class Parallel3DStrategy(Strategy):
         blocks would trace the hooks)."""
         cfg, master = self.config, self.precision.master_weights
         self.precision.check_layout(cfg.zero_stage, self._ctx.dp_size)
+        zero, dtype = (1, torch.float32) if master else (cfg.zero_stage, None)
         self.grads = GradientSync(
-            self.module,
-            self.layout,
-            self._ctx,
-            cfg.sequence_parallel,
-            1 if master else cfg.zero_stage,
-            self.dp_bucket_bytes,
-            grad_dtype=torch.float32 if master else None,
+            self.module, self.layout, self._ctx, cfg.sequence_parallel, zero, self.dp_bucket_bytes, dtype
         )
         self.optimizers = self.grads.wrap_optimizers(list(optimizers))
         if master:
@@ -282,14 +277,6 @@ class Parallel3DStrategy(Strategy):
     def zero_grad(self, optimizer: Any) -> None:
         self.grads.zero_grad(optimizer)
 
-    @watched("the optimizer step (ZeRO-1's all-gather of the updated weights over dp)")
-    def optimizer_step(self, optimizer: Any) -> None:
-        optimizer.step()
-
-    @watched("loading a checkpoint")
-    def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
-        return super().load_checkpoint(path, load_optimizer)  # the same reader, under the watch
-
     @watched("the global gradient norm (summed over tp / pp / dp)")
     def clip_gradients(self, max_norm: float | None, optimizer: Any = None) -> torch.Tensor:
         return self.grads.clip_(max_norm)  # every parameter: the norm of all of them, on all ranks
@@ -320,11 +307,7 @@ class Parallel3DStrategy(Strategy):
         watching = functools.partial(watch, "the pre-emption flags (a host all-reduce)", self.heartbeat)
         return super().start_max(value) if self._ctx is None else self._ctx.start_max(value, watching)
 
-    # ---- checkpoints: per-rank shards + index ------------------------------------------------
-    @watched("a checkpoint save")
-    def save_checkpoint(self, path: str | Path, state: dict[str, Any], weights_only: bool = False) -> None:
-        super().save_checkpoint(path, state, weights_only)  # every rank its shards, rank 0 the index
-
+    # ---- checkpoints (written and read by the base, under the watch) -------------------------
     def on_weights_loaded(self) -> None:
         if self.grads is not None and self.grads.zero is not None:
             self.grads.zero.reload_master_weights()  # ZeRO-1's fp32 master shards follow the weights

@@ -15,8 +15,8 @@ makes every rank raise, no one hangs, nothing is published); rank 0 gathers the 
 writes ``index.json`` last (a directory without an index is never a checkpoint), and renames the
 directory into place (`atomic.publish`). The trainer moves ``last`` only after this returns.
 
-A module holding a model that describes itself (`DescribesItself`, e.g. `LlamaForCausalLM`) also
-gets a ``config.json``, so the step directory is a model directory (`load_pretrained`, export to
+A module holding a model that describes itself (`DescribesItself`: the Llama of `models/` does)
+also gets a ``config.json``, so the step directory is a model directory (`load_pretrained`, export to
 Hugging Face); what a run adds to an export (its tokenizer, its HF token ids) is handed in as
 `ExportExtras` by whoever builds the strategy (the recipe).
 """

@@ -184,7 +184,7 @@ class Strategy:
     def token_mean(self, batches: Sequence[Any]) -> Iterator[None]:
         """Around one optimizer step of `batches` (the trainer's micro-batches, before transfer):
         when every one carries `target_ids`, each model that divides its own token-loss sum
-        (declares `loss_divisor`, e.g. `LlamaForCausalLM`) divides it by the step's count, so the
+        (declares `loss_divisor`, e.g. the causal LM of `models/`) divides it by the step's count, so the
         step's loss and gradients are the exact token mean over every micro-batch and every rank
         of `loss_group` (`parallel/loss_tokens.py`). Other losses keep Lightning's semantics."""
         targets = step_targets(batches)

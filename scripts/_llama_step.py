@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from nanolight.callbacks import Callback
-from nanolight.checkpoint.hf import convert_hf_to_nanolight
+from nanolight.checkpoint import convert_hf_to_nanolight
 from nanolight.models import LlamaConfig
 from nanolight.pretrain.config import OptimConfig
 from nanolight.pretrain.module import CausalLMPretrain, adamw_kernel, warmup_cosine

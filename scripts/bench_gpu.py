@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a source checkout, not installed
-from nanolight.checkpoint.hf import nanolight_to_hf_state_dict  # noqa: E402
 from nanolight.models import LlamaConfig, LlamaForCausalLM, flash_attn_available, flops_per_token  # noqa: E402
+from nanolight.models.hf_adapter import nanolight_to_hf_state_dict  # noqa: E402
 from nanolight.parallel.blocks import apply_activation_checkpointing, compile_blocks  # noqa: E402
 from nanolight.precision import Precision  # noqa: E402
 from nanolight.strategies.single_device import SingleDeviceStrategy  # noqa: E402

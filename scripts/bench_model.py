@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 try:
-    from nanolight.checkpoint.hf import nanolight_to_hf_state_dict
+    from nanolight.models.hf_adapter import nanolight_to_hf_state_dict
 except ImportError:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from nanolight.checkpoint.hf import nanolight_to_hf_state_dict
+    from nanolight.models.hf_adapter import nanolight_to_hf_state_dict
 from nanolight.models import LlamaConfig, LlamaForCausalLM
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 try:
-    import nanolight.checkpoint.hf as hf
+    from nanolight.checkpoint import convert_hf_to_nanolight
 except ImportError:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import nanolight.checkpoint.hf as hf
+    from nanolight.checkpoint import convert_hf_to_nanolight
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     try:
-        out = hf.convert_hf_to_nanolight(args.checkpoint_path, args.save_path, overwrite=args.overwrite)
+        out = convert_hf_to_nanolight(args.checkpoint_path, args.save_path, overwrite=args.overwrite)
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 from _tiny import StepLosses, TinyLM, token_loader
-from safetensors.torch import load_file
 
 from nanolight import Callback, NanoTrainer
+from nanolight.checkpoint import CheckpointReader
 from nanolight.precision import Precision
 from nanolight.strategies import SingleDeviceStrategy
 
@@ -196,7 +196,7 @@ def test_checkpoint_holds_fp32_masters_and_resumes_exactly(tmp_path: Path) -> No
     the masters as its weights, and a 32-true checkpoint becomes bf16-master's masters exactly."""
     whole, whole_module, whole_seen = _fit("bf16-master", 4, tmp_path / "whole", every=2)
     ckpt = tmp_path / "whole" / "step-2"
-    saved = load_file(ckpt / "model.safetensors")
+    saved = CheckpointReader.open(ckpt).model_state()
     assert {t.dtype for t in saved.values()} == {torch.float32}
     assert any(not torch.equal(t, t.to(torch.bfloat16).float()) for t in saved.values())  # not bf16 values
 
@@ -219,7 +219,7 @@ def test_checkpoint_holds_fp32_masters_and_resumes_exactly(tmp_path: Path) -> No
     master, master_module, _ = _fit(
         "bf16-master", 2, tmp_path / "to-master", ckpt=str(tmp_path / "from32" / "step-2")
     )
-    from32 = load_file(tmp_path / "from32" / "step-2" / "model.safetensors")
+    from32 = CheckpointReader.open(tmp_path / "from32" / "step-2").model_state()
     got = _masters(master, master_module)
     assert all(torch.equal(got[n], from32[n]) for n in got)
     assert {p.dtype for p in master_module.parameters()} == {torch.bfloat16}

@@ -51,10 +51,11 @@ def _damage(file: Path, how: str) -> None:
 @pytest.mark.parametrize(
     ("name", "how", "message"),
     [
-        ("model.safetensors", "truncate", "is truncated or damaged"),
-        ("optimizer.pt", "truncate", "is truncated or damaged"),
-        ("model.safetensors", "flip", "is damaged: its checksum differs"),
+        ("model-pp00-tp00.safetensors", "truncate", "is truncated or damaged"),
+        ("optim-pp00-tp00-dp00.safetensors", "truncate", "is truncated or damaged"),
+        ("model-pp00-tp00.safetensors", "flip", "is damaged: its checksum differs"),
         ("trainer_state.pt", "flip", "is damaged: its checksum differs"),
+        ("rank-00000.pt", "flip", "is damaged: its checksum differs"),
     ],
 )
 def test_a_damaged_file_is_named_with_the_newest_intact_checkpoint(
@@ -72,7 +73,7 @@ def test_a_damaged_file_is_named_with_the_newest_intact_checkpoint(
 def test_the_newest_intact_checkpoint_is_found_under_lightning_names(tmp_path: Path) -> None:
     _fit(tmp_path, max_steps=4, filename="{epoch}-{step}")  # Lightning's epoch=0-step=2, epoch=0-step=4
     step4 = tmp_path / "checkpoints" / "epoch=0-step=4"
-    _damage(step4 / "model.safetensors", "truncate")
+    _damage(step4 / "model-pp00-tp00.safetensors", "truncate")
     with pytest.raises(CheckpointError, match="is truncated or damaged") as info:
         _fit(tmp_path, max_steps=6, ckpt_path=str(step4), filename="{epoch}-{step}")
     assert f"the newest intact checkpoint is {tmp_path / 'checkpoints' / 'epoch=0-step=2'}" in str(info.value)
@@ -134,17 +135,21 @@ def test_a_full_disk_names_the_file_and_keeps_last(small_disk: Path) -> None:
             lambda d: (d / "trainer_state.pt").unlink(),
             r"checkpoint file .*step-4/trainer_state.pt is missing",
         ),
-        (lambda d: (d / "model.safetensors").unlink(), r"step-4 has no index.json: .*model.safetensors"),
         (
-            lambda d: (d / "checksums.json").write_bytes((d / "checksums.json").read_bytes()[:20]),
-            r"checksums file .*step-4/checksums.json is truncated or damaged \(not UTF-8 JSON",
+            lambda d: (d / "model-pp00-tp00.safetensors").unlink(),
+            r"checkpoint file .*step-4/model-pp00-tp00.safetensors is missing",
+        ),
+        (lambda d: (d / "index.json").unlink(), r"step-4 has no index.json: .*model.safetensors"),
+        (
+            lambda d: (d / "index.json").write_bytes((d / "index.json").read_bytes()[:20]),
+            r"checkpoint index .*step-4/index.json is unreadable",
         ),
         (
-            lambda d: (d / "checksums.json").write_bytes(b"\xc7\xff" + os.urandom(60)),
-            r"checksums file .*step-4/checksums.json is truncated or damaged \(not UTF-8 JSON",
+            lambda d: (d / "index.json").write_bytes(b"\xc7\xff" + os.urandom(60)),
+            r"checkpoint index .*step-4/index.json is unreadable",
         ),
     ],
-    ids=["no-trainer-state", "no-weights", "checksums-truncated", "checksums-garbage"],
+    ids=["no-trainer-state", "no-weights", "no-index", "index-truncated", "index-garbage"],
 )
 def test_a_missing_or_garbled_file_is_named_with_the_newest_intact_checkpoint(
     tmp_path: Path, damage, message: str

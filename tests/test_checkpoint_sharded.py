@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 from test_checkpoint_reshard import TinyLM, _config, _loader, _trainer
 
 from nanolight.checkpoint import INDEX_FILE, CheckpointError, CheckpointReader, files
-from nanolight.checkpoint.writer import ShardWriter, merge_parts, write_index
+from nanolight.checkpoint.save import ShardWriter, merge_parts, write_index
 from nanolight.models import LlamaForCausalLM
 from nanolight.strategies.parallel3d import Parallel3DStrategy
 
@@ -99,7 +99,7 @@ def test_missing_truncated_or_unindexed_files_are_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"index .* is unreadable"):
         CheckpointReader.open(tmp_path)
     (tmp_path / INDEX_FILE).unlink()
-    with pytest.raises(FileNotFoundError, match="no index.json: not a complete sharded checkpoint"):
+    with pytest.raises(FileNotFoundError, match="no index.json: not a complete checkpoint"):
         CheckpointReader.open(tmp_path)
 
 

@@ -15,7 +15,7 @@ import torch
 from nanolight.checkpoint.files import CheckpointError
 from nanolight.checkpoint.index import INDEX_FILE
 from nanolight.checkpoint.reader import CheckpointReader
-from nanolight.checkpoint.writer import ShardWriter, merge_parts, write_index
+from nanolight.checkpoint.save import ShardWriter, merge_parts, write_index
 
 RANKS, ROWS, COLS = 4, 8, 3
 

@@ -15,8 +15,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from nanolight.checkpoint.hf import convert_hf_to_nanolight, convert_nanolight_to_hf
-from nanolight.checkpoint.pretrained import load_pretrained, save_pretrained
+from nanolight.checkpoint.pretrained import (
+    convert_hf_to_nanolight,
+    convert_nanolight_to_hf,
+    load_pretrained,
+    save_pretrained,
+)
 from nanolight.models import LlamaConfig, LlamaForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]

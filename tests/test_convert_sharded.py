@@ -22,8 +22,12 @@ from torch.utils.data import DataLoader
 
 from nanolight import NanoTrainer
 from nanolight.checkpoint import write_last_pointer
-from nanolight.checkpoint.hf import convert_nanolight_to_hf
-from nanolight.checkpoint.pretrained import load_pretrained, read_checkpoint, save_pretrained
+from nanolight.checkpoint.pretrained import (
+    convert_nanolight_to_hf,
+    load_pretrained,
+    read_checkpoint,
+    save_pretrained,
+)
 from nanolight.models import LlamaConfig, LlamaForCausalLM
 from nanolight.parallel.tensor_parallel.apply import gather_full, shard_dims
 from nanolight.strategies.parallel3d import Parallel3DStrategy
@@ -207,7 +211,7 @@ def test_single_device_step_dir_converts_to_hf(tmp_path: Path, tied: bool) -> No
     module = TinyLM(tied)
     trainer.fit(module, train_dataloaders=_loader(0))
     step = Path(trainer.checkpoint_callback.best_model_path)  # Lightning names it epoch=0-step=3
-    assert (step / "model.safetensors").is_file() and (step / "config.json").is_file()
+    assert (step / "index.json").is_file() and (step / "config.json").is_file()
     model = module.model.eval()
     ids = _ids()
     with torch.no_grad():

@@ -99,7 +99,7 @@ def _check(root: Path, tp: int, dp: int, zero_stage: int, sp: bool = False, pp: 
 
     # the optimizer checkpoint reads back as the single-device torch.optim state, whatever the layout
     _, (dp_optim,) = full_state(root / "dp-ckpt", _module(), STEPS)  # per-rank shards, read on 1 device
-    single_optim = torch.load(root / "single-ckpt" / "optimizer.pt", weights_only=True)[0]
+    _, (single_optim,) = full_state(root / "single-ckpt", _module(), STEPS)
     assert dp_optim["param_groups"] == single_optim["param_groups"]
     assert dp_optim["state"].keys() == single_optim["state"].keys()
     for idx, entry in single_optim["state"].items():

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from nanolight import NanoTrainer
+from nanolight.checkpoint import CheckpointReader
 from nanolight.models import LlamaForCausalLM
 from nanolight.strategies.parallel3d import Parallel3DStrategy
 from nanolight.strategies.single_device import SingleDeviceStrategy
@@ -65,7 +66,7 @@ def _tp_worker(rank: int, world: int, root: str, sp: bool) -> list[float]:
     # load the single-device checkpoint: each rank keeps exactly its slices
     strategy = trainer.strategy
     strategy.load_checkpoint(root_path / "single-ckpt")
-    full = load_file(str(root_path / "single-ckpt" / "model.safetensors"))
+    full = CheckpointReader.open(root_path / "single-ckpt").model_state()
     group = strategy.parallel_context.tp_group
     from nanolight.parallel.tensor_parallel.apply import shard_dims, take_shard
 
@@ -86,13 +87,12 @@ def test_trainer_tp2_matches_single_device(tmp_path: Path, sp: bool) -> None:
 
     # the tp checkpoint (per-rank shards) read on one device equals the single-device run
     tp_state, (tp_optim,) = single_device_view(tmp_path / "tp-ckpt", TinyLM(), STEPS)
-    single_state = load_file(str(tmp_path / "single-ckpt" / "model.safetensors"))
+    single_state, (single_optim,) = single_device_view(tmp_path / "single-ckpt", TinyLM(), STEPS)
     assert tp_state.keys() == single_state.keys()
     for name, tensor in single_state.items():
         torch.testing.assert_close(tp_state[name], tensor, rtol=1e-3, atol=2e-4, msg=name)  # 10 AdamW steps
     tp_optim = tp_optim["state"]
-    single_optim = torch.load(tmp_path / "single-ckpt" / "optimizer.pt", weights_only=True)[0]["state"]
-    for idx, entry in single_optim.items():
+    for idx, entry in single_optim["state"].items():
         torch.testing.assert_close(tp_optim[idx]["exp_avg"], entry["exp_avg"], rtol=1e-3, atol=1e-6)
 
 

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from nanolight import NanoTrainer
+from nanolight.checkpoint import CheckpointReader
 from nanolight.loggers import CSVLogger
 from nanolight.models import LlamaConfig, LlamaForCausalLM
 from nanolight.parallel.pipeline import balanced_layer_split, check_micro_batches
@@ -84,7 +85,7 @@ def _pp_worker(rank: int, world: int, root: str, schedule: str) -> int:
     trainer, module = _fit(strategy, root_path / "pp")
     trainer.save_checkpoint(root_path / "pp-ckpt", update_last=False)  # collective: gathers stages
     strategy.load_checkpoint(root_path / "single-ckpt")  # each stage keeps its own layers
-    full = load_file(str(root_path / "single-ckpt" / "model.safetensors"))
+    full = CheckpointReader.open(root_path / "single-ckpt").model_state()
     for name, p in module.named_parameters():
         assert torch.equal(p.detach(), full[name]), name
     return module.hook_calls
@@ -111,11 +112,10 @@ def test_trainer_pp2_matches_single_device(tmp_path: Path, schedule: str) -> Non
 
     # the pp checkpoint read on one device: same keys, values, optimizer layout
     pp_state, (pp_optim,) = single_device_view(tmp_path / "pp-ckpt", TinyLM(), STEPS)
-    single_state = load_file(str(tmp_path / "single-ckpt" / "model.safetensors"))
+    single_state, (single_optim,) = single_device_view(tmp_path / "single-ckpt", TinyLM(), STEPS)
     assert sorted(pp_state) == sorted(single_state)
     for name, tensor in single_state.items():
         torch.testing.assert_close(pp_state[name], tensor, rtol=1e-3, atol=2e-4, msg=name)  # AdamW
-    single_optim = torch.load(tmp_path / "single-ckpt" / "optimizer.pt", weights_only=True)[0]
     assert pp_optim["param_groups"] == single_optim["param_groups"]
     assert pp_optim["state"].keys() == single_optim["state"].keys()
     for idx, entry in single_optim["state"].items():

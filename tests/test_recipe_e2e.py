@@ -67,7 +67,7 @@ def test_recipe_runs_and_resumes_exactly(tmp_path: Path, cache_dir: Path) -> Non
     # the run directory holds what DESIGN.md promises
     assert (full / "config.yaml").is_file() and (full / "metrics.csv").is_file()
     assert (full / "checkpoints" / "last").read_text().strip() == "step-12"
-    assert (full / "checkpoints" / "step-6" / "model.safetensors").is_file()
+    assert (full / "checkpoints" / "step-6" / "index.json").is_file()
     assert list((full / "wandb").glob("offline-run-*/run-*.wandb")), "no offline wandb run written"
     ref = losses(full)
     assert sorted(ref) == list(range(1, 13))

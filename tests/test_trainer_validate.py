@@ -10,6 +10,7 @@ import torch
 from _trainer_helpers import MLPModule, loader, make_data
 
 from nanolight.callbacks import ModelCheckpoint
+from nanolight.checkpoint import CheckpointReader
 from nanolight.trainer import NanoTrainer
 
 
@@ -57,17 +58,19 @@ def test_checkpoint_files_are_weights_only(tmp_path):
     )
     # the default ModelCheckpoint (as Lightning): no logger -> <root>/checkpoints, at the epoch's end
     ckpt = tmp_path / "checkpoints" / "epoch=0-step=2"
-    names = ["model.safetensors", "optimizer.pt", "trainer_state.pt"]
-    assert sorted(p.name for p in ckpt.iterdir()) == ["checksums.json", *names]
-    manifest = json.loads((ckpt / "checksums.json").read_text())  # what was written, checked at load
-    assert sorted(manifest) == names
-    for name, rec in manifest.items():
+    # one process writes the one-shard case of the sharded format: its files, then the index
+    names = ["model-pp00-tp00.safetensors", "optim-pp00-tp00-dp00.safetensors", "optimizer_groups.pt"]
+    names += ["rank-00000.pt", "trainer_state.pt"]
+    assert sorted(p.name for p in ckpt.iterdir()) == sorted(["index.json", *names])
+    index = json.loads((ckpt / "index.json").read_text())  # what was written, checked at load
+    assert sorted(index["files"]) == sorted(index["checksums"]) == sorted(names)
+    for name in names:
         data = (ckpt / name).read_bytes()
-        assert rec == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+        assert (index["files"][name], index["checksums"][name]) == (len(data), f"{zlib.crc32(data):08x}")
     state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
     assert state["progress"]["global_step"] == 2 and state["progress"]["batch_idx"] == 4
     assert {"python", "numpy", "torch"} <= set(state["rng"])
-    assert torch.load(ckpt / "optimizer.pt", weights_only=True)[0]["state"]
+    assert CheckpointReader.open(ckpt).names("optim/0/")
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
 
 

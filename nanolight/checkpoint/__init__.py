@@ -1,16 +1,23 @@
 """Checkpoints: the on-disk formats and their atomic protocol, in one place.
 
 `atomic.py` (complete or absent: every writer), `files.py` (one file, errors that name it),
-`index.py` / `writer.py` / `reader.py` (the format: any block of any tensor, whatever layout wrote
-it), `save.py` (one process's files, or every rank's shards + the index), `load.py` (resharding
-into this rank's layout), `pretrained.py` (model directories) and `hf.py` (Hugging Face)."""
+`index.py` / `reader.py` (the format: any block of any tensor, whatever layout wrote it; which
+checkpoint is intact), `save.py` (the one writer: every rank's shards + the index, one process
+the one-shard case), `load.py` (resharding into this rank's layout), `pretrained.py` (model
+directories, Hugging Face conversion through the model's own `models/hf_adapter.py`)."""
 
 from nanolight.checkpoint.atomic import LAST_POINTER, atomic_directory, resolve_checkpoint, write_last_pointer
 from nanolight.checkpoint.files import CheckpointError, MissingCheckpointFile
-from nanolight.checkpoint.hf import convert_hf_to_nanolight, convert_nanolight_to_hf
 from nanolight.checkpoint.index import INDEX_FILE, CheckpointIndex
-from nanolight.checkpoint.pretrained import load_pretrained, read_checkpoint, save_pretrained
+from nanolight.checkpoint.pretrained import (
+    convert_hf_to_nanolight,
+    convert_nanolight_to_hf,
+    load_pretrained,
+    read_checkpoint,
+    save_pretrained,
+)
 from nanolight.checkpoint.reader import CheckpointReader, is_sharded_checkpoint
+from nanolight.checkpoint.save import ExportExtras
 
 __all__ = [
     "INDEX_FILE",
@@ -18,6 +25,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointIndex",
     "CheckpointReader",
+    "ExportExtras",
     "MissingCheckpointFile",
     "atomic_directory",
     "convert_hf_to_nanolight",

@@ -22,9 +22,8 @@ key>`` for optimizer k's per-parameter state (Adam's ``exp_avg``, ``exp_avg_sq``
 every file's byte size and CRC-32, so a truncated, missing or damaged file is found before its
 tensors are used.
 
-A one-process checkpoint (``model.safetensors`` + ``optimizer.pt``) has no ``index.json`` on disk;
-`reader.py` builds the same index for it in memory (every tensor one whole shard), so both
-layouts are read, and resharded, by one reader.
+One process writes the same index (one shard per tensor). A directory without one (a model
+directory, an old one-process checkpoint) gets it built in memory by `reader.py`.
 """
 
 from __future__ import annotations
@@ -86,9 +85,14 @@ class CheckpointIndex:
             for name, e in self.tensors.items()
         }
         raw = {
-            "format": self.format, "topology": self.topology, "files": self.files,
-            "aliases": self.aliases, "extras": self.extras, "checksums": self.checksums, "tensors": tensors,
-        }  # fmt: skip
+            "format": self.format,
+            "topology": self.topology,
+            "files": self.files,
+            "aliases": self.aliases,
+            "extras": self.extras,
+            "checksums": self.checksums,
+            "tensors": tensors,
+        }
         return json.dumps(raw, separators=(",", ":")) + "\n"  # `python -m json.tool` to read
 
     @classmethod
@@ -102,9 +106,13 @@ class CheckpointIndex:
                 for name, e in raw["tensors"].items()
             }
             return cls(
-                raw["topology"], tensors, raw["files"], raw.get("aliases", {}), raw.get("extras", {}),
+                raw["topology"],
+                tensors,
+                raw["files"],
+                raw.get("aliases", {}),
+                raw.get("extras", {}),
                 raw.get("checksums", {}),  # absent in indexes written before checksums (still read)
-            )  # fmt: skip
+            )
         except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
             raise CheckpointError(
                 f"checkpoint index {where} is unreadable ({exc}); the save did not finish or the file "

@@ -91,7 +91,7 @@ def load_optimizers(
     """Build each optimizer's ``torch.optim`` state dict from the checkpoint and load it.
 
     `param_names()` lists every optimizer's parameter keys in the one-process flat order (only
-    called for a one-process checkpoint, whose ``optimizer.pt`` names parameters by position). A
+    called for an old one-process checkpoint, whose ``optimizer.pt`` names parameters by position). A
     ZeRO optimizer takes the same format and keeps its own flat partition of it."""
     if reader.needs_param_names:
         reader.bind_param_names(param_names())
@@ -164,7 +164,7 @@ def trainer_state(
     At another tp x pp with the same dp, a rank takes the saved state of the first rank with its dp
     coordinate (a data stream's position is per dp rank); at another dp, rank 0's."""
     state = reader.trainer_state()
-    if reader.sharded:
+    if reader.indexed:
         saved = {k: reader.topology.get(k) for k in ("tp", "pp", "dp", "world_size")}
         if saved == {k: topology.get(k) for k in saved}:
             own = reader.rank_state(rank)

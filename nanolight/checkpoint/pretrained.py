@@ -1,45 +1,57 @@
-"""The nanolight pretrained-checkpoint format: save and load a whole model.
+"""Model directories: a whole model saved and loaded, and converted to and from Hugging Face.
 
-A checkpoint is a directory:
+The one file of `checkpoint/` that builds a model (`load_pretrained` returns a `LlamaForCausalLM`);
+the Llama <-> HF tensor mapping is the model's own (`models/hf_adapter.py`). A model directory is:
 
     config.json         LlamaConfig fields (rope_scaling omitted when null), plus
                           "format": "nanolight", "format_version": 1,
-                          "sharding": null   -- one file (below); a training step directory says
-                                                {"index": "index.json", "prefix": "model."} for
-                                                Parallel3DStrategy's per-rank shards described by
-                                                index.json (checkpoint/index.py), or {"index": null,
-                                                "prefix": "model."} for SingleDeviceStrategy's one
-                                                model.safetensors of the whole training module,
+                          "sharding": null   -- one model.safetensors (below); a training step
+                                                directory says {"index": "index.json", "prefix":
+                                                "model."}: the module's shards described by
+                                                index.json (`index.py`), the model's tensors under
+                                                that prefix (`save.directory_meta`). Step
+                                                directories written before the one format may say
+                                                {"index": null, ...}: one model.safetensors of the
+                                                whole training module.
                           "hf_extra": {...}  -- HF-only keys (bos/eos/pad token ids) carried
                                                 through HF -> nanolight -> HF unchanged
     model.safetensors   full (unsharded) tensors under nanolight parameter names; with tied
                         embeddings only `model.embed_tokens.weight` is stored
     tokenizer files     optional, copied verbatim so `AutoTokenizer.from_pretrained(dir)` works
 
-Directories are written atomically (`atomic.py`), so an interrupted or failed save never leaves a
-half-written checkpoint at the target; every layout is read by one reader (`reader.py`).
+Directories are written atomically (`atomic.py`). HF weights are read straight from safetensors
+(single file or a sharded index), one tensor at a time, never by instantiating a transformers
+model: conversion needs one copy of the weights in memory, not two plus the framework's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
-from nanolight.checkpoint.atomic import atomic_directory
-from nanolight.checkpoint.files import MissingCheckpointFile, save_tensors
+from nanolight.checkpoint.atomic import LAST_POINTER, atomic_directory, resolve_checkpoint
+from nanolight.checkpoint.files import MissingCheckpointFile, load_json, save_tensors
 from nanolight.checkpoint.index import INDEX_FILE
 from nanolight.checkpoint.load import check_matches
-from nanolight.checkpoint.reader import TRAINER_FILE, WEIGHTS_FILE, CheckpointReader
-from nanolight.checkpoint.save import CONFIG_FILE
+from nanolight.checkpoint.reader import CONFIG_FILE, TRAINER_FILE, WEIGHTS_FILE, CheckpointReader
+from nanolight.checkpoint.save import FORMAT_NAME, FORMAT_VERSION, ExportExtras
+from nanolight.models.hf_adapter import (
+    config_from_hf,
+    config_to_hf,
+    generation_config,
+    hf_to_nanolight_state_dict,
+    nanolight_to_hf_state_dict,
+)
 from nanolight.models.llama import LlamaForCausalLM
-from nanolight.models.llama_config import LlamaConfig
+from nanolight.models.llama_config import LlamaConfig, read_hf_config
 
-FORMAT_NAME = "nanolight"
-FORMAT_VERSION = 1
 # Files a tokenizer (and HF generation defaults) may consist of; copied when present.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -54,7 +66,14 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 
-__all__ = ["load_pretrained", "save_pretrained", "read_checkpoint", "write_checkpoint"]
+__all__ = [
+    "convert_hf_to_nanolight",
+    "convert_nanolight_to_hf",
+    "load_pretrained",
+    "read_checkpoint",
+    "save_pretrained",
+    "write_checkpoint",
+]
 
 
 def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
@@ -65,6 +84,24 @@ def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
             shutil.copy2(Path(src) / name, Path(dst) / name)
             copied.append(name)
     return copied
+
+
+def run_extras(tokenizer_dir: str | Path | None, hf_extra: dict[str, Any] | None = None) -> ExportExtras:
+    """What a run adds to its checkpoints' exports: the tokenizer files it saved to
+    `tokenizer_dir`, and the tokenizer's HF token ids (the recipe hands these to its strategy)."""
+    directory = Path(tokenizer_dir) if tokenizer_dir else None
+    return ExportExtras(directory, TOKENIZER_FILES, {"hf_extra": dict(hf_extra or {})})
+
+
+def carried_extras(directory: str | Path, extras: ExportExtras | None) -> ExportExtras:
+    """A run started from model directory `directory` keeps its HF token ids for the way back
+    (those `extras` give otherwise)."""
+    extras = extras or ExportExtras()
+    cfg_file = Path(directory) / CONFIG_FILE
+    hf_extra = load_json(cfg_file, "model config").get("hf_extra") if cfg_file.is_file() else None
+    if not hf_extra:
+        return extras
+    return dataclasses.replace(extras, config={**extras.config, "hf_extra": hf_extra})
 
 
 # ---------------------------------------------------------------------- raw read / write
@@ -80,13 +117,8 @@ def write_checkpoint(
         # Omitted when unused: transformers' AutoTokenizer reads this config.json too, and warns
         # on any `rope_scaling` key (deprecated in 5.x). Absent reads back as None.
         del fields["rope_scaling"]
-    meta = {
-        **fields,
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "sharding": None,
-        "hf_extra": hf_extra or {},
-    }
+    tags = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "sharding": None}
+    meta = {**fields, **tags, "hf_extra": hf_extra or {}}
     Path(directory, CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     save_tensors(Path(directory, WEIGHTS_FILE), state_dict)
 
@@ -94,13 +126,11 @@ def write_checkpoint(
 def read_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """Read a nanolight checkpoint directory -> (config, state_dict, hf_extra).
 
-    Three layouts hold the same thing: a pretrained directory (one `model.safetensors`), a
-    training step directory saved by `Parallel3DStrategy` at any tp x pp x dp, whose config.json
-    says `"sharding": {"index": "index.json", "prefix": "model."}` (the weights are reassembled
-    from the per-rank shards, `nanolight.checkpoint.reader`), and one saved by
-    `SingleDeviceStrategy` (`"index": null`: one `model.safetensors` of the whole training
-    module). Only the tensors under `prefix` (the module attribute holding the causal LM) are
-    kept and the prefix is removed. Either way the state dict has nanolight parameter names,
+    A model directory (one `model.safetensors`) or a training step directory saved at any
+    layout, whose config.json says `"sharding": {"index": "index.json", "prefix": "model."}`
+    (the weights are reassembled from the shards, `reader.py`; an older one-process one may say
+    `"index": null`). Only the tensors under `prefix` (the module attribute holding the causal
+    LM) are kept and the prefix is removed. Either way the state dict has nanolight parameter names,
     full tensors, and no tied `lm_head.weight`.
     """
     path = Path(path)
@@ -144,53 +174,6 @@ def read_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tens
     if config.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)  # an alias of the embedding, stored once
     return config, state_dict, dict(meta.get("hf_extra") or {})
-
-
-def model_dir_files(module: torch.nn.Module) -> dict[str, Path]:
-    """The tokenizer files a module's checkpoints carry, so an export is a complete HF directory:
-    those found in its ``tokenizer_dir`` attribute (the recipe's module sets it)."""
-    src = getattr(module, "tokenizer_dir", None)
-    return {name: Path(src) / name for name in TOKENIZER_FILES if src and (Path(src) / name).is_file()}
-
-
-def stored_model_prefix(path: str | Path) -> str:
-    """The key prefix of the model's tensors in a nanolight directory ("" in a model directory,
-    the module attribute in a training step directory, as its config.json says)."""
-    cfg_file = Path(path) / CONFIG_FILE
-    meta = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-    return (
-        ((meta.get("sharding") or {}).get("prefix") or "") if isinstance(meta.get("sharding"), dict) else ""
-    )
-
-
-def step_dir_meta(
-    module: torch.nn.Module, pretrained: str | Path | None = None, index: str | None = INDEX_FILE
-) -> dict[str, Any] | None:
-    """``config.json`` for a *training* step directory whose module holds a nanolight Llama, so the
-    directory is also a model directory (``load_pretrained``, HF conversion): this format's meta
-    with ``"sharding": {"index": index, "prefix": <the model's key prefix>}`` -- `index` is
-    ``index.json`` for per-rank shards, None for one ``model.safetensors`` of the whole module.
-    A run started from `pretrained` keeps its ``hf_extra`` (HF token ids) for the way back to HF;
-    otherwise the module's ``hf_extra`` attribute gives them. None when the module holds no
-    ``LlamaForCausalLM``."""
-    found = next(((n, m) for n, m in module.named_modules() if isinstance(m, LlamaForCausalLM)), None)
-    if found is None:
-        return None
-    prefix, model = found
-    fields = model.config.to_dict()
-    if fields.get("rope_scaling") is None:
-        fields.pop("rope_scaling", None)  # as write_checkpoint does
-    hf_extra = dict(getattr(module, "hf_extra", None) or {})  # e.g. the run's tokenizer's token ids
-    if pretrained is not None and (Path(pretrained) / CONFIG_FILE).is_file():
-        hf_extra = json.loads((Path(pretrained) / CONFIG_FILE).read_text()).get("hf_extra") or hf_extra
-    sharding = {"index": index, "prefix": f"{prefix}." if prefix else ""}
-    return {
-        **fields,
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "sharding": sharding,
-        "hf_extra": hf_extra,
-    }
 
 
 # ---------------------------------------------------------------------- model level
@@ -254,3 +237,101 @@ def load_pretrained(
 def _buildable(config: LlamaConfig) -> LlamaConfig:
     """A copy that can be built anywhere (flash-attn availability is irrelevant to shapes)."""
     return LlamaConfig.from_dict({**config.to_dict(), "attn_implementation": "sdpa"})
+
+
+# ---------------------------------------------------------------------- reading HF files
+class HFSafetensors:
+    """Lazy access to the tensors of a HF model directory (single file or sharded index)."""
+
+    def __init__(self, directory: Path) -> None:
+        index = directory / "model.safetensors.index.json"
+        single = directory / "model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: directory / file for name, file in weight_map.items()}
+        elif single.is_file():
+            with safe_open(str(single), framework="pt") as f:
+                self.files = {name: single for name in f.keys()}  # noqa: SIM118
+        else:
+            raise FileNotFoundError(
+                f"no model.safetensors or model.safetensors.index.json in {directory}; only safetensors "
+                "checkpoints are read (re-save a .bin checkpoint with safe_serialization=True)"
+            )
+
+    def keys(self) -> set[str]:
+        return set(self.files)
+
+    def get(self, name: str) -> torch.Tensor:
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+
+def resolve_checkpoint_path(path_or_id: str | Path) -> Path:
+    """A local directory as is; otherwise a Hub id resolved with `snapshot_download`."""
+    path = Path(path_or_id)
+    if path.exists():
+        if not path.is_dir():
+            raise FileNotFoundError(f"checkpoint path {path} is a file; pass the model directory")
+        return path
+    s = str(path_or_id)
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", s) and not s.startswith((".", "/")):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(s, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+        except Exception as e:  # offline, typo, gated repo: report both readings of the argument
+            raise FileNotFoundError(
+                f"{s} is neither a local directory nor a downloadable Hub model id ({e})"
+            ) from e
+    raise FileNotFoundError(f"checkpoint path {path} does not exist")
+
+
+# ---------------------------------------------------------------------- whole-directory conversion
+def convert_hf_to_nanolight(
+    checkpoint_path: str | Path, save_path: str | Path, overwrite: bool = False
+) -> Path:
+    """HF Llama directory (or Hub id) -> nanolight checkpoint directory, written atomically."""
+    src = resolve_checkpoint_path(checkpoint_path)
+    _check_distinct(src, save_path)
+    config, hf_extra = config_from_hf(read_hf_config(src))
+    weights = HFSafetensors(src)
+    sd = hf_to_nanolight_state_dict(config, weights.get, weights.keys())
+    with atomic_directory(save_path, overwrite=overwrite) as tmp:
+        write_checkpoint(tmp, config, sd, hf_extra)
+        copy_tokenizer_files(src, tmp)
+    return Path(save_path)
+
+
+def convert_nanolight_to_hf(
+    checkpoint_path: str | Path, save_path: str | Path, overwrite: bool = False
+) -> Path:
+    """nanolight checkpoint directory -> HF LlamaForCausalLM directory, written atomically: the
+    weights, config.json, generation_config.json and the tokenizer the checkpoint carries, so
+    ``AutoTokenizer`` and ``pipeline("text-generation")`` load the export as is.
+
+    The source may be a sharded training step directory from any topology (`read_checkpoint`),
+    or a run's ``last`` pointer (or the ``checkpoints`` directory holding it)."""
+    src = Path(checkpoint_path)
+    if src.name == LAST_POINTER or (src / LAST_POINTER).is_file():
+        src = resolve_checkpoint(src) or src  # the step directory `last` names
+    if not src.is_dir():
+        raise FileNotFoundError(f"checkpoint path {src} does not exist or is not a directory")
+    _check_distinct(src, save_path)
+    config, sd, hf_extra = read_checkpoint(src)
+    check_state_dict(config, sd)
+    hf_sd = nanolight_to_hf_state_dict(config, sd)
+    hf_config = config_to_hf(config, hf_extra, next(iter(sd.values())).dtype)
+    with atomic_directory(save_path, overwrite=overwrite) as tmp:
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        save_tensors(tmp / "model.safetensors", hf_sd)
+        copy_tokenizer_files(src, tmp)
+        if not (tmp / "generation_config.json").exists():  # what `generate` / `pipeline` start from
+            (tmp / "generation_config.json").write_text(
+                json.dumps(generation_config(hf_extra), indent=2) + "\n"
+            )
+    return Path(save_path)
+
+
+def _check_distinct(src: Path, save_path: str | Path) -> None:
+    if Path(save_path).absolute().resolve() == src.absolute().resolve():
+        raise ValueError(f"save path {save_path} is the checkpoint being converted; choose another directory")

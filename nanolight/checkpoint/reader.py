@@ -1,23 +1,30 @@
 """Reading any block of any global tensor of a checkpoint directory, whatever layout wrote it.
 
-Two layouts, one reader. A sharded directory (``Parallel3DStrategy``) has an ``index.json``; a
-one-process directory (``SingleDeviceStrategy``, and model directories) has ``model.safetensors``
-(+ ``optimizer.pt``), for which the same index is built in memory: every tensor one whole shard.
-Either way a loading rank asks for exactly what it will hold -- rows [96, 192) of a qkv weight at
-tp=2, or the whole tensor on one device -- and `read` assembles it from whichever stored shards
-overlap, reading only those rows/columns (safetensors slices come from the memory-mapped file).
-ZeRO-1 pieces are flat ranges of a block; their block is rebuilt from the pieces that overlap.
+One format: an ``index.json`` (`index.py`) says where every piece of every global tensor lives,
+whether tp x pp x dp ranks wrote it or one process (the one-shard case). A loading rank asks for
+exactly what it will hold -- rows [96, 192) of a qkv weight at tp=2, or the whole tensor on one
+device -- and `read` assembles it from whichever stored shards overlap, reading only those
+rows/columns (safetensors slices come from the memory-mapped file). ZeRO-1 pieces are flat ranges
+of a block; their block is rebuilt from the pieces that overlap.
+
+Plus one read path without an index, kept for what has none: a model directory's one
+``model.safetensors`` (`pretrained.py`), and a one-process checkpoint written before the format
+was one (``model.safetensors`` + ``optimizer.pt``, ``checksums.json`` for sizes and CRCs). The
+same index is built for it in memory (every tensor one whole shard), so it is read and resharded
+the same way.
 
 Each file is checked when this rank first opens it -- there, as large as written, the same CRC-32
-(damage that keeps the size) -- so a missing or damaged shard is an error naming the file; a
-one-process directory's ``checksums.json`` plays the index's part. Only the files a rank reads are
-touched: at resume a rank of a 4,096-rank run opens the index and its few shards, never stats the
-other thousands (`verify_all` checks every file, for `intact.py`).
+(damage that keeps the size) -- so a missing or damaged shard is an error naming the file. Only
+the files a rank reads are touched: at resume a rank of a 4,096-rank run opens the index and its
+few shards, never stats the other thousands. `verify_all` checks every file: `newest_intact` asks
+it of each candidate when a checkpoint turns out damaged, so the error can name the newest whole
+one to resume from.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,50 +41,70 @@ from nanolight.checkpoint.files import (
 )
 from nanolight.checkpoint.index import INDEX_FILE, CheckpointIndex, Shard, TensorEntry
 
-WEIGHTS_FILE, OPTIMIZER_FILE, TRAINER_FILE = "model.safetensors", "optimizer.pt", "trainer_state.pt"
-GROUPS_FILE = "optimizer_groups.pt"  # sharded: every optimizer's param-group hyperparameters
-CHECKSUMS_FILE = "checksums.json"  # one process: {file: {"size", "crc32"}} of what was written
+TRAINER_FILE, CONFIG_FILE = "trainer_state.pt", "config.json"
+GROUPS_FILE = "optimizer_groups.pt"  # every optimizer's param-group hyperparameters
+WEIGHTS_FILE = "model.safetensors"  # no index: a model directory's, or an old one-process checkpoint's
+OPTIMIZER_FILE, CHECKSUMS_FILE = "optimizer.pt", "checksums.json"  # old one-process checkpoints only
 ONE_PROCESS = {"tp": 1, "pp": 1, "dp": 1, "world_size": 1}
 SAFETENSORS_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-}  # fmt: skip
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+_STEP = re.compile(r"(?:^|[-_])step[-=](\d+)")  # step-12, epoch=0-step=12, ...-step=12-...
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
     return (Path(path) / INDEX_FILE).is_file()
 
 
+def stored_model_prefix(path: str | Path) -> str:
+    """The key prefix of the model's tensors in a nanolight directory ("" in a model directory,
+    the module attribute in a training step directory, as its config.json says)."""
+    cfg_file = Path(path) / CONFIG_FILE
+    sharding = load_json(cfg_file, "model config").get("sharding") if cfg_file.is_file() else None
+    return (sharding.get("prefix") or "") if isinstance(sharding, dict) else ""
+
+
 class CheckpointReader:
     """Validated, read-only view of a checkpoint directory. Open it with `CheckpointReader.open`."""
 
-    def __init__(self, path: Path, index: CheckpointIndex, sharded: bool) -> None:
-        self.path, self.index, self.sharded = path, index, sharded
+    def __init__(self, path: Path, index: CheckpointIndex, indexed: bool) -> None:
+        self.path, self.index, self.indexed = path, index, indexed  # indexed: per-rank files too
         self._handles: dict[str, Any] = {}
         self._verified: set[str] = set()
         self._groups: list[list[dict[str, Any]]] = []
-        self._optimizer_bound = sharded  # a one-process optimizer.pt is indexed on request
+        self._optimizer_bound = indexed  # an old optimizer.pt is indexed on request
 
     @classmethod
     def open(cls, path: str | Path) -> CheckpointReader:
         """The checkpoint directory at `path` (its index read; no shard touched yet)."""
         path = Path(path)
-        if is_sharded_checkpoint(path):
+        if is_sharded_checkpoint(path):  # the format
             index_file = path / INDEX_FILE
             text = index_file.read_text(errors="replace")  # not UTF-8: from_json names the file
             return cls(path, CheckpointIndex.from_json(text, index_file), True)
-        if (path / WEIGHTS_FILE).is_file():
+        if (path / WEIGHTS_FILE).is_file():  # no index: build it in memory
             index = CheckpointIndex(dict(ONE_PROCESS), {}, {})
             manifest = path / CHECKSUMS_FILE  # absent in checkpoints written before checksums
             for name, rec in (load_json(manifest, "checksums file") if manifest.is_file() else {}).items():
                 index.files[name], index.checksums[name] = rec["size"], rec["crc32"]
             return cls(path, index, False)._index_weights()
         raise MissingCheckpointFile(
-            f"{path} has no {INDEX_FILE}: not a complete sharded checkpoint (an interrupted save leaves "
-            f"no index), nor a one-process one ({WEIGHTS_FILE}); resume from an earlier checkpoint"
+            f"{path} has no {INDEX_FILE}: not a complete checkpoint (an interrupted save leaves no "
+            f"index), nor a model directory ({WEIGHTS_FILE}); resume from an earlier checkpoint"
         )
 
-    # ---- building the in-memory index of a one-process checkpoint ----------------------------
+    # ---- the in-memory index of a directory without one ---------------------------------------
     def _index_weights(self) -> CheckpointReader:
         handle = self._handle(WEIGHTS_FILE)
         for key in handle.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
@@ -97,7 +124,7 @@ class CheckpointReader:
 
     @property
     def needs_param_names(self) -> bool:
-        """True until `bind_param_names`: a one-process optimizer.pt names parameters by position."""
+        """True until `bind_param_names`: an old optimizer.pt names parameters by position."""
         return not self._optimizer_bound
 
     def bind_param_names(self, names: list[list[str]]) -> None:
@@ -136,9 +163,6 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._entry(name).shape)
 
-    def extra(self, name: str, default: Any = None) -> Any:
-        return self.index.extras.get(name, default)
-
     def _entry(self, name: str) -> TensorEntry:
         stored = self.index.resolve(name)
         if stored not in self.index.tensors:
@@ -147,7 +171,7 @@ class CheckpointReader:
 
     def optimizer_groups(self) -> list[list[dict[str, Any]]]:
         """Every optimizer's param-group hyperparameters (without the parameters), as saved."""
-        if not self.sharded:
+        if not self.indexed:
             return self._groups
         groups_file = self.path / GROUPS_FILE
         return (
@@ -162,7 +186,7 @@ class CheckpointReader:
         return load_torch(self._checked(TRAINER_FILE), "trainer state") if file.exists() else {}
 
     def rank_state(self, rank: int) -> dict[str, Any]:
-        """A sharded checkpoint's per-rank part: that rank's RNG states and data position."""
+        """An indexed checkpoint's per-rank part: that rank's RNG states and data position."""
         return load_torch(self._checked(f"rank-{rank:05d}.pt"), "rank state")
 
     # ---- reading -------------------------------------------------------------------------------
@@ -244,7 +268,7 @@ class CheckpointReader:
         for file in sorted(set(index.files) | {s.file for e in index.tensors.values() for s in e.shards}):
             self._checked(file) if file in index.files else self._handle(file)
         self.trainer_state()
-        if not self.sharded:
+        if not self.indexed:
             load_torch(self._checked(OPTIMIZER_FILE), "optimizer state")
 
     def model_state(self, strip_prefix: str = "") -> dict[str, torch.Tensor]:
@@ -270,3 +294,24 @@ def _blocks(shards: list[Shard]) -> list[tuple[list[int], list[int], list[Shard]
         key = (tuple(shard.offset), tuple(shard.shape))
         groups.setdefault(key, (shard.offset, shard.shape, []))[2].append(shard)
     return list(groups.values())
+
+
+def is_intact(path: str | Path) -> bool:
+    """Every file of checkpoint `path` is there, as large as written and with its checksum (a
+    checkpoint from before checksums: every file opens)."""
+    try:
+        CheckpointReader.open(path).verify_all()
+    except (CheckpointError, OSError, ValueError):
+        return False
+    return True
+
+
+def newest_intact(parent: Path, exclude: Path | None = None) -> Path | None:
+    """The newest checkpoint under `parent` (other than `exclude`) that `is_intact`, by the step in
+    its name: the recipe's ``step-<N>``, Lightning's ``epoch=<E>-step=<N>`` or a template's. Asked
+    only when a checkpoint is damaged (it opens every file)."""
+    steps = {p: int(m[-1]) for p in Path(parent).iterdir() if p.is_dir() and (m := _STEP.findall(p.name))}
+    for step in sorted(steps, key=lambda p: steps[p], reverse=True):
+        if (exclude is None or step.resolve() != Path(exclude).resolve()) and is_intact(step):
+            return step
+    return None

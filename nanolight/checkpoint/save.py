@@ -1,97 +1,168 @@
-"""Writing a training checkpoint directory: one process's files, or every rank's shards + an index.
+"""Writing a training checkpoint directory: every rank's shards, then one index.
 
-One process (``SingleDeviceStrategy``): ``model.safetensors`` (the module's state dict),
-``optimizer.pt`` (each optimizer's ``torch.optim`` state dict), ``trainer_state.pt`` and, when
-the module holds a nanolight model, ``config.json`` (so the step directory is a model directory).
-
-Several ranks (``Parallel3DStrategy``), who writes what -- each global tensor exactly once,
-which `merge_parts` checks -- is `ModelLayout.stores`: dp rank 0 of every (pp, tp) writes its tp
-block of its stage's weights; a tp-replicated tensor only tp rank 0; a tensor two stages hold
-(the tied embedding) only the lowest stage; an alias (a tied ``lm_head.weight``) nothing. The
-optimizer state follows the same rules, except that with ZeRO-1 every dp rank writes its flat
-partition, and scalars such as Adam's ``step`` come from the holder of the parameter's first
-element. Every rank also writes ``rank-<R>.pt`` (its RNG states and data position).
+One process is the one-shard case of the same format: its one "rank" stores every tensor whole.
+Who writes what -- each global tensor exactly once, which `merge_parts` checks -- is
+`ModelLayout.stores`: dp rank 0 of every (pp, tp) writes its tp block of its stage's weights; a
+tp-replicated tensor only tp rank 0; a tensor two stages hold (the tied embedding) only the lowest
+stage; an alias (a tied ``lm_head.weight``) nothing. The optimizer state follows the same rules,
+except that with ZeRO-1 every dp rank writes its flat partition, and scalars such as Adam's
+``step`` come from the holder of the parameter's first element. Every rank also writes
+``rank-<R>.pt`` (its RNG states and data position).
 
 The protocol: rank 0 makes ``.tmp-step-N``; every rank writes and fsyncs its files there; all
 ranks agree that every write succeeded (one all_reduce: a rank that failed, e.g. on a full disk,
 makes every rank raise, no one hangs, nothing is published); rank 0 gathers the index entries,
-writes ``index.json`` last, and renames the directory into place (`atomic.publish`). The trainer
-moves ``last`` only after this returns.
+writes ``index.json`` last (a directory without an index is never a checkpoint), and renames the
+directory into place (`atomic.publish`). The trainer moves ``last`` only after this returns.
+
+A module holding a model that describes itself (`DescribesItself`: the Llama of `models/` does)
+also gets a ``config.json``, so the step directory is a model directory (`load_pretrained`, export to
+Hugging Face); what a run adds to an export (its tokenizer, its HF token ids) is handed in as
+`ExportExtras` by whoever builds the strategy (the recipe).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanolight.checkpoint.atomic import atomic_directory, fsync_path, publish, remove_stale, temp_dir_for
+from nanolight.checkpoint.atomic import fsync_path, publish, remove_stale, temp_dir_for
 from nanolight.checkpoint.files import CheckpointError, save_tensors, save_torch
-from nanolight.checkpoint.reader import (
-    CHECKSUMS_FILE,
-    GROUPS_FILE,
-    OPTIMIZER_FILE,
-    TRAINER_FILE,
-    WEIGHTS_FILE,
-)
-from nanolight.checkpoint.writer import RankPart, ShardWriter, merge_parts, write_index
+from nanolight.checkpoint.index import INDEX_FILE, CheckpointIndex, Shard, TensorEntry, check_coverage
+from nanolight.checkpoint.reader import CONFIG_FILE, GROUPS_FILE, TRAINER_FILE
 
-CONFIG_FILE = "config.json"
+FORMAT_NAME, FORMAT_VERSION = "nanolight", 1  # a model directory's config.json says so
 
 
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n")
+@runtime_checkable
+class DescribesItself(Protocol):
+    """A model whose checkpoints are also model directories: it gives ``config.json``'s fields."""
+
+    def directory_config(self) -> dict[str, Any]: ...
 
 
-def _dedupe_shared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors that share memory (tied embeddings): save copies instead."""
-    seen: set[tuple[int, int]] = set()
-    out = {}
-    for name, tensor in state.items():
-        tensor = tensor.detach()
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        out[name] = tensor.clone().contiguous() if key in seen else tensor.contiguous()
-        seen.add(key)
-    return out
+@dataclass(frozen=True)
+class ExportExtras:
+    """What a run adds to each checkpoint so that it exports complete: the files `names` found in
+    `directory` at each save (a tokenizer, written once the run starts), copied in, and `config`,
+    keys added to ``config.json``. Given to the strategy by the recipe; none by default."""
+
+    directory: Path | None = None
+    names: tuple[str, ...] = ()
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def files(self) -> dict[str, Path]:
+        found = [n for n in self.names if self.directory is not None and (Path(self.directory) / n).is_file()]
+        return {name: Path(self.directory) / name for name in found}
 
 
-def save_one_process(
-    path: Path,
-    model_state: dict[str, torch.Tensor],
-    optimizer_states: list[dict[str, Any]],
-    trainer_state: dict[str, Any],
-    model_meta: dict[str, Any] | None = None,
-    files: dict[str, Path] | None = None,
-) -> None:
-    """Write a one-process checkpoint directory atomically (replacing an earlier save of it);
-    `files` (name -> source) are copied in, e.g. the tokenizer."""
-    path = Path(path)
-    if path.parent.is_dir():
-        remove_stale(path.parent)
-    with atomic_directory(path, overwrite=True) as tmp:
-        crcs = {
-            WEIGHTS_FILE: save_tensors(tmp / WEIGHTS_FILE, _dedupe_shared(model_state)),
-            OPTIMIZER_FILE: save_torch(tmp / OPTIMIZER_FILE, optimizer_states),
-            TRAINER_FILE: save_torch(tmp / TRAINER_FILE, trainer_state),
-        }
-        if model_meta is not None:
-            _write_json(tmp / CONFIG_FILE, model_meta)
-        _copy(files, tmp)
-        manifest = {name: {"size": (tmp / name).stat().st_size, "crc32": crc} for name, crc in crcs.items()}
-        _write_json(tmp / CHECKSUMS_FILE, manifest)  # the one-process index of what was written
+def directory_meta(module: nn.Module, extras: ExportExtras) -> dict[str, Any] | None:
+    """``config.json`` of a step directory whose module holds a model that `DescribesItself` (its
+    fields, this format's tags, where its tensors are: ``"sharding": {"index": "index.json",
+    "prefix": <its key prefix>}``, and the run's extras); None when the module holds none."""
+    found = next(((n, m) for n, m in module.named_modules() if isinstance(m, DescribesItself)), None)
+    if found is None:
+        return None
+    prefix, model = found
+    sharding = {"index": INDEX_FILE, "prefix": f"{prefix}." if prefix else ""}
+    tags = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "sharding": sharding}
+    return {**model.directory_config(), **tags, **extras.config}
 
 
-# ---- several ranks ---------------------------------------------------------------------------
-def _copy(files: dict[str, Path] | None, directory: Path) -> None:
-    for name, src in (files or {}).items():
-        shutil.copyfile(src, directory / name)
-        fsync_path(directory / name)
+# ---- one rank's part ---------------------------------------------------------------------------
+@dataclass
+class RankPart:
+    """What one rank wrote: its files' sizes and the index entries (name, global shape, dtype, shard)."""
+
+    files: dict[str, int] = field(default_factory=dict)
+    checksums: dict[str, str] = field(default_factory=dict)
+    entries: list[tuple[str, list[int], str, dict[str, Any]]] = field(default_factory=list)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class ShardWriter:
+    """Collects this rank's pieces per file, then writes each file once (`write`)."""
+
+    def __init__(self, coords: dict[str, int]) -> None:
+        self.coords = coords  # {"pp": p, "tp": t, "dp": d}: recorded in each shard
+        self._files: dict[str, dict[str, torch.Tensor]] = {}
+        self._seen: set[tuple[int, int, int]] = set()
+        self.part = RankPart()
+
+    def add(
+        self,
+        file: str,
+        name: str,
+        tensor: torch.Tensor,
+        global_shape: list[int],
+        offset: list[int] | None = None,
+        block_shape: list[int] | None = None,
+        flat: tuple[int, int] | None = None,
+        tp_dim: int | None = None,
+    ) -> None:
+        """Store `tensor` as the piece of global tensor `name` at `offset` (a block of
+        `block_shape`, default: the tensor's own shape), or, with `flat`, as that range of the
+        block's flattening. The tensor must be exactly the piece (no copy is made here)."""
+        block_shape = list(block_shape if block_shape is not None else tensor.shape)
+        offset = list(offset if offset is not None else [0] * len(block_shape))
+        expected = flat[1] - flat[0] if flat is not None else math.prod(block_shape)
+        if tensor.numel() != expected:
+            raise ValueError(f"{name}: piece has {tensor.numel()} elements, the layout says {expected}")
+        tensor = tensor.detach().contiguous().cpu()
+        where = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.numel())
+        if where in self._seen:  # the same tensor under two names (ZeRO's per-group `step`)
+            tensor = tensor.clone()  # safetensors refuses aliases
+        self._seen.add(where)
+        self._files.setdefault(file, {})[name] = tensor
+        shard = Shard(file, name, offset, block_shape, list(flat) if flat else None, tp_dim, **self.coords)
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        self.part.entries.append((name, list(global_shape), dtype, dict(vars(shard))))
+
+    def add_extra(self, name: str, value: Any) -> None:
+        """A non-tensor value (e.g. SGD's ``momentum_buffer=None``), kept in the index as JSON."""
+        self.part.extras[name] = value
+
+    def write(self, directory: Path) -> RankPart:
+        """Write and fsync this rank's files; return its part of the index."""
+        for file, tensors in self._files.items():
+            path = Path(directory) / file
+            self.part.checksums[file] = save_tensors(path, tensors)
+            self.part.files[file] = path.stat().st_size
+        return self.part
+
+
+def merge_parts(parts: list[RankPart], topology: dict[str, Any], aliases: dict[str, str]) -> CheckpointIndex:
+    """Every rank's entries -> one index (checked: each global tensor stored exactly once)."""
+    index = CheckpointIndex(topology, {}, {}, aliases)
+    for part in parts:
+        index.files.update(part.files)
+        index.extras.update(part.extras)
+        index.checksums.update(part.checksums)
+        for name, shape, dtype, shard in part.entries:
+            entry = index.tensors.setdefault(name, TensorEntry(shape, dtype))
+            if entry.shape != shape or entry.dtype != dtype:
+                raise RuntimeError(
+                    f"ranks disagree about {name}: {entry.shape}/{entry.dtype} vs {shape}/{dtype}"
+                )
+            entry.shards.append(Shard(**shard))
+    index.tensors = dict(sorted(index.tensors.items()))
+    check_coverage(index)
+    return index
+
+
+def write_index(directory: Path, index: CheckpointIndex) -> None:
+    path = Path(directory) / INDEX_FILE
+    path.write_text(index.to_json())
+    fsync_path(path)
 
 
 def _file(kind: str, coords: dict[str, int]) -> str:
@@ -127,16 +198,8 @@ def _rank_part(
     for key, tensor in module.state_dict().items():
         if layout.stores(key):
             offset, shape = layout.block(key, tensor.shape)
-            dim = layout.tp_dims.get(key)
-            writer.add(
-                _file("model", coords),
-                f"model/{key}",
-                tensor,
-                list(layout.full_shapes[key]),
-                offset,
-                shape,
-                tp_dim=dim,
-            )
+            full, dim = list(layout.full_shapes[key]), layout.tp_dims.get(key)
+            writer.add(_file("model", coords), f"model/{key}", tensor, full, offset, shape, tp_dim=dim)
     names = {id(p): n for n, p in module.named_parameters()}
     for k, opt in enumerate(optimizers):
         zero = hasattr(opt, "local_state_pieces")  # ZeRO-1: this dp rank's flat partition
@@ -148,11 +211,8 @@ def _rank_part(
             for skey, value in entry.items():
                 name = f"optim/{k}/{key}/{skey}"
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == end - start:
-                    full, flat, dim = (
-                        list(layout.full_shapes[key]),
-                        (start, end) if zero else None,
-                        layout.tp_dims.get(key),
-                    )
+                    full, dim = list(layout.full_shapes[key]), layout.tp_dims.get(key)
+                    flat = (start, end) if zero else None
                     writer.add(_file("optim", coords), name, value, full, offset, shape, flat, dim)
                 elif start == 0 and coords["tp"] == 0:  # scalars (`step`): written once
                     _add_value(writer, _file("optim", coords), name, value)
@@ -164,70 +224,92 @@ def _rank_part(
     return part
 
 
-def _raise_if_any(error: Exception | None, what: str, cleanup: Path | None, device: torch.device) -> None:
+# ---- every rank --------------------------------------------------------------------------------
+def _raise_if_any(error: Exception | None, what: str, tmp: Path, device: torch.device, ranks: bool) -> None:
     """All ranks learn whether any rank failed (then every rank raises; rank 0 removes the temp dir)."""
-    flag = torch.tensor([0 if error is None else dist.get_rank() + 1], device=device)
-    # every rank contributes (its rank + 1) if it failed; MAX: one failure fails the save everywhere
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if int(flag) == 0:
+    rank = dist.get_rank() if ranks else 0
+    failed = 0 if error is None else rank + 1
+    if ranks:
+        flag = torch.tensor([failed], device=device)
+        # every rank contributes (its rank + 1) if it failed; MAX: one failure fails the save everywhere
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed = int(flag)
+    if failed == 0:
         return
-    if cleanup is not None:
-        shutil.rmtree(cleanup, ignore_errors=True)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
     if error is not None:
         raise error
-    raise CheckpointError(f"checkpoint save failed: rank {int(flag) - 1} failed {what} (see its error)")
+    raise CheckpointError(f"checkpoint save failed: rank {failed - 1} failed {what} (see its error)")
 
 
-def save_sharded(
+def save_checkpoint(
     path: Path,
     module: nn.Module,
     optimizers: list[Any],
     layout: Any,
     trainer_state: dict[str, Any],
     topology: dict[str, Any],
-    model_meta: dict[str, Any] | None,
     device: torch.device,
-    files: dict[str, Path] | None = None,
+    extras: ExportExtras | None = None,
+    ranks: bool = False,
 ) -> None:
-    """Write checkpoint directory `path` from every rank (collective: all ranks call it); rank 0
-    copies `files` (name -> source) in."""
-    final, rank, world = Path(path), dist.get_rank(), dist.get_world_size()
+    """Write checkpoint directory `path` atomically, replacing an earlier save of it. With `ranks`
+    (torch.distributed is up) every rank calls it and writes its part: collective."""
+    final = Path(path)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if ranks else (0, 1)
     tmp = temp_dir_for(final)
     if rank == 0:
         final.parent.mkdir(parents=True, exist_ok=True)
         remove_stale(final.parent)  # left by a save that was killed
         tmp.mkdir()
-    dist.barrier()  # the temporary directory exists before any rank writes into it
+    if ranks:
+        dist.barrier()  # the temporary directory exists before any rank writes into it
     part, error = None, None
     try:
         part = _rank_part(tmp, module, optimizers, layout, {**trainer_state, "rank": rank})
     except Exception as exc:  # reported to every rank below instead of hanging them
         error = exc
-    _raise_if_any(error, "writing its checkpoint shards", tmp if rank == 0 else None, device)
+    _raise_if_any(error, "writing its checkpoint shards", tmp, device, ranks)
     parts: list[Any] | None = [None] * world if rank == 0 else None
-    # every rank sends its file sizes and index entries to rank 0, which writes the index
-    dist.gather_object(part, parts, dst=0)
+    if ranks:
+        # every rank sends its file sizes and index entries to rank 0, which writes the index
+        dist.gather_object(part, parts, dst=0)
+    else:
+        parts = [part]
     error = None
     if rank == 0:
         try:
-            _copy(files, tmp)
-            _finish(tmp, final, parts, optimizers, layout, trainer_state, topology, model_meta)
+            _finish(tmp, final, parts, module, optimizers, layout, trainer_state, topology, extras)
         except Exception as exc:
             error = exc
-    _raise_if_any(error, "writing the checkpoint index", tmp if rank == 0 else None, device)
+    _raise_if_any(error, "writing the checkpoint index", tmp, device, ranks)
 
 
 def _finish(
-    tmp: Path, final: Path, parts: list[RankPart], optimizers: list[Any], layout: Any,
-    trainer_state: dict, topology: dict, model_meta: dict | None,
-) -> None:  # fmt: skip
+    tmp: Path,
+    final: Path,
+    parts: list[RankPart],
+    module: nn.Module,
+    optimizers: list[Any],
+    layout: Any,
+    trainer_state: dict,
+    topology: dict,
+    extras: ExportExtras | None,
+) -> None:
+    """Rank 0: the shared files, the index last, then the rename into place."""
+    extras = extras or ExportExtras()
+    for name, src in extras.files().items():
+        shutil.copyfile(src, tmp / name)
+        fsync_path(tmp / name)
     groups = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in optimizers]
     crcs = {
         GROUPS_FILE: save_torch(tmp / GROUPS_FILE, groups),
         TRAINER_FILE: save_torch(tmp / TRAINER_FILE, trainer_state),
     }
-    if model_meta is not None:
-        _write_json(tmp / CONFIG_FILE, model_meta)
+    meta = directory_meta(module, extras)
+    if meta is not None:
+        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         fsync_path(tmp / CONFIG_FILE)
     index = merge_parts(parts, topology, {f"model/{a}": f"model/{c}" for a, c in layout.aliases.items()})
     for name, crc in crcs.items():

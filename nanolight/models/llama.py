@@ -387,6 +387,14 @@ class LlamaForCausalLM(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def directory_config(self) -> dict:
+        """The fields a model directory's ``config.json`` holds for this model: a checkpoint of
+        any module holding it is then also a model directory (load_pretrained, HF export)."""
+        fields = self.config.to_dict()
+        if fields["rope_scaling"] is None:  # omitted when unused: AutoTokenizer warns on the key
+            del fields["rope_scaling"]
+        return fields
+
     def pipeline_costs(self) -> tuple[float, float, float]:
         """(block, first-stage extra, last-stage extra) costs, for balancing pipeline stages."""
         return stage_costs(self.config)

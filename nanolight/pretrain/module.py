@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from nanolight.checkpoint.load import load_model
-from nanolight.checkpoint.pretrained import stored_model_prefix
-from nanolight.checkpoint.reader import CheckpointReader
+from nanolight.checkpoint.reader import CheckpointReader, stored_model_prefix
 from nanolight.models.llama import LlamaConfig, LlamaForCausalLM
 from nanolight.models.llama_config import flops_per_token
 from nanolight.module import NanoModule
@@ -68,16 +67,13 @@ class CausalLMPretrain(NanoModule):
         seq_len: int,
         max_steps: int,
         init_from: str | None = None,
-        tokenizer_dir: str | None = None,
-        hf_extra: dict | None = None,
         bytes_per_token: float | None = None,
     ) -> None:
-        """`tokenizer_dir` / `hf_extra` (the tokenizer's HF token ids) go into every checkpoint, so
-        that a checkpoint converts to a complete Hugging Face directory. `bytes_per_token` (of the
-        held-out text) turns the validation loss into ``val/bits_per_byte``, comparable across
-        tokenizers and with a compressor's."""
+        """`bytes_per_token` (of the held-out text) turns the validation loss into
+        ``val/bits_per_byte``, comparable across tokenizers and with a compressor's. (What the
+        checkpoints carry for a complete export is the strategy's: `run.py` hands it over.)"""
         super().__init__()
-        self.init_from, self.tokenizer_dir, self.hf_extra = init_from, tokenizer_dir, hf_extra or {}
+        self.init_from = init_from
         self.bytes_per_token = bytes_per_token
         self.model_config = model_config
         self.optim = optim
@@ -104,9 +100,11 @@ class CausalLMPretrain(NanoModule):
         key = "target_ids" if "target_ids" in batch else "labels"  # the data's, or HF-style labels
         targets = {key: batch[key]}
         return self.model(
-            batch["input_ids"], position_ids=batch.get("position_ids"), document_ids=batch.get("document_ids"),
+            batch["input_ids"],
+            position_ids=batch.get("position_ids"),
+            document_ids=batch.get("document_ids"),
             **targets,
-        )  # fmt: skip
+        )
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self(batch)
@@ -117,9 +115,11 @@ class CausalLMPretrain(NanoModule):
         self.log("train/loss", self.trainer.step_loss, prog_bar=True)
 
     def configure_gradient_clipping(
-        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         norm = self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
         if norm is not None:  # the pre-clip global norm, summed over every parallel rank
             self.log("grad_norm", norm)
@@ -136,9 +136,12 @@ class CausalLMPretrain(NanoModule):
     def configure_optimizers(self):
         o = self.optim
         optimizer = torch.optim.AdamW(
-            param_groups(self.model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+            param_groups(self.model, o.weight_decay),
+            lr=o.lr,
+            betas=tuple(o.betas),
+            eps=o.eps,
             **adamw_kernel(next(self.model.parameters()).device),
-        )  # fmt: skip
+        )
         schedule = warmup_cosine(o.warmup_steps, self.max_steps, o.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -24,6 +24,8 @@ from nanolight.callbacks import (
     ThroughputMonitor,
 )
 from nanolight.checkpoint.atomic import atomic_directory, atomic_write_text
+from nanolight.checkpoint.pretrained import run_extras
+from nanolight.checkpoint.save import ExportExtras
 from nanolight.data import BatchGeometry, DataConfig, build_datamodule, vocab_size
 from nanolight.loggers import CSVLogger, Logger, WandbLogger
 from nanolight.loggers.wandb_logger import has_wandb_credentials
@@ -92,9 +94,11 @@ def build_data(config: PretrainConfig, dp_rank: int = 0, dp_size: int = 1):
     return dm
 
 
-def build_strategy(config: PretrainConfig) -> Strategy:
+def build_strategy(config: PretrainConfig, export: ExportExtras | None = None) -> Strategy:
+    """The layout's strategy; `export`: what every checkpoint carries for a complete export."""
     p, t = config.parallel, config.trainer
     speed = dict(
+        export=export,
         activation_checkpointing=t.activation_checkpointing,
         activation_checkpointing_every=t.activation_checkpointing_every,
         compile=t.compile,
@@ -182,12 +186,14 @@ def run(config: PretrainConfig, overrides: list[str] | None = None) -> NanoTrain
     root = check_run_dir(config)
     dm = build_data(config)  # tokenizes into the cache once, before any rank is spawned
     heldout = held_out(dm.val_loader, dm.tokenizer) if dm.val_loader is not None else None  # the whole split
-    strategy = build_strategy(config)
+    # every checkpoint carries the tokenizer and its HF token ids: an export is a complete HF directory
+    tokenizer_dir = root / "tokenizer"
+    token_ids = {k: getattr(dm.tokenizer, k) for k in TOKEN_IDS if getattr(dm.tokenizer, k) is not None}
+    strategy = build_strategy(config, run_extras(tokenizer_dir, token_ids))
     strategy.setup_environment()  # plain python + parallel: re-launches this script as N ranks here
     if strategy.data_parallel_size > 1:
         ctx = strategy.parallel_context
         dm = build_data(config, ctx.dp_rank, ctx.dp_size)
-    tokenizer_dir = root / "tokenizer"  # every checkpoint carries it: an export is a complete HF dir
     if strategy.is_global_zero:
         save_config(config, root)
         with atomic_directory(tokenizer_dir, overwrite=True) as tmp:
@@ -195,12 +201,10 @@ def run(config: PretrainConfig, overrides: list[str] | None = None) -> NanoTrain
         if heldout is not None:
             print(f"nanolight: {heldout.summary()}", flush=True)
     t = config.trainer
-    token_ids = {k: getattr(dm.tokenizer, k) for k in TOKEN_IDS if getattr(dm.tokenizer, k) is not None}
-    c = config.checkpoint
+    bytes_per_token = heldout.bytes_per_token if heldout else None
     module = CausalLMPretrain(
-        config.model, config.optim, t.seq_len, t.max_steps, c.init_from, str(tokenizer_dir), token_ids,
-        heldout.bytes_per_token if heldout else None,
-    )  # fmt: skip
+        config.model, config.optim, t.seq_len, t.max_steps, config.checkpoint.init_from, bytes_per_token
+    )
     checks = [PredictionCheck(prediction)] if prediction is not None else []
     trainer = build_trainer(config, strategy, root, GreedySamples(dm.tokenizer), *checks)
     # resume="last" with no checkpoint yet starts fresh with a warning, as Lightning does

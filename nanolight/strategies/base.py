@@ -34,6 +34,7 @@ Call order during ``NanoTrainer.fit`` (each a method below)::
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
@@ -43,9 +44,9 @@ import torch
 from torch import nn
 
 from nanolight.checkpoint.load import load_model, load_optimizers, trainer_state
-from nanolight.checkpoint.pretrained import model_dir_files, step_dir_meta
 from nanolight.checkpoint.reader import CheckpointReader
-from nanolight.checkpoint.save import save_one_process
+from nanolight.checkpoint.save import ExportExtras, save_checkpoint
+from nanolight.errors import UsageError
 from nanolight.parallel.context import Agreed
 from nanolight.parallel.grads import clip_, global_norm
 from nanolight.parallel.layout import ModelLayout
@@ -53,7 +54,6 @@ from nanolight.parallel.loss_tokens import loss_divisor, step_targets
 from nanolight.parallel.pipeline.schedules import BACKWARD, FORWARD, Action, one_by_one
 from nanolight.parallel.zero import ZeroOptimizer
 from nanolight.precision import Precision
-from nanolight.strategies.shared_dir import check_shared_directory
 
 __all__ = ["BACKWARD", "FORWARD", "Action", "Strategy"]
 
@@ -61,8 +61,9 @@ __all__ = ["BACKWARD", "FORWARD", "Action", "Strategy"]
 class Strategy:
     """Base strategy. Subclasses must set `root_device`; everything else has a 1-process default."""
 
-    def __init__(self, precision: str | Precision = "32-true") -> None:
+    def __init__(self, precision: str | Precision = "32-true", export: ExportExtras | None = None) -> None:
         self.precision = precision if isinstance(precision, Precision) else Precision(precision)
+        self.export = export  # what a run adds to each checkpoint so it exports complete (the recipe's)
         self.module: nn.Module | None = None  # the NanoModule being trained
         self.optimizers: list[torch.optim.Optimizer] = []
         self.layout: ModelLayout | None = None  # where each tensor lives (set by setup_module)
@@ -189,7 +190,7 @@ class Strategy:
     def token_mean(self, batches: Sequence[Any]) -> Iterator[None]:
         """Around one optimizer step of `batches` (the trainer's micro-batches, before transfer):
         when every one carries `target_ids`, each model that divides its own token-loss sum
-        (declares `loss_divisor`, e.g. `LlamaForCausalLM`) divides it by the step's count, so the
+        (declares `loss_divisor`, e.g. the causal LM of `models/`) divides it by the step's count, so the
         step's loss and gradients are the exact token mean over every micro-batch and every rank
         of `loss_group` (`parallel/loss_tokens.py`). Other losses keep Lightning's semantics."""
         targets = step_targets(batches)
@@ -277,8 +278,9 @@ class Strategy:
         return [p for g in optimizer.param_groups for p in g["params"]]
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Apply the update (a ZeRO strategy also all-gathers updated shards here)."""
-        optimizer.step()
+        """Apply the update (ZeRO-1 also all-gathers the updated weights over dp here)."""
+        with self.watch("the optimizer step (ZeRO-1's all-gather of the updated weights over dp)"):
+            optimizer.step()
 
     # ---- collectives ---------------------------------------------------------------------
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
@@ -307,34 +309,65 @@ class Strategy:
         return bool(self.start_max(int(flag)).wait())
 
     def check_shared_directory(self, path: str | Path) -> None:
-        """Every rank must see the directory rank 0 writes into (`shared_dir.py`)."""
-        check_shared_directory(self, path)
+        """Every rank must see the directory rank 0 writes into (checkpoints are written by all
+        ranks): checked at start-up, not hours later at the first save. Rank 0 writes a token
+        there, every rank reads it back, and the ranks agree on the answer (collective)."""
+        if self.world_size == 1:
+            return
+        path, token = Path(path), self.broadcast(uuid.uuid4().hex if self.is_global_zero else None)
+        probe = path / f".nanolight-shared-{token[:12]}"
+        if self.is_global_zero:
+            path.mkdir(parents=True, exist_ok=True)
+            probe.write_text(token)
+        self.barrier()
+        seen = probe.read_text() if probe.is_file() else None
+        if self.any_rank(seen != token):
+            if self.is_global_zero:
+                probe.unlink(missing_ok=True)
+            raise UsageError(
+                f"rank {self.global_rank} {'sees' if seen == token else 'does not see'} the run directory "
+                f"{path} that rank 0 writes (not every rank sees it): put trainer.default_root_dir on a "
+                "filesystem that every node shares (or a path that exists on every node)"
+            )
+        self.barrier()
+        if self.is_global_zero:
+            probe.unlink(missing_ok=True)
 
     # ---- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self, path: str | Path, state: dict[str, Any], weights_only: bool = False) -> None:
-        """Write checkpoint directory `path` atomically: weights, optimizer state (not with
-        `weights_only`) and the trainer's `state` (tensors and plain containers only: read back
-        with ``torch.load(weights_only=True)``)."""
-        assert self.module is not None
-        if self.is_global_zero:
-            optimizers = [] if weights_only else [opt.state_dict() for opt in self.optimizers]
-            meta = step_dir_meta(self.module, index=None)  # a Llama inside: also a model dir
-            files = model_dir_files(self.module)  # e.g. its tokenizer: exports are complete
-            with self.weights_in_fp32():
-                save_one_process(Path(path), self.module.state_dict(), optimizers, state, meta, files)
-        self.barrier("save_checkpoint")
+        """Write checkpoint directory `path` atomically: every rank its part of the weights and of
+        the optimizer state (not with `weights_only`), rank 0 the trainer's `state` (tensors and
+        plain containers only: read back with ``torch.load(weights_only=True)``), `export` and
+        the index (`checkpoint/save.py`; collective when there are several ranks)."""
+        assert self.module is not None and self.layout is not None
+        optimizers = [] if weights_only else self.optimizers
+        ranks = self.parallel_context is not None
+        # bf16-master: the fp32 masters are what is written
+        with self.watch("a checkpoint save"), self.weights_in_fp32():
+            save_checkpoint(
+                Path(path),
+                self.module,
+                optimizers,
+                self.layout,
+                state,
+                self.topology,
+                self.root_device,
+                self.export,
+                ranks,
+            )
 
     def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
         """Load this rank's part of the weights (+ optimizer state) from a checkpoint of any layout;
         returns the trainer state saved with it."""
         assert self.module is not None and self.layout is not None
-        reader = CheckpointReader.open(path)
-        with self.weights_in_fp32():  # bf16-master: the fp32 values reach the masters
-            load_model(reader, self.module, self.layout)
-            self.on_weights_loaded()
-        if load_optimizer:
-            self._load_optimizers(reader)
-        return trainer_state(reader, self.global_rank, self.topology, self.layout.dp_rank)
+        with self.watch("loading a checkpoint"):
+            reader = CheckpointReader.open(path)
+            with self.weights_in_fp32():  # bf16-master: the fp32 values reach the masters
+                load_model(reader, self.module, self.layout)
+                self.on_weights_loaded()
+            if load_optimizer:
+                self._load_optimizers(reader)
+            return trainer_state(reader, self.global_rank, self.topology, self.layout.dp_rank)
 
     def load_optimizer_checkpoint(self, path: str | Path) -> None:
         """Load the optimizer state(s) stored in checkpoint directory `path`."""

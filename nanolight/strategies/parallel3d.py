@@ -34,9 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 from nanolight.checkpoint.load import load_model
-from nanolight.checkpoint.pretrained import model_dir_files, step_dir_meta, stored_model_prefix
-from nanolight.checkpoint.reader import CheckpointReader
-from nanolight.checkpoint.save import save_sharded
+from nanolight.checkpoint.pretrained import carried_extras
+from nanolight.checkpoint.reader import CheckpointReader, stored_model_prefix
+from nanolight.checkpoint.save import ExportExtras
 from nanolight.parallel import ParallelConfig, ParallelContext
 from nanolight.parallel.blocks import BlockOptions, CompiledBlocks, decoder_blocks
 from nanolight.parallel.data_parallel import DEFAULT_BUCKET_BYTES
@@ -68,6 +68,7 @@ class Parallel3DStrategy(Strategy):
     `device_ids`: the CUDA device of each local rank (Lightning's ``devices=[2, 3]``); default:
     the local rank's (`parallel/launcher.py`, `cuda_device_index`). `cp`: the context-parallel
     degree, a dimension of the `ParallelContext`'s mesh; only 1 until ring attention exists.
+    `export`: what the run adds to each checkpoint so it exports complete (`ExportExtras`).
     """
 
     def __init__(
@@ -92,14 +93,22 @@ class Parallel3DStrategy(Strategy):
         pp_virtual: int = 1,
         device_ids: Sequence[int] | None = None,
         cp: int = 1,
+        export: ExportExtras | None = None,
     ) -> None:
-        super().__init__(precision)
+        super().__init__(precision, export)
         self.blocks = BlockOptions(activation_checkpointing, activation_checkpointing_every, compile)
         self.compiled: CompiledBlocks | None = None  # set by setup_module when compiling
         self.config = ParallelConfig(
-            tp=tp, pp=pp, dp=dp, cp=cp, zero_stage=zero_stage, pp_schedule=pp_schedule,
-            sequence_parallel=sequence_parallel, timeout_s=timeout_s, pp_virtual=pp_virtual,
-        )  # fmt: skip
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            cp=cp,
+            zero_stage=zero_stage,
+            pp_schedule=pp_schedule,
+            sequence_parallel=sequence_parallel,
+            timeout_s=timeout_s,
+            pp_virtual=pp_virtual,
+        )
         self.init_seed, self.pretrained = init_seed, pretrained
         self.backend, self.timeout = backend, timedelta(seconds=timeout_s)
         self.device_ids = list(device_ids) if device_ids else None  # GPU of local rank i (devices=[2, 3])
@@ -109,7 +118,6 @@ class Parallel3DStrategy(Strategy):
         self._ctx: ParallelContext | None = None
         self.stage: PipelineStage | None = None  # pp > 1: this rank's pipeline stage
         self.grads: GradientSync | None = None  # built by setup_optimizers
-        self._model_meta: dict[str, Any] | None = None  # config / generation files: set by setup_module
         self._local_rank = 0  # set by setup_environment
 
     @classmethod
@@ -154,8 +162,14 @@ class Parallel3DStrategy(Strategy):
     @property
     def topology(self) -> dict[str, Any]:
         ctx, cfg = self._ctx, self.config
-        return {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size, "world_size": ctx.world_size,
-                "zero_stage": cfg.zero_stage, "sequence_parallel": cfg.sequence_parallel}  # fmt: skip
+        return {
+            "tp": ctx.tp_size,
+            "pp": ctx.pp_size,
+            "dp": ctx.dp_size,
+            "world_size": ctx.world_size,
+            "zero_stage": cfg.zero_stage,
+            "sequence_parallel": cfg.sequence_parallel,
+        }
 
     # ---- lifecycle -----------------------------------------------------------------------
     def setup_environment(self) -> None:
@@ -184,10 +198,11 @@ class Parallel3DStrategy(Strategy):
         ctx, cfg = self._ctx, self.config
         model, prefix = find_plan_model(module, required=cfg.tp * cfg.pp > 1)
         self.module = module
+        if self.pretrained is not None:  # its exports keep the starting directory's HF token ids
+            self.export = carried_extras(self.pretrained, self.export)
         if model is None:  # any nn.Module under plain data parallelism: every rank holds it whole
             module.to(self.root_device)
             self.layout = replicated_layout(module, ctx)
-            self._model_meta = step_dir_meta(module, self.pretrained)
             self.precision.convert_module(module)
             broadcast_replicas(module, ctx)
             return module
@@ -204,7 +219,6 @@ class Parallel3DStrategy(Strategy):
         self.compiled = self.blocks.apply(module, self.is_global_zero)  # after tp and the split, before dp
         if sharded.split is not None:
             self.stage = PipelineStage.of(model, sharded.split, ctx, compute_context=self.autocast)
-        self._model_meta = step_dir_meta(module, self.pretrained)
         if not sharded.on_meta:
             broadcast_replicas(module, ctx)  # each rank built (and sliced) its own
         return module
@@ -218,10 +232,10 @@ class Parallel3DStrategy(Strategy):
         blocks would trace the hooks)."""
         cfg, master = self.config, self.precision.master_weights
         self.precision.check_layout(cfg.zero_stage, self._ctx.dp_size)
+        zero, dtype = (1, torch.float32) if master else (cfg.zero_stage, None)
         self.grads = GradientSync(
-            self.module, self.layout, self._ctx, cfg.sequence_parallel, 1 if master else cfg.zero_stage,
-            self.dp_bucket_bytes, grad_dtype=torch.float32 if master else None,
-        )  # fmt: skip
+            self.module, self.layout, self._ctx, cfg.sequence_parallel, zero, self.dp_bucket_bytes, dtype
+        )
         self.optimizers = self.grads.wrap_optimizers(list(optimizers))
         if master:
             self.precision.cast_to_compute(self.module)
@@ -266,14 +280,6 @@ class Parallel3DStrategy(Strategy):
     def zero_grad(self, optimizer: Any) -> None:
         self.grads.zero_grad(optimizer)
 
-    @watched("the optimizer step (ZeRO-1's all-gather of the updated weights over dp)")
-    def optimizer_step(self, optimizer: Any) -> None:
-        optimizer.step()
-
-    @watched("loading a checkpoint")
-    def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
-        return super().load_checkpoint(path, load_optimizer)  # the same reader, under the watch
-
     @watched("the global gradient norm (summed over tp / pp / dp)")
     def clip_gradients(self, max_norm: float | None, optimizer: Any = None) -> torch.Tensor:
         return self.grads.clip_(max_norm)  # every parameter: the norm of all of them, on all ranks
@@ -304,17 +310,7 @@ class Parallel3DStrategy(Strategy):
         watching = functools.partial(watch, "the pre-emption flags (a host all-reduce)", self.heartbeat)
         return super().start_max(value) if self._ctx is None else self._ctx.start_max(value, watching)
 
-    # ---- checkpoints: per-rank shards + index ------------------------------------------------
-    @watched("a checkpoint save")
-    def save_checkpoint(self, path: str | Path, state: dict[str, Any], weights_only: bool = False) -> None:
-        """Every rank writes what it owns; rank 0 the index; published atomically (collective)."""
-        optimizers = [] if weights_only else self.optimizers
-        with self.weights_in_fp32():  # bf16-master: the fp32 masters are what is written
-            save_sharded(
-                Path(path), self.module, optimizers, self.layout, state, self.topology, self._model_meta,
-                self.root_device, model_dir_files(self.module),
-            )  # fmt: skip
-
+    # ---- checkpoints (written and read by the base, under the watch) -------------------------
     def on_weights_loaded(self) -> None:
         if self.grads is not None and self.grads.zero is not None:
             self.grads.zero.reload_master_weights()  # ZeRO-1's fp32 master shards follow the weights

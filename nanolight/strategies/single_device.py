@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanolight.checkpoint.save import ExportExtras
 from nanolight.parallel.blocks import BlockOptions, CompiledBlocks
 from nanolight.precision import Precision
 from nanolight.strategies.base import Strategy
@@ -15,7 +16,8 @@ class SingleDeviceStrategy(Strategy):
 
     `activation_checkpointing` ("none" | "full" | "selective", on every
     `activation_checkpointing_every`-th decoder block) and `compile` (each decoder block) act on
-    the model's blocks after it is moved and cast (`parallel/blocks.py`).
+    the model's blocks after it is moved and cast (`parallel/blocks.py`). `export`: what
+    the run adds to each checkpoint so it exports complete (`ExportExtras`).
     """
 
     def __init__(
@@ -26,8 +28,9 @@ class SingleDeviceStrategy(Strategy):
         activation_checkpointing: str = "none",
         activation_checkpointing_every: int = 1,
         compile: bool = False,
+        export: ExportExtras | None = None,
     ):
-        super().__init__(precision)
+        super().__init__(precision, export)
         if device is None:
             device = "cuda:0" if torch.cuda.is_available() else "cpu"
         self._device = torch.device(device)

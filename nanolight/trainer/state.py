@@ -15,8 +15,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from nanolight.checkpoint.atomic import LAST_POINTER, resolve_checkpoint
 from nanolight.checkpoint.files import CheckpointError, MissingCheckpointFile, with_hint
-from nanolight.checkpoint.intact import newest_intact
-from nanolight.checkpoint.reader import TRAINER_FILE
+from nanolight.checkpoint.reader import TRAINER_FILE, newest_intact
 from nanolight.errors import UsageError
 from nanolight.module.hparams import plain_hparams
 from nanolight.module.loading import HPARAMS_KEY

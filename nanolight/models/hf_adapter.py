@@ -1,6 +1,9 @@
-"""Hugging Face Llama <-> nanolight weight conversion, driven by ONE table (`WEIGHT_MAP`).
+"""The Llama <-> Hugging Face mapping, owned by the model (as torchtitan's per-model
+``state_dict_adapter.py``): tensor names, shapes and fused layouts, and the config's way there and
+back. `checkpoint/pretrained.py` reads and writes the directories; this file knows only Llama.
 
-Each row names a nanolight tensor, the HF tensors it is made of, and how they combine:
+The weights are driven by ONE table (`WEIGHT_MAP`). Each row names a nanolight tensor, the HF
+tensors it is made of, and how they combine:
 
     copy     same tensor, same name pattern
     qkv      q_proj, k_proj, v_proj -> qkv_proj, grouped per kv head g:
@@ -9,41 +12,43 @@ Each row names a nanolight tensor, the HF tensors it is made of, and how they co
 
 Both directions read the same rows, so a new tensor is added in one place. Fusing and
 splitting only move rows, which is why HF -> nanolight -> HF is bit-identical.
-
-HF weights are read straight from safetensors (single file or a sharded index), one tensor at a
-time, never by instantiating a transformers model: conversion needs one copy of the weights in
-memory, not two plus the framework's.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
 
-from nanolight.checkpoint.atomic import LAST_POINTER, atomic_directory, resolve_checkpoint
-from nanolight.checkpoint.files import save_tensors
-from nanolight.checkpoint.pretrained import (
-    check_state_dict,
-    copy_tokenizer_files,
-    read_checkpoint,
-    write_checkpoint,
-)
-from nanolight.models.llama_config import HF_PASSTHROUGH_KEYS, LlamaConfig, read_hf_config
+from nanolight.models.llama_config import HF_PASSTHROUGH_KEYS, LlamaConfig
 
 __all__ = [
     "WEIGHT_MAP",
-    "convert_hf_to_nanolight",
-    "convert_nanolight_to_hf",
+    "config_from_hf",
+    "config_to_hf",
     "hf_to_nanolight_state_dict",
     "nanolight_to_hf_state_dict",
-    "resolve_checkpoint_path",
 ]
+
+
+def config_from_hf(hf_config: Mapping[str, Any]) -> tuple[LlamaConfig, dict[str, Any]]:
+    """A HF ``config.json`` -> (the model's config, the HF-only keys a nanolight directory carries
+    unchanged so the way back restores them: bos/eos/pad token ids)."""
+    extra = {k: hf_config[k] for k in HF_PASSTHROUGH_KEYS if k in hf_config}
+    return LlamaConfig.from_hf(hf_config), extra
+
+
+def config_to_hf(config: LlamaConfig, extra: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """The HF ``config.json`` of a model of `config` whose weights are `dtype`."""
+    return {**config.to_hf_dict(), **extra, "dtype": str(dtype).removeprefix("torch.")}
+
+
+def generation_config(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``generate`` / ``pipeline`` start from when the directory brings no generation_config.json."""
+    return {k: v for k, v in extra.items() if k in HF_PASSTHROUGH_KEYS}
 
 
 @dataclass(frozen=True)
@@ -172,10 +177,10 @@ def nanolight_to_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor])
     """Split nanolight tensors into HF ones (the inverse of `hf_to_nanolight_state_dict`).
 
     Accepts `model.state_dict()` directly: with tied embeddings its lm_head entry is dropped.
+    The names and shapes are the caller's to check (`checkpoint/pretrained.py` does, naming them).
     """
     if config.tie_word_embeddings:
         sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
-    check_state_dict(config, sd)
     out = {}
     for nl_name, hf_names, kind in expand_weight_map(config):
         out.update(zip(hf_names, _split(kind, sd[nl_name], config), strict=True))
@@ -196,102 +201,3 @@ def _split(kind: str, t: torch.Tensor, config: LlamaConfig) -> tuple[torch.Tenso
     if kind == "gate_up":
         return split_gate_up(t)
     return (t,)
-
-
-# ---------------------------------------------------------------------- reading HF files
-class HFSafetensors:
-    """Lazy access to the tensors of a HF model directory (single file or sharded index)."""
-
-    def __init__(self, directory: Path) -> None:
-        index = directory / "model.safetensors.index.json"
-        single = directory / "model.safetensors"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: directory / file for name, file in weight_map.items()}
-        elif single.is_file():
-            with safe_open(str(single), framework="pt") as f:
-                self.files = {name: single for name in f.keys()}  # noqa: SIM118
-        else:
-            raise FileNotFoundError(
-                f"no model.safetensors or model.safetensors.index.json in {directory}; only safetensors "
-                "checkpoints are read (re-save a .bin checkpoint with safe_serialization=True)"
-            )
-
-    def keys(self) -> set[str]:
-        return set(self.files)
-
-    def get(self, name: str) -> torch.Tensor:
-        with safe_open(str(self.files[name]), framework="pt") as f:
-            return f.get_tensor(name)
-
-
-def resolve_checkpoint_path(path_or_id: str | Path) -> Path:
-    """A local directory as is; otherwise a Hub id resolved with `snapshot_download`."""
-    path = Path(path_or_id)
-    if path.exists():
-        if not path.is_dir():
-            raise FileNotFoundError(f"checkpoint path {path} is a file; pass the model directory")
-        return path
-    s = str(path_or_id)
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", s) and not s.startswith((".", "/")):
-        from huggingface_hub import snapshot_download
-
-        try:
-            return Path(snapshot_download(s, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
-        except Exception as e:  # offline, typo, gated repo: report both readings of the argument
-            raise FileNotFoundError(
-                f"{s} is neither a local directory nor a downloadable Hub model id ({e})"
-            ) from e
-    raise FileNotFoundError(f"checkpoint path {path} does not exist")
-
-
-# ---------------------------------------------------------------------- whole-directory conversion
-def convert_hf_to_nanolight(
-    checkpoint_path: str | Path, save_path: str | Path, overwrite: bool = False
-) -> Path:
-    """HF Llama directory (or Hub id) -> nanolight checkpoint directory, written atomically."""
-    src = resolve_checkpoint_path(checkpoint_path)
-    _check_distinct(src, save_path)
-    hf_config = read_hf_config(src)
-    config = LlamaConfig.from_hf(hf_config)
-    weights = HFSafetensors(src)
-    sd = hf_to_nanolight_state_dict(config, weights.get, weights.keys())
-    hf_extra = {k: hf_config[k] for k in HF_PASSTHROUGH_KEYS if k in hf_config}
-    with atomic_directory(save_path, overwrite=overwrite) as tmp:
-        write_checkpoint(tmp, config, sd, hf_extra)
-        copy_tokenizer_files(src, tmp)
-    return Path(save_path)
-
-
-def convert_nanolight_to_hf(
-    checkpoint_path: str | Path, save_path: str | Path, overwrite: bool = False
-) -> Path:
-    """nanolight checkpoint directory -> HF LlamaForCausalLM directory, written atomically: the
-    weights, config.json, generation_config.json and the tokenizer the checkpoint carries, so
-    ``AutoTokenizer`` and ``pipeline("text-generation")`` load the export as is.
-
-    The source may be a sharded training step directory from any topology (`read_checkpoint`),
-    or a run's ``last`` pointer (or the ``checkpoints`` directory holding it)."""
-    src = Path(checkpoint_path)
-    if src.name == LAST_POINTER or (src / LAST_POINTER).is_file():
-        src = resolve_checkpoint(src) or src  # the step directory `last` names
-    if not src.is_dir():
-        raise FileNotFoundError(f"checkpoint path {src} does not exist or is not a directory")
-    _check_distinct(src, save_path)
-    config, sd, hf_extra = read_checkpoint(src)
-    hf_sd = nanolight_to_hf_state_dict(config, sd)
-    dtype = next(iter(sd.values())).dtype
-    hf_config = {**config.to_hf_dict(), **hf_extra, "dtype": str(dtype).removeprefix("torch.")}
-    with atomic_directory(save_path, overwrite=overwrite) as tmp:
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        save_tensors(tmp / "model.safetensors", hf_sd)
-        copy_tokenizer_files(src, tmp)
-        if not (tmp / "generation_config.json").exists():  # what `generate` / `pipeline` start from
-            generation = {k: v for k, v in hf_extra.items() if k in HF_PASSTHROUGH_KEYS}
-            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    return Path(save_path)
-
-
-def _check_distinct(src: Path, save_path: str | Path) -> None:
-    if Path(save_path).absolute().resolve() == src.absolute().resolve():
-        raise ValueError(f"save path {save_path} is the checkpoint being converted; choose another directory")

@@ -46,7 +46,7 @@ from nanolight.models import LlamaConfig, LlamaForCausalLM, flash_attn_available
 from nanolight.models.hf_adapter import nanolight_to_hf_state_dict  # noqa: E402
 from nanolight.parallel.blocks import apply_activation_checkpointing, compile_blocks  # noqa: E402
 from nanolight.precision import Precision  # noqa: E402
-from nanolight.strategies.single_device import SingleDeviceStrategy  # noqa: E402
+from nanolight.strategies.base import SingleDeviceStrategy  # noqa: E402
 
 # Dense bf16 peak (NVIDIA's datasheets halve the "with sparsity" figure), by a piece of
 # torch.cuda.get_device_name, most specific first: the PCIe and NVL boards run at lower clocks and

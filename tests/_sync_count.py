@@ -56,7 +56,9 @@ class SyncCounter(TorchDispatchMode, Callback):
             return
         step = self.step
         self.counts[step] += 1
-        frames = [f for f in traceback.extract_stack()[:-3] if "nanolight" in f.filename or "tests" in f.filename]
+        frames = [
+            f for f in traceback.extract_stack()[:-3] if "nanolight" in f.filename or "tests" in f.filename
+        ]
         self.where[step].append(f"{what} at " + " <- ".join(f"{f.name}:{f.lineno}" for f in frames[::-1][:4]))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -111,7 +111,12 @@ def test_early_stopping(tmp_path):
     # val_check_interval=1 (int) == 1.0, so Lightning would check only at epoch ends: ask for validation ends
     es = EarlyStopping(monitor="val/loss", patience=2, check_on_train_epoch_end=False)
     trainer = _trainer(
-        tmp_path, max_steps=100, val_check_interval=1, limit_val_batches=1, num_sanity_val_steps=0, callbacks=[es]
+        tmp_path,
+        max_steps=100,
+        val_check_interval=1,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        callbacks=[es],
     )  # no sanity check: it would draw the first value
     data = loader(make_data(64), 4)
     trainer.fit(ValLossSequence(), data, data)

@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader
 from nanolight import NanoTrainer
 from nanolight.checkpoint import CheckpointReader
 from nanolight.models import LlamaConfig
+from nanolight.strategies.base import SingleDeviceStrategy
 from nanolight.strategies.parallel3d import Parallel3DStrategy
-from nanolight.strategies.single_device import SingleDeviceStrategy
 
 STEPS, T = 3, 16
 

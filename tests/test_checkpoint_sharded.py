@@ -15,7 +15,7 @@ from _dist import run_distributed
 from safetensors import SafetensorError
 from test_checkpoint_reshard import TinyLM, _config, _loader, _trainer
 
-from nanolight.checkpoint import INDEX_FILE, CheckpointError, CheckpointReader, files
+from nanolight.checkpoint import INDEX_FILE, CheckpointError, CheckpointReader, atomic
 from nanolight.checkpoint.save import ShardWriter, merge_parts, write_index
 from nanolight.models import LlamaForCausalLM
 from nanolight.strategies.parallel3d import Parallel3DStrategy
@@ -141,7 +141,7 @@ def _failed_write_worker(rank: int, world: int, root: str) -> str:
         def fail(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-        files.save_file = fail
+        atomic.save_file = fail
     try:
         trainer.save_checkpoint(Path(root) / "step-2")
     except CheckpointError as exc:
@@ -188,7 +188,7 @@ def test_step_directory_is_a_model_directory_that_keeps_hf_token_ids(tmp_path: P
 def test_resume_at_another_tp_pp_keeps_each_dp_rank_its_own_data_position(tmp_path: Path) -> None:
     """A data stream's position is per dp rank: at another tp x pp with the same dp, every rank of
     dp coordinate d takes the state saved by dp rank d (at another dp, rank 0's)."""
-    from nanolight.checkpoint.files import save_torch
+    from nanolight.checkpoint.atomic import save_torch
     from nanolight.checkpoint.index import CheckpointIndex
     from nanolight.checkpoint.load import trainer_state
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanolight.checkpoint.files import CheckpointError
+from nanolight.checkpoint.atomic import CheckpointError
 from nanolight.checkpoint.index import INDEX_FILE
 from nanolight.checkpoint.reader import CheckpointReader
 from nanolight.checkpoint.save import ShardWriter, merge_parts, write_index

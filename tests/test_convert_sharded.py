@@ -201,7 +201,7 @@ def test_missing_or_truncated_shard_names_the_file(
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_single_device_step_dir_converts_to_hf(tmp_path: Path, tied: bool) -> None:
     """The default one-process run (SingleDeviceStrategy) writes a model directory too."""
-    from nanolight.strategies.single_device import SingleDeviceStrategy
+    from nanolight.strategies.base import SingleDeviceStrategy
 
     trainer = NanoTrainer(
         use_distributed_sampler=False,  # each rank is given its own data

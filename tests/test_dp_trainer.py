@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader
 
 from nanolight import NanoTrainer
 from nanolight.checkpoint import CheckpointReader
+from nanolight.strategies.base import SingleDeviceStrategy
 from nanolight.strategies.parallel3d import Parallel3DStrategy
-from nanolight.strategies.single_device import SingleDeviceStrategy
 
 SEED, STEPS, ACCUM, MICRO, T = 3, 4, 2, 2, 16
 BUCKET = 16 * 1024  # bytes: several gradient buckets for this tiny model

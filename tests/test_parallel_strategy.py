@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader
 from nanolight import NanoTrainer
 from nanolight.checkpoint import CheckpointReader
 from nanolight.models import LlamaForCausalLM
+from nanolight.strategies.base import SingleDeviceStrategy
 from nanolight.strategies.parallel3d import Parallel3DStrategy
-from nanolight.strategies.single_device import SingleDeviceStrategy
 
 SEED, STEPS, ACCUM, MICRO, T = 11, 10, 2, 2, 16
 

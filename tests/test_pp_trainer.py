@@ -21,8 +21,8 @@ from nanolight.checkpoint import CheckpointReader
 from nanolight.loggers import CSVLogger
 from nanolight.models import LlamaConfig, LlamaForCausalLM
 from nanolight.parallel.pipeline import balanced_layer_split, check_micro_batches
+from nanolight.strategies.base import SingleDeviceStrategy
 from nanolight.strategies.parallel3d import Parallel3DStrategy
-from nanolight.strategies.single_device import SingleDeviceStrategy
 
 SEED, STEPS, ACCUM, MICRO, T = 11, 6, 4, 2, 16
 

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from nanolight.callbacks import Callback, ModelCheckpoint
 from nanolight.trainer import NanoTrainer
-from nanolight.trainer.preemption import Preemption
+from nanolight.trainer.loops import Preemption
 
 
 class SignalAt(Callback):

@@ -24,8 +24,8 @@ from nanolight.checkpoint import CheckpointReader
 from nanolight.data.loader import make_batch
 from nanolight.models import LlamaForCausalLM
 from nanolight.models.fused_loss import linear_cross_entropy
+from nanolight.strategies.base import SingleDeviceStrategy
 from nanolight.strategies.parallel3d import Parallel3DStrategy
-from nanolight.strategies.single_device import SingleDeviceStrategy
 
 SEED, STEPS, GLOBAL, T, EOS = 5, 3, 4, 32, 1  # GLOBAL: rows per optimizer step
 

@@ -153,7 +153,9 @@ def test_zero_state_dict_round_trip_across_dp(tmp_path: Path) -> None:
     assert run_distributed(_resume, 4, str(tmp_path), timeout=120) == [True] * 4
 
 
-def _three_steps(rank: int, world: int, ref: torch.nn.Module, ref_opt: Any, model: torch.nn.Module, zero: Any) -> None:
+def _three_steps(
+    rank: int, world: int, ref: torch.nn.Module, ref_opt: Any, model: torch.nn.Module, zero: Any
+) -> None:
     """The reference on the whole global batch, ZeRO on this rank's half: three steps."""
     for step in range(3):
         ids = batches(step, world)

@@ -1,13 +1,19 @@
 """Checkpoints: the on-disk formats and their atomic protocol, in one place.
 
-`atomic.py` (complete or absent: every writer), `files.py` (one file, errors that name it),
+`atomic.py` (complete or absent: every writer; one file, errors that name it),
 `index.py` / `reader.py` (the format: any block of any tensor, whatever layout wrote it; which
 checkpoint is intact), `save.py` (the one writer: every rank's shards + the index, one process
 the one-shard case), `load.py` (resharding into this rank's layout), `pretrained.py` (model
 directories, Hugging Face conversion through the model's own `models/hf_adapter.py`)."""
 
-from nanolight.checkpoint.atomic import LAST_POINTER, atomic_directory, resolve_checkpoint, write_last_pointer
-from nanolight.checkpoint.files import CheckpointError, MissingCheckpointFile
+from nanolight.checkpoint.atomic import (
+    LAST_POINTER,
+    CheckpointError,
+    MissingCheckpointFile,
+    atomic_directory,
+    resolve_checkpoint,
+    write_last_pointer,
+)
 from nanolight.checkpoint.index import INDEX_FILE, CheckpointIndex
 from nanolight.checkpoint.pretrained import (
     convert_hf_to_nanolight,

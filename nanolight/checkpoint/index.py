@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanolight.checkpoint.files import CheckpointError
+from nanolight.checkpoint.atomic import CheckpointError
 
 INDEX_FILE = "index.json"
 FORMAT = "nanolight-sharded-v1"

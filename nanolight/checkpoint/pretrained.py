@@ -36,8 +36,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from nanolight.checkpoint.atomic import LAST_POINTER, atomic_directory, resolve_checkpoint
-from nanolight.checkpoint.files import MissingCheckpointFile, load_json, save_tensors
+from nanolight.checkpoint.atomic import (
+    LAST_POINTER,
+    MissingCheckpointFile,
+    atomic_directory,
+    load_json,
+    resolve_checkpoint,
+    save_tensors,
+)
 from nanolight.checkpoint.index import INDEX_FILE
 from nanolight.checkpoint.load import check_matches
 from nanolight.checkpoint.reader import CONFIG_FILE, TRAINER_FILE, WEIGHTS_FILE, CheckpointReader

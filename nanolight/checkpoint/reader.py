@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from nanolight.checkpoint.files import (
+from nanolight.checkpoint.atomic import (
     CheckpointError,
     InMemoryTensors,
     MissingCheckpointFile,

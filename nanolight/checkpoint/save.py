@@ -35,8 +35,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanolight.checkpoint.atomic import fsync_path, publish, remove_stale, temp_dir_for
-from nanolight.checkpoint.files import CheckpointError, save_tensors, save_torch
+from nanolight.checkpoint.atomic import (
+    CheckpointError,
+    fsync_path,
+    publish,
+    remove_stale,
+    save_tensors,
+    save_torch,
+    temp_dir_for,
+)
 from nanolight.checkpoint.index import INDEX_FILE, CheckpointIndex, Shard, TensorEntry, check_coverage
 from nanolight.checkpoint.reader import CONFIG_FILE, GROUPS_FILE, TRAINER_FILE
 

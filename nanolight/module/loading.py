@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from lightning_utilities.core.overrides import is_overridden
 
-from nanolight.checkpoint.atomic import resolve_checkpoint
-from nanolight.checkpoint.files import MissingCheckpointFile
+from nanolight.checkpoint.atomic import MissingCheckpointFile, resolve_checkpoint
 from nanolight.checkpoint.load import load_model
 from nanolight.checkpoint.reader import CheckpointReader
 from nanolight.errors import UsageError

@@ -32,9 +32,8 @@ from nanolight.loggers.wandb_logger import has_wandb_credentials
 from nanolight.parallel.launcher import detect_environment
 from nanolight.parallel.pipeline import check_micro_batches, check_pipeline_layout
 from nanolight.pretrain.auto import PredictionCheck, auto_layout
-from nanolight.pretrain.baselines import held_out
 from nanolight.pretrain.config import ConfigError, PretrainConfig, to_dict
-from nanolight.pretrain.module import CausalLMPretrain
+from nanolight.pretrain.module import CausalLMPretrain, held_out
 from nanolight.strategies import Parallel3DStrategy, SingleDeviceStrategy, Strategy
 from nanolight.trainer import NanoTrainer
 

@@ -47,6 +47,7 @@ from nanolight.checkpoint.load import load_model, load_optimizers, trainer_state
 from nanolight.checkpoint.reader import CheckpointReader
 from nanolight.checkpoint.save import ExportExtras, save_checkpoint
 from nanolight.errors import UsageError
+from nanolight.parallel.blocks import BlockOptions, CompiledBlocks
 from nanolight.parallel.context import Agreed
 from nanolight.parallel.grads import clip_, global_norm
 from nanolight.parallel.layout import ModelLayout
@@ -386,3 +387,53 @@ class Strategy:
         assert self.module is not None
         names = {id(p): n for n, p in self.module.named_parameters()}
         return [[names[id(p)] for g in opt.param_groups for p in g["params"]] for opt in self.optimizers]
+
+
+# ---- one process on one device -------------------------------------------------------------------
+#
+# `SingleDeviceStrategy`: one process on one CPU or one GPU -- the base defaults, plus a device.
+
+
+class SingleDeviceStrategy(Strategy):
+    """Train on ``device`` (default: ``cuda:0`` if available, else CPU).
+
+    `activation_checkpointing` ("none" | "full" | "selective", on every
+    `activation_checkpointing_every`-th decoder block) and `compile` (each decoder block) act on
+    the model's blocks after it is moved and cast (`parallel/blocks.py`). `export`: what
+    the run adds to each checkpoint so it exports complete (`ExportExtras`).
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        precision: str | Precision = "32-true",
+        *,
+        activation_checkpointing: str = "none",
+        activation_checkpointing_every: int = 1,
+        compile: bool = False,
+        export: ExportExtras | None = None,
+    ):
+        super().__init__(precision, export)
+        if device is None:
+            device = "cuda:0" if torch.cuda.is_available() else "cpu"
+        self._device = torch.device(device)
+        self.blocks = BlockOptions(activation_checkpointing, activation_checkpointing_every, compile)
+        self.compiled: CompiledBlocks | None = None  # set by setup_module when compiling
+
+    @property
+    def root_device(self) -> torch.device:
+        return self._device
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = super().setup_module(module)
+        self.compiled = self.blocks.apply(module)
+        return module
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+
+    def teardown(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()

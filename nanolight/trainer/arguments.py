@@ -32,9 +32,8 @@ from nanolight.loggers.base import Logger
 from nanolight.loggers.csv_logger import CSVLogger
 from nanolight.parallel.environment import detect_environment
 from nanolight.precision import Precision
-from nanolight.strategies.base import Strategy
+from nanolight.strategies.base import SingleDeviceStrategy, Strategy
 from nanolight.strategies.parallel3d import Parallel3DStrategy
-from nanolight.strategies.single_device import SingleDeviceStrategy
 from nanolight.trainer.hooks import order_callbacks
 
 UNSUPPORTED = {

@@ -13,8 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from nanolight.checkpoint.atomic import LAST_POINTER, resolve_checkpoint
-from nanolight.checkpoint.files import CheckpointError, MissingCheckpointFile, with_hint
+from nanolight.checkpoint.atomic import (
+    LAST_POINTER,
+    CheckpointError,
+    MissingCheckpointFile,
+    resolve_checkpoint,
+    with_hint,
+)
 from nanolight.checkpoint.reader import TRAINER_FILE, newest_intact
 from nanolight.errors import UsageError
 from nanolight.module.hparams import plain_hparams

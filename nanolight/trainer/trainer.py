@@ -5,7 +5,7 @@ The trainer holds its parts as objects, each with its own state (Lightning's con
 ``hooks`` (`hooks.py`: calling hooks), ``data`` (`data.py`: where loaders come from),
 ``metrics`` (`metrics.py`: ``self.log``, the metric dicts, logger rows), ``optimization``
 (`optimization.py`: optimizers, backward, clipping, schedulers), ``fit_loop`` (`loops.py`, with
-one step in `step.py`) and ``preemption`` (`preemption.py`); `evaluation.py` runs validate /
+one step in `step.py`) and ``preemption`` (`loops.py`); `evaluation.py` runs validate /
 test / predict, `state.py` is the trainer's part of a checkpoint, `arguments.py` what the
 constructor's arguments become, `properties.py` what users read. This file is one call from
 start to end: the environment, ``prepare_data`` / ``setup``, the model set up on the strategy,
@@ -26,8 +26,13 @@ from lightning_utilities.core.overrides import is_overridden
 from lightning_utilities.core.rank_zero import rank_zero_info
 
 from nanolight.callbacks.base import Callback
-from nanolight.checkpoint.atomic import LAST_POINTER, resolve_checkpoint, write_last_pointer
-from nanolight.checkpoint.files import CheckpointError, with_hint
+from nanolight.checkpoint.atomic import (
+    LAST_POINTER,
+    CheckpointError,
+    resolve_checkpoint,
+    with_hint,
+    write_last_pointer,
+)
 from nanolight.errors import UsageError
 from nanolight.module import NanoDataModule, NanoModule
 from nanolight.seed import capture_rng_state, restore_rng_state, seed_everything
@@ -43,10 +48,9 @@ from nanolight.trainer.arguments import (
 from nanolight.trainer.data import DataConnector
 from nanolight.trainer.evaluation import run_evaluation, run_predict
 from nanolight.trainer.hooks import HookCaller, merge_model_callbacks
-from nanolight.trainer.loops import FitLoop
+from nanolight.trainer.loops import FitLoop, Preemption
 from nanolight.trainer.metrics import MetricStore
 from nanolight.trainer.optimization import Optimization
-from nanolight.trainer.preemption import Preemption
 from nanolight.trainer.properties import TrainerProperties, TrainerState
 from nanolight.trainer.state import build_state, resolve_ckpt_path, restore_state, restore_training_state
 
@@ -173,7 +177,7 @@ class NanoTrainer(TrainerProperties):
         if isinstance(train_dataloaders, NanoDataModule):
             datamodule, train_dataloaders = train_dataloaders, None
         self.data.attach(model, datamodule, train=train_dataloaders, val=val_dataloaders)
-        with self.preemption:  # SIGTERM/SIGUSR1: finish the step, save, stop (preemption.py)
+        with self.preemption:  # SIGTERM/SIGUSR1: finish the step, save, stop (loops.py)
             self._run("fit", model, ckpt_path, self._fit_stage)
 
     def validate(

@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # a source checkout, not installed
 from nanolight.models import PRESETS, LlamaConfig, LlamaForCausalLM, flash_attn_available  # noqa: E402
 from nanolight.parallel.blocks import apply_activation_checkpointing, compile_blocks  # noqa: E402
-from nanolight.parallel.ring_attention import MathKernel, block_kernel  # noqa: E402
+from nanolight.parallel.ring_attention import Block, MathKernel, block_kernel  # noqa: E402
 
 NO_CUDA = (
     "gpu_check: no CUDA device (torch {version}, CUDA {cuda}): run it on a GPU machine, or pass "
@@ -135,11 +135,15 @@ class Checks:
         q, k, v, do = (torch.randn(shape, generator=g).to(self.device, torch.bfloat16) for _ in range(4))
         worst = 0.0
         for causal in (True, False):
-            fused, math = block_kernel(q, masked=False), MathKernel()
-            out, lse = fused.forward(q, k, v, causal, None, 0.125)
-            ref_out, ref_lse = math.forward(q, k, v, causal, None, 0.125)
-            grads = fused.backward(do, q, k, v, ref_out, ref_lse, causal, None, 0.125)
-            ref_grads = math.backward(do, q, k, v, ref_out, ref_lse, causal, None, 0.125)
+            fused, math, block = (
+                block_kernel(q, masked=False),
+                MathKernel(),
+                Block(q, k, v, causal, None, 0.125),
+            )
+            out, lse = fused.forward(block)
+            ref_out, ref_lse = math.forward(block)
+            grads = fused.backward(block, do, ref_out, ref_lse)
+            ref_grads = math.backward(block, do, ref_out, ref_lse)
             for a, b in [(out, ref_out), (lse, ref_lse), *zip(grads, ref_grads, strict=True)]:
                 worst = max(worst, float((a.float() - b).abs().max() / b.abs().max()))
         name = type(fused).__name__

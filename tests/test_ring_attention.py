@@ -18,6 +18,7 @@ from _p2p_recorder import assert_nccl_safe, install, recording
 
 from nanolight.models.attention import Documents
 from nanolight.parallel.ring_attention import (
+    Block,
     CpuFlashKernel,
     CudaFlashKernel,
     MathKernel,
@@ -134,15 +135,15 @@ def _block_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 def test_cpu_flash_block_kernel_matches_the_math_kernel(causal: bool, masked: bool) -> None:
     q, k, v, do, same = _block_inputs(torch.float32)
     same = same if masked else None
-    fused, math = CpuFlashKernel(), MathKernel()
-    out, lse = fused.forward(q, k, v, causal, same, 0.3)
-    ref_out, ref_lse = math.forward(q, k, v, causal, same, 0.3)
+    fused, math, block = CpuFlashKernel(), MathKernel(), Block(q, k, v, causal, same, 0.3)
+    out, lse = fused.forward(block)
+    ref_out, ref_lse = math.forward(block)
     torch.testing.assert_close(lse, ref_lse)  # -inf where a row sees no key, in both
     torch.testing.assert_close(out, ref_out)
     # the backward of a block takes the whole row's output and log-sum-exp (here: this block's)
     ref_lse = torch.where(torch.isinf(ref_lse), 0.0, ref_lse)
-    got = fused.backward(do, q, k, v, ref_out, ref_lse, causal, same, 0.3)
-    want = math.backward(do, q, k, v, ref_out, ref_lse, causal, same, 0.3)
+    got = fused.backward(block, do, ref_out, ref_lse)
+    want = math.backward(block, do, ref_out, ref_lse)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
@@ -183,12 +184,12 @@ def test_cuda_flash_block_kernel_calls_the_kernel_by_its_schema(monkeypatch: pyt
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention", forward)
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_backward", backward)
     q, k, v, do, _ = _block_inputs(torch.bfloat16)
-    fused, math = CudaFlashKernel(), MathKernel()
-    out, lse = fused.forward(q, k, v, True, None, 0.3)
-    ref_out, ref_lse = math.forward(q, k, v, True, None, 0.3)
+    fused, math, block = CudaFlashKernel(), MathKernel(), Block(q, k, v, True, None, 0.3)
+    out, lse = fused.forward(block)
+    ref_out, ref_lse = math.forward(block)
     torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=2e-2)
-    got = fused.backward(do, q, k, v, ref_out, ref_lse, True, None, 0.3)
-    want = math.backward(do, q, k, v, ref_out, ref_lse, True, None, 0.3)
+    got = fused.backward(block, do, ref_out, ref_lse)
+    want = math.backward(block, do, ref_out, ref_lse)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
     assert calls == ["forward", "backward"]

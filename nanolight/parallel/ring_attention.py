@@ -22,6 +22,8 @@ past need no causal mask. Every exchange goes through `p2p.post` (NCCL's batched
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -106,6 +108,17 @@ class RingAttention:
         sends, recvs = post(self.group, [(nxt, send)], [(prev, recv)])
         return recv, sends + recvs
 
+    def around(self, kv: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        """(step, the K/V block held at that step) for the `cp` steps of the ring: the next
+        block's exchange is posted before the current one is handed out (computation overlaps
+        it) and waited for after."""
+        for step in range(self.cp):
+            nxt, works = self.rotate(kv) if step < self.cp - 1 else (None, [])
+            yield step, kv
+            for work in works:
+                work.wait()
+            kv = nxt if nxt is not None else kv
+
     def pairs(
         self, step: int, ring_ids: torch.Tensor | None, T: int
     ) -> list[tuple[slice, slice, bool, torch.Tensor | None]]:
@@ -139,19 +152,25 @@ def _visible(causal: bool, same: torch.Tensor | None, c: int, device: torch.devi
     return mask
 
 
+@dataclass
+class Block:
+    """One (query chunk, key chunk) block: (B, H, c, D) q, k, v (kv heads already expanded),
+    whether it is the causal diagonal, the documents' mask (None: one document) and the scale."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    causal: bool
+    same: torch.Tensor | None
+    scale: float
+
+
 class MathKernel:
     """Exact attention with the scores written out in fp32: any device, dtype and mask. The
     reference the fused kernels are tested against, and the fallback where none applies."""
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        causal: bool,
-        same: torch.Tensor | None,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, b: Block) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, causal, same, scale = b.q, b.k, b.v, b.causal, b.same, b.scale
         """fp32 (B, H, c, D) output and (B, H, c) log-sum-exp; -inf for a row that sees no key."""
         s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
         mask = _visible(causal, same, q.shape[2], q.device)
@@ -162,17 +181,9 @@ class MathKernel:
         return torch.matmul(p, v.float()), lse
 
     def backward(
-        self,
-        do: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        causal: bool,
-        same: torch.Tensor | None,
-        scale: float,
+        self, b: Block, do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v, causal, same, scale = b.q, b.k, b.v, b.causal, b.same, b.scale
         """fp32 dq, dk, dv of one block, given the merged output and log-sum-exp of the whole row."""
         qf, kf, vf, do = q.float(), k.float(), v.float(), do.float()
         p = torch.exp(torch.matmul(qf, kf.transpose(-1, -2)) * scale - lse[..., None])
@@ -193,15 +204,8 @@ class CpuFlashKernel:
     log-sum-exp and takes it back in its backward: no (c x c) scores held. A row that sees no
     key comes back with output 0 and log-sum-exp 0; it is set to -inf so the merge ignores it."""
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        causal: bool,
-        same: torch.Tensor | None,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, b: Block) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, causal, same, scale = b.q, b.k, b.v, b.causal, b.same, b.scale
         bias = None if same is None else _additive(same, q.dtype)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=bias, scale=scale
@@ -212,17 +216,9 @@ class CpuFlashKernel:
         return out.float(), lse
 
     def backward(
-        self,
-        do: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        causal: bool,
-        same: torch.Tensor | None,
-        scale: float,
+        self, b: Block, do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v, causal, same, scale = b.q, b.k, b.v, b.causal, b.same, b.scale
         bias = None if same is None else _additive(same, q.dtype)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do.to(q.dtype).contiguous(),
@@ -249,33 +245,19 @@ class CudaFlashKernel:
     def __init__(self) -> None:
         self._rest: tuple | None = None
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        causal: bool,
-        same: torch.Tensor | None,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, b: Block) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse, cum_q, cum_k, _, _, rng_state, unused, _ = (
-            torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+            torch.ops.aten._scaled_dot_product_flash_attention(
+                b.q, b.k, b.v, 0.0, b.causal, False, scale=b.scale
+            )
         )
         self._rest = (cum_q, cum_k, rng_state, unused)
         return out.float(), lse
 
     def backward(
-        self,
-        do: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        causal: bool,
-        same: torch.Tensor | None,
-        scale: float,
+        self, b: Block, do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v, causal, scale = b.q, b.k, b.v, b.causal, b.scale
         cum_q, cum_k, rng_state, unused = self._rest
         c = q.shape[2]
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
@@ -349,26 +331,13 @@ class _RingAttention(torch.autograd.Function):
         groups, scale = H // k.shape[1], 1.0 / math.sqrt(D)
         out = torch.zeros(B, H, T, D, dtype=torch.float32, device=q.device)
         lse = torch.full((B, H, T), float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
         kernels = []  # one per block, in order: the backward meets the blocks in the same order
-        for step in range(ring.cp):
-            nxt, works = ring.rotate(kv) if step < ring.cp - 1 else (None, [])
-            kx, vx = _expand(kv[0], groups), _expand(kv[1], groups)
-            for qs, ks, causal, same in ring.pairs(step, ring_ids, T):
-                kernel = block_kernel(q, same is not None)
-                block_out, block_lse = kernel.forward(
-                    q[:, :, qs].contiguous(),
-                    kx[:, :, ks].contiguous(),
-                    vx[:, :, ks].contiguous(),
-                    causal,
-                    same,
-                    scale,
-                )
+        for step, kv in ring.around(torch.stack([k, v]).contiguous()):
+            for qs, _, block in _blocks(ring, step, kv, q, groups, ring_ids, scale):
+                kernel = block_kernel(q, block.same is not None)
+                block_out, block_lse = kernel.forward(block)
                 _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
                 kernels.append(kernel)
-            for work in works:
-                work.wait()
-            kv = nxt if nxt is not None else kv
         ctx.ring, ctx.ring_ids, ctx.scale, ctx.groups, ctx.kernels = ring, ring_ids, scale, groups, kernels
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
@@ -376,40 +345,52 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        ring, scale, groups, T = ctx.ring, ctx.scale, ctx.groups, q.shape[2]
+        ring, groups = ctx.ring, ctx.groups
         kernels = iter(ctx.kernels)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
         # the gradients of the K/V block a rank holds travel with it (fp32: summed over the ring)
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        for step in range(ring.cp):
-            nxt, works = ring.rotate(kv) if step < ring.cp - 1 else (None, [])
-            kx, vx = _expand(kv[0], groups), _expand(kv[1], groups)
-            dk = torch.zeros(kx.shape, dtype=torch.float32, device=q.device)
-            dv = torch.zeros(vx.shape, dtype=torch.float32, device=q.device)
-            for qs, ks, causal, same in ring.pairs(step, ctx.ring_ids, T):
+        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
+        for step, kv in ring.around(torch.stack([k, v]).contiguous()):
+            dk = torch.zeros(_expand(kv[0], groups).shape, dtype=torch.float32, device=q.device)
+            dv = torch.zeros_like(dk)
+            for qs, ks, block in _blocks(ring, step, kv, q, groups, ctx.ring_ids, ctx.scale):
                 block_dq, block_dk, block_dv = next(kernels).backward(
-                    grad_out[:, :, qs],
-                    q[:, :, qs].contiguous(),
-                    kx[:, :, ks].contiguous(),
-                    vx[:, :, ks].contiguous(),
-                    out[:, :, qs],
-                    lse[:, :, qs],
-                    causal,
-                    same,
-                    scale,
+                    block, grad_out[:, :, qs], out[:, :, qs], lse[:, :, qs]
                 )
                 dq[:, :, qs] += block_dq
                 dk[:, :, ks] += block_dk
                 dv[:, :, ks] += block_dv
             dkv[0] += _fold(dk, groups)
             dkv[1] += _fold(dv, groups)
-            for work in works:
-                work.wait()
-            kv = nxt if nxt is not None else kv
             # the accumulated gradients follow their block to the next rank; after the last step
             # this send brings each block's gradients home to its owner
-            dkv, acc_works = ring.rotate(dkv)
-            for work in acc_works:
+            dkv, works = ring.rotate(dkv)
+            for work in works:
                 work.wait()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def _blocks(
+    ring: RingAttention,
+    step: int,
+    kv: torch.Tensor,
+    q: torch.Tensor,
+    groups: int,
+    ring_ids: torch.Tensor | None,
+    scale: float,
+) -> Iterator[tuple[slice, slice, Block]]:
+    """The blocks of ring step `step`, whose K/V (2, B, kv_heads, T, D) this rank holds now."""
+    k, v = _expand(kv[0], groups), _expand(kv[1], groups)
+    for qs, ks, causal, same in ring.pairs(step, ring_ids, q.shape[2]):
+        yield (
+            qs,
+            ks,
+            Block(
+                q[:, :, qs].contiguous(),
+                k[:, :, ks].contiguous(),
+                v[:, :, ks].contiguous(),
+                causal,
+                same,
+                scale,
+            ),
+        )

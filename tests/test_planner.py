@@ -10,6 +10,7 @@ against real runs in `test_planner_memory.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -143,3 +144,18 @@ def test_step_time_carries_the_schedule_bubble() -> None:
         )
     predictions = plan(work, 8, 2**19, H100)
     assert predictions[0].fits and 0 < predictions[0].mfu < H100.efficiency
+
+
+def test_cpu_host_costs_block_overhead_and_shared_cores() -> None:
+    """The two costs a CPU adds to the FLOPs: a fixed host cost per block forward + backward (paid
+    again by a recomputed forward), and ranks sharing cores keeping `concurrency` of the rate."""
+    work = Workload(LlamaConfig.preset("smollm-tiny"), 128, "cpu")
+    cpu = dataclasses.replace(H100, device="cpu", shared_cores=2, efficiency=1.0, concurrency=0.5)
+    slow = dataclasses.replace(cpu, block_overhead=0.01)
+    layers, m = work.config.num_hidden_layers, 4
+    for recompute, factor in (("none", 1.0), ("full", 4 / 3)):
+        lay = Layout(accumulate_grad_batches=m, activation_checkpointing=recompute)
+        added = step_time(work, lay, slow)["compute"] - step_time(work, lay, cpu)["compute"]
+        assert added == pytest.approx(m * layers * 0.01 * factor)
+    one, dp2 = Layout(), Layout(dp=2)  # the same work per rank: two busy cores keep half the rate each
+    assert micro_batch_work(work, dp2, cpu, 0) == pytest.approx(2 * micro_batch_work(work, one, cpu, 0))

@@ -26,6 +26,7 @@ The `cpu` entry is calibrated instead (`calibrate_cpu`): its peak *is* the measu
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -54,6 +55,8 @@ class Hardware:
     device: str = "cuda"
     shared_cores: int = 0  # cpu: the ranks of one machine share this many cores
     latency: float = 15e-6  # seconds one small collective or message costs, whatever its size
+    concurrency: float = 1.0  # cpu: the matmul rate each of `shared_cores` busy ranks keeps (vs one alone)
+    block_overhead: float = 0.0  # seconds of host work per block forward + backward, whatever its size
 
     def flops(self, precision: str) -> float:
         """Peak matmul rate for a precision mode (bf16 compute for every bf16 mode)."""
@@ -122,8 +125,11 @@ def _rate(work: object, repeats: int) -> float:
 
 def calibrate_cpu(size: int = 256, copy_mb: int = 64) -> Hardware:
     """This machine, measured in a few seconds: one thread's fp32 matmul rate at the tiny
-    models' sizes (as the ranks of a gloo test run: one thread each), memcpy bandwidth, and the
-    gloo all-reduce rate of two local ranks (`gloo_bandwidth`)."""
+    models' sizes (as the ranks of a gloo test run: one thread each), what of it each rank keeps
+    when every core is busy (`concurrency`: cores that share caches or a physical core give less),
+    the fixed host cost of a decoder block's forward and backward (`block_overhead`: operator
+    dispatch, which dominates small models on a CPU), memcpy bandwidth, and the gloo all-reduce
+    rate of two local ranks (`gloo_bandwidth`)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -137,6 +143,7 @@ def calibrate_cpu(size: int = 256, copy_mb: int = 64) -> Hardware:
     cores = os.cpu_count() or 1
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     link, latency = gloo_bandwidth()
+    concurrency = min(1.0, statistics.mean(_forked(_matmul_rate, cores, size)) / flops) if cores > 1 else 1.0
     return Hardware(
         "cpu",
         flops,
@@ -151,7 +158,56 @@ def calibrate_cpu(size: int = 256, copy_mb: int = 64) -> Hardware:
         device="cpu",
         shared_cores=cores,
         latency=latency,
+        concurrency=concurrency,
+        block_overhead=_block_overhead(),
     )
+
+
+def _matmul_rate(size: int) -> float:
+    """FLOP/s of one thread's fp32 (size x size) matmuls."""
+    torch.set_num_threads(1)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    return 2 * size**3 / _rate(lambda: a @ b, 50)
+
+
+def _block_overhead(repeats: int = 20) -> float:
+    """Seconds of one tiny decoder block's forward and backward on one thread: its FLOPs are
+    negligible, so this is the per-operator host cost every block pays at any size."""
+    from nanolight.models.llama import DecoderLayer, LlamaConfig
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        config = LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=8,
+        )
+        block, x = DecoderLayer(config), torch.randn(1, 8, 32, requires_grad=True)
+        cos, sin = torch.ones(1, 8, config.head_dim), torch.zeros(1, 8, config.head_dim)
+        return _rate(lambda: block(x, cos, sin).sum().backward(), repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _forked(fn: object, n: int, *args: object) -> list[float]:
+    """`fn(*args)` in `n` processes at once (forked: no re-import), their results."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=lambda: out.put(fn(*args))) for _ in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        return [out.get(timeout=120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
 
 
 def gloo_bandwidth(megabytes: int = 16) -> tuple[float, float]:

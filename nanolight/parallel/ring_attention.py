@@ -351,7 +351,9 @@ class _RingAttention(torch.autograd.Function):
         # the gradients of the K/V block a rank holds travel with it (fp32: summed over the ring)
         dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
         for step, kv in ring.around(torch.stack([k, v]).contiguous()):
-            dk = torch.zeros(_expand(kv[0], groups).shape, dtype=torch.float32, device=q.device)
+            dk = torch.zeros(
+                q.shape, dtype=torch.float32, device=q.device
+            )  # expanded kv: q's heads and length
             dv = torch.zeros_like(dk)
             for qs, ks, block in _blocks(ring, step, kv, q, groups, ctx.ring_ids, ctx.scale):
                 block_dq, block_dk, block_dv = next(kernels).backward(

@@ -28,7 +28,9 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -143,7 +145,9 @@ def calibrate_cpu(size: int = 256, copy_mb: int = 64) -> Hardware:
     cores = os.cpu_count() or 1
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     link, latency = gloo_bandwidth()
-    concurrency = min(1.0, statistics.mean(_forked(_matmul_rate, cores, size)) / flops) if cores > 1 else 1.0
+    concurrency = (
+        min(1.0, statistics.mean(_forked(lambda _: _matmul_rate(size), cores)) / flops) if cores > 1 else 1.0
+    )
     return Hardware(
         "cpu",
         flops,
@@ -194,20 +198,22 @@ def _block_overhead(repeats: int = 20) -> float:
         torch.set_num_threads(threads)
 
 
-def _forked(fn: object, n: int, *args: object) -> list[float]:
-    """`fn(*args)` in `n` processes at once (forked: no re-import), their results."""
+def _forked(fn: Callable[[int], Any], n: int) -> list[Any]:
+    """`fn(i)` for i in range(n), in `n` processes at once (forked: no re-import of torch, they
+    start in milliseconds); the results that are not None, in the order they arrive."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    procs = [ctx.Process(target=lambda: out.put(fn(*args))) for _ in range(n)]
+    procs = [ctx.Process(target=lambda i=i: out.put(fn(i))) for i in range(n)]
     for p in procs:
         p.start()
     try:
-        return [out.get(timeout=120) for _ in procs]
+        results = [out.get(timeout=120) for _ in procs]
     finally:
         for p in procs:
             p.join(timeout=30)
+    return [r for r in results if r is not None]
 
 
 def gloo_bandwidth(megabytes: int = 16) -> tuple[float, float]:
@@ -216,25 +222,14 @@ def gloo_bandwidth(megabytes: int = 16) -> tuple[float, float]:
     pair of processes."""
     import socket
 
-    import torch.multiprocessing as mp
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("fork")  # no re-import of torch: the pair starts in milliseconds
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_allreduce_rank, args=(r, megabytes, out, port)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        rate = out.get(timeout=120)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
+    (rate,) = _forked(lambda rank: _allreduce_rank(rank, megabytes, port), 2)
     return rate
 
 
-def _allreduce_rank(rank: int, megabytes: int, out: object, port: int) -> None:
+def _allreduce_rank(rank: int, megabytes: int, port: int) -> tuple[float, float] | None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -244,9 +239,8 @@ def _allreduce_rank(rank: int, megabytes: int, out: object, port: int) -> None:
     seconds = _rate(lambda: dist.all_reduce(x), 3)
     # and a one-element buffer: what any collective or message costs before its bytes
     latency = _rate(lambda: dist.all_reduce(tiny), 50)
-    if rank == 0:
-        out.put((x.numel() * 4 / seconds, latency))
     dist.destroy_process_group()
+    return (x.numel() * 4 / seconds, latency) if rank == 0 else None
 
 
 __all__ = ["HARDWARE", "Hardware", "calibrate_cpu", "gloo_bandwidth", "hardware", "table_name"]

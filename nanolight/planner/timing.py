@@ -39,17 +39,17 @@ def _ring(n: int, nbytes: float, bandwidth: float, latency: float, all_reduce: b
     return latency + (2 if all_reduce else 1) * (n - 1) / n * nbytes / bandwidth
 
 
+def core_share(hw: Hardware, layout: Layout) -> float:
+    """What of a core one rank gets: 1 on a GPU; on a CPU whose cores the ranks share, its share
+    of them, each busy core keeping `concurrency` of the rate it has alone."""
+    if not hw.shared_cores or layout.world_size == 1:
+        return 1.0
+    return min(1.0, hw.shared_cores / layout.world_size) * hw.concurrency
+
+
 def rank_rate(hw: Hardware, layout: Layout) -> float:
-    """FLOP/s one rank's matmuls reach (ranks on one CPU share its cores)."""
-    rate = hw.flops(layout.precision) * hw.efficiency
-    if hw.shared_cores and layout.world_size > 1:  # busy cores each keep `concurrency` of the rate
-        rate *= min(1.0, hw.shared_cores / layout.world_size) * hw.concurrency
-    return rate
-
-
-def _slowdown(hw: Hardware, layout: Layout) -> float:
-    """How much slower host work runs on a rank than alone (ranks sharing a CPU's cores)."""
-    return hw.flops(layout.precision) * hw.efficiency / rank_rate(hw, layout) if hw.shared_cores else 1.0
+    """FLOP/s one rank's matmuls reach."""
+    return hw.flops(layout.precision) * hw.efficiency * core_share(hw, layout)
 
 
 def micro_batch_work(work: Workload, layout: Layout, hw: Hardware, stage: int) -> float:
@@ -68,7 +68,7 @@ def micro_batch_work(work: Workload, layout: Layout, hw: Hardware, stage: int) -
     flops = layers * per_block + (6 * head if stage == layout.pp - 1 else 0)
     seconds = tokens * flops / tp / rank_rate(hw, layout)
     # the host's fixed cost per block (operator dispatch), paid again by a recomputed forward
-    seconds += layers * hw.block_overhead * (4 / 3 if mode == "full" else 1) * _slowdown(hw, layout)
+    seconds += layers * hw.block_overhead * (4 / 3 if mode == "full" else 1) / core_share(hw, layout)
     _, _, act, _ = PRECISION_BYTES[layout.precision]
     collectives = 4 + (2 if mode == "full" else 0)  # per block and micro-batch
     seconds += layers * collectives * _ring(tp, tokens * c.hidden_size * act, hw.link(tp), hw.latency)

@@ -178,12 +178,12 @@ def test_the_micro_batch_split_does_not_change_the_step() -> None:
 
 # ---- every layout equals one process ----------------------------------------------------------------
 def _worker(
-    rank: int, world: int, tp: int, pp: int, zero_stage: int, schedule: str, micro: int, root: str
+    rank: int, world: int, tp: int, pp: int, zero_stage: int, schedule: str, micro: int, root: str, cp: int = 1
 ) -> Any:
-    dp = world // (tp * pp)
+    dp = world // (tp * pp * cp)
     virtual = 2 if schedule == "interleaved_1f1b" else 1
     strategy = Parallel3DStrategy(
-        tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, pp_schedule=schedule, pp_virtual=virtual
+        tp=tp, pp=pp, dp=dp, cp=cp, zero_stage=zero_stage, pp_schedule=schedule, pp_virtual=virtual
     )
     strategy.setup_environment()
     record = StepLosses()
@@ -197,11 +197,19 @@ def _worker(
 
 
 def _check_layout(
-    tmp_path: Path, tp: int, pp: int, dp: int, micro: int, zero_stage: int = 0, schedule: str = "1f1b"
+    tmp_path: Path,
+    tp: int,
+    pp: int,
+    dp: int,
+    micro: int,
+    zero_stage: int = 0,
+    schedule: str = "1f1b",
+    cp: int = 1,
 ) -> None:
     reference = _single(2)
+    world = tp * pp * dp * cp
     out = run_distributed(
-        _worker, tp * pp * dp, tp, pp, zero_stage, schedule, micro, str(tmp_path), timeout=400, pg_timeout=90
+        _worker, world, tp, pp, zero_stage, schedule, micro, str(tmp_path), cp, timeout=400, pg_timeout=90
     )
     losses, norms, state = out[0]
     record = StepLosses()

@@ -110,13 +110,17 @@ class GreedySamples(Callback):
     def sample(self, trainer: Any, pl_module: Any) -> str:
         strategy, model = trainer.strategy, pl_module.model
         ids = torch.tensor([self.tokenizer.encode(self.prompt)], device=strategy.root_device)
-        multiple = strategy.sequence_multiple  # sequence parallelism splits T over tp: pad on the right
+        multiple = strategy.sequence_multiple  # sp / cp split T over ranks: pad on the right
         for _ in range(self.max_new_tokens):
             n = ids.shape[1]
             padded = torch.nn.functional.pad(ids, (0, -n % multiple))  # causal: padding never seen at < n
+            batch = strategy.shard_batch({"input_ids": padded})  # cp: this rank's share of the tokens
             with strategy.autocast():
-                logits = model(padded)  # (1, T, V): the last stage's; a placeholder on the others
-            last = logits[0, n - 1].argmax() if logits.dim() == 3 else torch.zeros((), dtype=torch.long)
+                # (1, T, V): the last stage's; a placeholder on the others
+                logits = model(batch["input_ids"], position_ids=batch.get("position_ids"))
+            local = batch["input_ids"].shape[1]
+            best = logits[0].argmax(-1) if logits.dim() == 3 else torch.zeros(local, dtype=torch.long)
+            last = strategy.gather_sequence(best.to(padded.device)[None])[0, n - 1]
             token = strategy.reduce(last.float()).round().long().reshape(1, 1)  # the last stage's, everywhere
             ids = torch.cat([ids, token.to(ids.device)], dim=1)
         return self.tokenizer.decode(ids[0].tolist())

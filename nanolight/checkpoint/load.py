@@ -161,17 +161,18 @@ def trainer_state(
     reader: CheckpointReader, rank: int, topology: dict[str, Any], dp_rank: int = 0
 ) -> dict[str, Any]:
     """The trainer's state, with this rank's own RNG and data position when the layout is unchanged.
-    At another tp x pp with the same dp, a rank takes the saved state of the first rank with its dp
-    coordinate (a data stream's position is per dp rank); at another dp, rank 0's."""
+    At another tp x pp x cp with the same dp, a rank takes the saved state of the first rank with its
+    dp coordinate (a data stream's position is per dp rank; cp ranks read the same samples); at
+    another dp, rank 0's."""
     state = reader.trainer_state()
     if reader.indexed:
-        saved = {k: reader.topology.get(k) for k in ("tp", "pp", "dp", "world_size")}
-        if saved == {k: topology.get(k) for k in saved}:
+        keys, defaults = ("tp", "pp", "cp", "dp", "world_size"), {"cp": 1}  # cp: 1 before it existed
+        saved = {k: reader.topology.get(k, defaults.get(k)) for k in keys}
+        if saved == {k: topology.get(k, defaults.get(k)) for k in keys}:
             own = reader.rank_state(rank)
         elif saved["dp"] == topology.get("dp") and dp_rank:
-            own = reader.rank_state(
-                dp_rank * saved["tp"] * saved["pp"]
-            )  # (dp_rank, pp 0, tp 0) of the saved mesh
+            # (dp_rank, cp 0, pp 0, tp 0) of the saved mesh (`parallel/context.py` rank order)
+            own = reader.rank_state(dp_rank * saved["cp"] * saved["pp"] * saved["tp"])
         else:
             return state
         state["rng"], state["loop"] = own["rng"], own["loop"]

@@ -27,7 +27,7 @@ ZERO_STAGES = (0, 1)
 
 @dataclass
 class ParallelConfig:
-    """Parallel degrees and options. `dp="auto"` fills the world: dp = world_size // (tp * pp).
+    """Parallel degrees and options. `dp="auto"` fills the world: dp = world_size // (tp * pp * cp).
 
     `dp` is typed `Any` (an int or the string "auto") because OmegaConf structured configs do
     not support `int | str` unions.
@@ -41,7 +41,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     timeout_s: int = 600  # how long a rank waits for its peers (joining, or any collective)
     pp_virtual: int = 1  # chunks (virtual stages) per pipeline rank: interleaved_1f1b only
-    cp: int = 1  # context parallelism (a ring of ranks splitting each sequence): not implemented yet
+    cp: int = 1  # context parallelism: a ring of cp ranks splitting each sequence (ring attention)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -71,12 +71,9 @@ class ParallelConfig:
                 "'interleaved_1f1b' = 1F1B over +parallel.pp_virtual chunks per rank)"
             )
         if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
-            raise UsageError(f"parallel.cp={self.cp!r} must be a positive integer; only 1 works today")
-        if self.cp > 1:
-            # the mesh has the dimension (`context.py`), but no ring attention or split data uses it
             raise UsageError(
-                f"parallel.cp={self.cp}: context parallelism is not implemented yet; remove "
-                "+parallel.cp (or set +parallel.cp=1) and split the work with dp, tp or pp"
+                f"parallel.cp={self.cp!r} must be a positive integer (ranks splitting each sequence), "
+                "e.g. +parallel.cp=2"
             )
         v = self.pp_virtual
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -102,29 +99,51 @@ class ParallelConfig:
         if not isinstance(self.sequence_parallel, bool):
             raise UsageError(f"parallel.sequence_parallel={self.sequence_parallel!r} must be true or false")
 
+    def _named(self, dp: Any = None) -> str:
+        """The product the world is split into, spelled out: "tp*pp = 2*2" (cp only when used)."""
+        degrees = {"tp": self.tp, "pp": self.pp, **({"cp": self.cp} if self.cp > 1 else {})}
+        if dp is not None:
+            degrees["dp"] = dp
+        return f"{'*'.join(degrees)} = {'*'.join(map(str, degrees.values()))}"
+
     def resolve_dp(self, world_size: int) -> int:
-        """The data-parallel degree for a world of `world_size` processes; checks tp*pp*dp == world."""
-        model_parallel = self.tp * self.pp
+        """The data-parallel degree for a world of `world_size` processes; checks tp*pp*cp*dp == world."""
+        model_parallel = self.tp * self.pp * self.cp
         if self.dp == "auto":
             if world_size % model_parallel != 0:
                 raise UsageError(
-                    f"world size {world_size} is not a multiple of tp*pp = {self.tp}*{self.pp} = "
+                    f"world size {world_size} is not a multiple of {self._named()} = "
                     f"{model_parallel}, so dp='auto' cannot fill it; launch a multiple of {model_parallel} "
-                    "processes or change tp/pp"
+                    "processes or change tp/pp/cp"
                 )
             return world_size // model_parallel
         self.check_world_size(world_size)
         return int(self.dp)
 
+    def check_sequence(self, seq_len: int) -> None:
+        """Context parallelism cuts each sequence into 2*cp equal chunks (zigzag: `ring_attention.py`);
+        sequence parallelism then splits each rank's T/cp tokens over tp."""
+        if self.cp > 1 and seq_len % (2 * self.cp):
+            raise UsageError(
+                f"context parallelism cp={self.cp} cuts each sequence into 2*cp = {2 * self.cp} equal chunks, "
+                f"but trainer.seq_len={seq_len} is not divisible by {2 * self.cp}; choose a multiple of it"
+            )
+        local = seq_len // self.cp
+        if self.sequence_parallel and local % self.tp:
+            raise UsageError(
+                f"sequence parallelism splits each rank's {local} tokens (seq_len {seq_len} / cp {self.cp}) "
+                f"over tp={self.tp}; choose trainer.seq_len divisible by {self.cp * self.tp}"
+            )
+
     def check_world_size(self, world_size: int) -> None:
-        """Under torchrun/SLURM the world is given: it must equal tp*pp*dp exactly."""
+        """Under torchrun/SLURM the world is given: it must equal tp*pp*cp*dp exactly."""
         if self.dp == "auto":
             self.resolve_dp(world_size)
             return
-        expected = self.tp * self.pp * self.dp
+        expected = self.tp * self.pp * self.cp * self.dp
         if world_size != expected:
             raise UsageError(
-                f"world size {world_size} != tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {expected}; "
+                f"world size {world_size} != {self._named(self.dp)} = {expected}; "
                 f"launch {expected} processes (e.g. torchrun --nproc-per-node={expected}) or set "
                 "+parallel.dp=auto to fill the world"
             )

@@ -9,8 +9,7 @@ kind of parallelism, outermost first (torchtitan's `parallel_dims.py` order):
 
 tp is innermost (its collectives run every layer, so its ranks should share a node and its
 NVLink), then pp, then cp (context parallelism: a ring of ranks holding other tokens of the same
-sequences; 1 until it is implemented, but a real dimension of the mesh), then dp (the least
-frequent traffic). A group along one dimension is the ranks that differ only in that coordinate.
+sequences, `ring_attention.py`), then dp (the least frequent traffic). A group along one dimension is the ranks that differ only in that coordinate.
 
 Some concerns span several dimensions; they get named flattened groups (`FLATTENED`): "batch" the
 ranks reading different samples (dp), "loss" the ranks holding different tokens of the global
@@ -241,16 +240,18 @@ class ParallelContext:
         self, tensor: torch.Tensor, op: str = "mean", from_last_stage: bool = False
     ) -> torch.Tensor:
         """One metric, the same on every rank: the last pipeline stage's value (`from_last_stage`:
-        only it computed the loss), combined over dp ("mean" | "sum" | "max" | "min")."""
+        only it computed the loss), combined over the "loss" group -- dp replicas and cp ranks, each
+        holding its own tokens of the global batch ("mean" | "sum" | "max" | "min")."""
         out = tensor.detach().float().clone().to(self.device)
         if from_last_stage and self.pp_size > 1:
             # the last stage sends its value to every stage of its pipeline
             dist.broadcast(out, src=self.pp_ranks[-1], group=self.pp_group)
-        if self.dp_size > 1:  # tp ranks already hold identical metrics
-            # dp replicas combine their metric: summed (a mean divides after), or max / min
+        size = self.size("loss")
+        if size > 1:  # tp ranks already hold identical metrics
+            # dp x cp ranks combine their metric: summed (a mean divides after), or max / min
             reduce_op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}.get(op, dist.ReduceOp.SUM)
-            dist.all_reduce(out, op=reduce_op, group=self.dp_group)
-            out = out / self.dp_size if op == "mean" else out
+            dist.all_reduce(out, op=reduce_op, group=self.group("loss"))
+            out = out / size if op == "mean" else out
         return out
 
     def start_max(

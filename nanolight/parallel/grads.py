@@ -1,4 +1,4 @@
-"""Gradients across tp x pp x dp: made final, measured by one global norm, clipped. One home.
+"""Gradients across tp x pp x cp x dp: made final, measured by one global norm, clipped. One home.
 
 After the last micro-batch's backward every rank holds *partial* gradients; `GradientSync.finish`
 completes them, in this order (each a sum over the group where the parts differ):
@@ -8,17 +8,19 @@ completes them, in this order (each a sum over the group where the parts differ)
                                          saw only its T/tp tokens
     a tied weight held by two stages     the embedding (first stage) and the     the {first, last}
                                          head (last stage) are one weight        stages' group
-    every param                          each dp rank saw its own samples        the dp group (mean,
+    every param                          each dp rank saw its own samples, each  the "replica" group
+                                         cp rank its own tokens of them          (dp x cp; mean,
                                                                                  bucketed, overlapped)
 
-The dp part is `GradReducer` (`data_parallel.py`; with ZeRO-1 the `ZeroOptimizer`'s reducer
-reduce-scatters into this rank's 1/dp shard); the first two run inside it, just before its
-deferred buckets, or alone when there is no dp.
+The replica part is `GradReducer` (`data_parallel.py`; with ZeRO-1 the `ZeroOptimizer`'s reducer
+reduce-scatters into this rank's 1/(dp*cp) shard); the first two run inside it, just before its
+deferred buckets, or alone when there is no replica. (cp ranks hold the same weights, so to the
+reduction they are replicas like dp's: `parallel/context.py`'s "replica" group is dp x cp.)
 
 The global norm counts every gradient element exactly once (`ModelLayout.counts_in_norm`: a
 tp-replicated parameter on tp rank 0 only, a tied weight on its lowest stage only); each rank
-sums the squares of what it counts, and the sums are summed over tp and pp (and dp with ZeRO-1,
-whose shards are disjoint; plain dp gradients are identical after the mean). Clipping multiplies
+sums the squares of what it counts, and the sums are summed over tp and pp (and the replicas with
+ZeRO-1, whose shards are disjoint; plain replica gradients are identical after the mean). Clipping multiplies
 the final gradients (``param.grad``, or ZeRO-1's shards) by ``torch.nn.utils.clip_grad_norm_``'s
 coefficient. (One process needs none of this: `Strategy.clip_gradients` is torch's own.)
 """
@@ -112,7 +114,8 @@ class GradientSync:
         self.counted = [p for k, p in named.items() if layout.counts_in_norm(k)]
         self.reducer: GradReducer | None = None
         self.zero: ZeroOptimizer | None = None
-        self._norm_groups = [ctx.tp_group, ctx.pp_group] + ([ctx.dp_group] if zero_stage else [])
+        replicas = ctx.group("replica")  # dp x cp: the ranks holding the same weights
+        self._norm_groups = [ctx.tp_group, ctx.pp_group] + ([replicas] if zero_stage else [])
         self._norm: Tensor | None = None  # this step's norm once measured: NaNGuard and clipping share it
 
     def wrap_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[Any]:
@@ -125,19 +128,20 @@ class GradientSync:
                 )
             self.zero = ZeroOptimizer(
                 optimizers[0],
-                self.ctx.dp_group,
+                self.ctx.group("replica"),
                 self.bucket_bytes,
                 deferred=deferred,
                 grad_dtype=self.grad_dtype,
             )
             self.reducer = self.zero.reducer
             return [self.zero]
-        if self.ctx.dp_size > 1:
-            self.reducer = GradReducer([self.params], self.ctx.dp_group, self.bucket_bytes, deferred=deferred)
+        if self.ctx.size("replica") > 1:
+            replicas = self.ctx.group("replica")
+            self.reducer = GradReducer([self.params], replicas, self.bucket_bytes, deferred=deferred)
         return optimizers
 
     def require_sync(self, last_micro_batch: bool) -> None:
-        """Before each backward: reduce over dp only in the step's last one (DDP's ``no_sync``)."""
+        """Before each backward: reduce over the replicas only in the step's last one (DDP's ``no_sync``)."""
         if self.reducer is not None:
             self.reducer.require_sync(last_micro_batch)
 

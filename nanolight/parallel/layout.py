@@ -8,10 +8,12 @@ norm). It is pure data, the same arithmetic on every rank, no communication:
     question                         answer
     block(key)                       this rank's [offset, offset + shape) of the global tensor
     stores(key)                      this rank writes the block to a checkpoint: the lowest stage
-                                     holding it, tp rank 0 if it is replicated over tp, dp rank 0
-                                     (a ZeRO-1 partition: every dp rank writes its own piece)
+                                     holding it, tp rank 0 if it is replicated over tp, replica
+                                     rank 0 (replicas: dp x cp; a ZeRO-1 partition: every
+                                     replica writes its own piece)
     counts_in_norm(key)              this rank's gradient enters the global norm: the same rule
-                                     without dp (ZeRO shards are disjoint; plain dp is identical)
+                                     without the replicas (ZeRO shards are disjoint; plain
+                                     replicas are identical)
     tp_replicated                    keys every tp rank holds whole (norm weights): under sequence
                                      parallelism each rank's gradient is a partial sum over its tokens
     tied_across_stages               keys two stages hold (the tied embedding): their gradients are
@@ -55,7 +57,7 @@ class ModelLayout:
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0
-    dp_rank: int = 0
+    replica_rank: int = 0  # among the ranks holding the same weights: dp x cp (`context.py` "replica")
 
     @classmethod
     def whole(cls, module: nn.Module) -> ModelLayout:
@@ -78,11 +80,13 @@ class ModelLayout:
         dims = shard_dims(module, remove_duplicate=False)
         holders = {k: split.holders(k.removeprefix(prefix)) if split else (0,) for k in full_shapes}
         tp_dims = {k: dims.get(k) for k in module.state_dict()}
-        return cls(full_shapes, aliases, tp_dims, holders, ctx.tp_rank, ctx.tp_size, ctx.pp_rank, ctx.dp_rank)
+        replica = ctx.rank_in("replica")
+        return cls(full_shapes, aliases, tp_dims, holders, ctx.tp_rank, ctx.tp_size, ctx.pp_rank, replica)
 
     @property
     def coords(self) -> dict[str, int]:
-        return {"pp": self.pp_rank, "tp": self.tp_rank, "dp": self.dp_rank}
+        """Recorded with each checkpoint shard; "dp" is the replica index (a ZeRO-1 piece's owner)."""
+        return {"pp": self.pp_rank, "tp": self.tp_rank, "dp": self.replica_rank}
 
     def block(self, key: str, local_shape: torch.Size | tuple[int, ...]) -> tuple[list[int], list[int]]:
         """(offset, shape) of this rank's tp slice of global tensor `key`."""
@@ -99,7 +103,7 @@ class ModelLayout:
         return self.tp_dims.get(key) is not None or self.tp_rank == 0
 
     def stores(self, key: str, zero_piece: bool = False) -> bool:
-        return self._answers(key) and (zero_piece or self.dp_rank == 0)
+        return self._answers(key) and (zero_piece or self.replica_rank == 0)
 
     def counts_in_norm(self, key: str) -> bool:
         return self._answers(key)

@@ -50,6 +50,16 @@ def zigzag_shard(x: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.Ten
     return torch.cat([chunks[first], chunks[second]], dim=dim)
 
 
+def zigzag_unshard(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The whole-sequence tensor from every cp rank's share (`parts[r]`: rank r's `zigzag_shard`)."""
+    cp = len(parts)
+    chunks: list[torch.Tensor] = [torch.empty(0)] * (2 * cp)
+    for rank, part in enumerate(parts):
+        first, second = zigzag_chunks(rank, cp)
+        chunks[first], chunks[second] = part.chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)
+
+
 def zigzag_positions(rank: int, cp: int, seq_len: int, device: torch.device | None = None) -> torch.Tensor:
     """(seq_len / cp,) int64: the global positions of the tokens cp rank `rank` holds."""
     return zigzag_shard(torch.arange(seq_len, device=device), rank, cp, dim=0)

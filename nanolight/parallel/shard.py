@@ -97,13 +97,14 @@ def replicated_layout(module: nn.Module, ctx: ParallelContext) -> ModelLayout:
 
 
 def broadcast_replicas(module: nn.Module, ctx: ParallelContext) -> None:
-    """A model each rank built itself starts from its dp rank 0's weights (DDP's rule: replicas
-    that were seeded differently must not silently diverge)."""
-    if ctx.dp_size == 1:
+    """A model each rank built itself starts from its replica rank 0's weights (DDP's rule: replicas
+    that were seeded differently must not silently diverge; cp ranks are replicas too)."""
+    if ctx.size("replica") == 1:
         return
-    src = dist.get_global_rank(ctx.dp_group, 0)
+    group = ctx.group("replica")
+    src = dist.get_global_rank(group, 0)
     for tensor in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(tensor.data, src=src, group=ctx.dp_group)  # dp rank 0 sends its shard's weights
+        dist.broadcast(tensor.data, src=src, group=group)  # replica rank 0 sends its shard's weights
 
 
 def param_specs(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:

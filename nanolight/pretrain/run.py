@@ -45,6 +45,7 @@ def check_layout(config: PretrainConfig) -> None:
     p, m = config.parallel, config.model
     try:
         p.check_model(m.num_attention_heads, m.num_key_value_heads, m.vocab_size)
+        p.check_sequence(config.trainer.seq_len)  # cp's 2*cp chunks, sp's T/cp over tp
         if p.pp > 1:  # every (virtual) stage needs a layer; 1F1B needs >= pp micro-batches per step
             check_pipeline_layout(p.pp, m.num_hidden_layers, p.pp_virtual)
             check_micro_batches(p.pp, p.pp_schedule, config.trainer.accumulate_grad_batches)

@@ -18,6 +18,7 @@ Call order during ``NanoTrainer.fit`` (each a method below)::
     load_optimizer_checkpoint(path)                                  # only when resuming
     per optimizer step (the trainer walks the schedule and fires the hooks itself):
         precision.convert_input(batch)  # each micro-batch (then the module's transfer hooks)
+        shard_batch(batch)              # then this rank's share of its sequences (cp)
         with token_mean(batches):       # the causal LM's loss: a share of the step's token mean
         micro_batch_schedule(n)         # [(FORWARD, i) | (BACKWARD, i), ...] in this rank's order
           FORWARD i:  with forward_context(i): training_step    # + zero_grad(opt) after i == 0
@@ -133,6 +134,21 @@ class Strategy:
         return None, 1
 
     @property
+    def sequence_shards(self) -> int:
+        """Ranks splitting each sequence (context parallelism): each holds 1/this of its tokens."""
+        return 1
+
+    def shard_batch(self, batch: Any) -> Any:
+        """This rank's share of a transferred batch (context parallelism: its chunks of every
+        sequence); the batch itself without one."""
+        return batch
+
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole sequence (dim 1) of a per-token tensor computed on this rank's share: the
+        inverse of `shard_batch` (a sample callback reads the prediction at any position)."""
+        return x
+
+    @property
     def topology(self) -> dict[str, Any]:
         """The layout recorded in checkpoints (a resume at the same one restores per-rank state)."""
         return {"tp": 1, "pp": 1, "dp": 1, "world_size": 1}
@@ -188,20 +204,25 @@ class Strategy:
 
     # ---- one optimizer step --------------------------------------------------------------
     @contextmanager
-    def token_mean(self, batches: Sequence[Any]) -> Iterator[None]:
+    def token_mean(self, batches: Sequence[Any], whole_step: bool = True) -> Iterator[None]:
         """Around one optimizer step of `batches` (the trainer's micro-batches, before transfer):
         when every one carries `target_ids`, each model that divides its own token-loss sum
         (declares `loss_divisor`, e.g. the causal LM of `models/`) divides it by the step's count, so the
         step's loss and gradients are the exact token mean over every micro-batch and every rank
-        of `loss_group` (`parallel/loss_tokens.py`). Other losses keep Lightning's semantics."""
+        of `loss_group` (`parallel/loss_tokens.py`). Other losses keep Lightning's semantics.
+        ``whole_step=False``, around one evaluation batch: only the ranks splitting its sequences
+        share its count, so the mean of their losses is the batch's own token mean, as on one
+        process (without context parallelism there is nothing to do)."""
         targets = step_targets(batches)
         assert self.module is not None
-        models = [m for m in self.module.modules() if hasattr(m, "loss_divisor")] if targets else []
+        wanted = targets and (whole_step or self.sequence_shards > 1)
+        models = [m for m in self.module.modules() if hasattr(m, "loss_divisor")] if wanted else []
         if not models:
             yield
             return
+        group, size = self.loss_group if whole_step else (None, 1)
         with self.watch("the count of the step's valid targets (an all-reduce over the loss group)"):
-            divisor = loss_divisor(targets, self.root_device, *self.loss_group)
+            divisor = loss_divisor(targets, self.root_device, group, size, self.sequence_shards)
         for model in models:
             model.loss_divisor = divisor
         try:
@@ -368,7 +389,10 @@ class Strategy:
                 self.on_weights_loaded()
             if load_optimizer:
                 self._load_optimizers(reader)
-            return trainer_state(reader, self.global_rank, self.topology, self.layout.dp_rank)
+            ctx = self.parallel_context
+            return trainer_state(
+                reader, self.global_rank, self.topology, ctx.dp_rank if ctx is not None else 0
+            )
 
     def load_optimizer_checkpoint(self, path: str | Path) -> None:
         """Load the optimizer state(s) stored in checkpoint directory `path`."""

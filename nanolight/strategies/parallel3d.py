@@ -1,5 +1,6 @@
-"""`Parallel3DStrategy`: tensor, pipeline and data parallelism (with ZeRO-1) over tp x pp x dp
-processes. It says *what* happens, in the documented order; the parallel core says *how*.
+"""`Parallel3DStrategy`: tensor, pipeline, context and data parallelism (with ZeRO-1) over
+tp x pp x cp x dp processes. It says *what* happens, in the documented order; the parallel core
+says *how*.
 
 1. `setup_environment`: make the processes (torchrun / SLURM / re-launch under plain python,
    `parallel/launcher.py`), join the world, build the `ParallelContext`.
@@ -8,12 +9,15 @@ processes. It says *what* happens, in the documented order; the parallel core sa
    (`parallel/tensor_parallel/`), cuts its `pp_plan` chunks out (`parallel/pipeline/split.py`),
    materialises this rank's shards (all three: `parallel/shard.py`) and initialises them topology-independently
    (`parallel/shard.py`) or loads them from a pretrained directory (`checkpoint/load.py`), and
-   records the `ModelLayout` every later concern reads.
-3. `setup_optimizers`: `GradientSync` (`parallel/grads.py`) -- the dp reduction in buckets or
-   ZeRO-1 around the optimizer, the partial-gradient sums, the global norm and clipping.
+   records the `ModelLayout` every later concern reads. With cp > 1 the model's attention becomes
+   ring attention over the cp group (`parallel/ring_attention.py`).
+3. `setup_optimizers`: `GradientSync` (`parallel/grads.py`) -- the replica (dp x cp) reduction in
+   buckets or ZeRO-1 around the optimizer, the partial-gradient sums, the global norm and clipping.
 4. Each step the trainer walks `micro_batch_schedule` (pp: the projection of the stage's list);
-   `forward_context` / `backward` hand the stage a model call / a loss; it runs its chunks where the
-   list puts them. `reduce` takes a metric from the last stage and averages it over dp.
+   `shard_batch` gives each cp rank its zigzag chunks of every sequence (every cp rank of a dp
+   replica reads the same samples); `forward_context` / `backward` hand the stage a model call / a
+   loss; it runs its chunks where the list puts them. `reduce` takes a metric from the last stage
+   and averages it over dp x cp.
 5. Checkpoints are per-rank shards plus one index, written and resharded by `checkpoint/`.
 Collectives run under `parallel/health.py`'s watch: a silent peer is named.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
@@ -37,6 +42,7 @@ from nanolight.checkpoint.load import load_model
 from nanolight.checkpoint.pretrained import carried_extras
 from nanolight.checkpoint.reader import CheckpointReader, stored_model_prefix
 from nanolight.checkpoint.save import ExportExtras
+from nanolight.errors import UsageError
 from nanolight.parallel import ParallelConfig, ParallelContext
 from nanolight.parallel.blocks import BlockOptions, CompiledBlocks, decoder_blocks
 from nanolight.parallel.data_parallel import DEFAULT_BUCKET_BYTES
@@ -46,6 +52,7 @@ from nanolight.parallel.launcher import detect_environment, ensure_processes, in
 from nanolight.parallel.layout import one_process_order
 from nanolight.parallel.pipeline import PipelineStage
 from nanolight.parallel.pipeline.schedules import Action, check_micro_batches
+from nanolight.parallel.ring_attention import RingAttention, zigzag_shard, zigzag_unshard
 from nanolight.parallel.shard import (
     broadcast_replicas,
     find_plan_model,
@@ -66,8 +73,8 @@ class Parallel3DStrategy(Strategy):
     `activation_checkpointing` / `activation_checkpointing_every` / `compile`: as for
     `SingleDeviceStrategy`, applied to this rank's blocks after tp and the pipeline split.
     `device_ids`: the CUDA device of each local rank (Lightning's ``devices=[2, 3]``); default:
-    the local rank's (`parallel/launcher.py`, `cuda_device_index`). `cp`: the context-parallel
-    degree, a dimension of the `ParallelContext`'s mesh; only 1 until ring attention exists.
+    the local rank's (`parallel/launcher.py`, `cuda_device_index`). `cp`: ranks splitting each
+    sequence (ring attention; the model must offer ``set_attention_backend``, as `models/`'s Llama does).
     `export`: what the run adds to each checkpoint so it exports complete (`ExportExtras`).
     """
 
@@ -145,19 +152,62 @@ class Parallel3DStrategy(Strategy):
         return self.stage is not None
 
     @property
+    def metrics_always_sync(self) -> bool:
+        # a value from one pipeline stage, or from one cp rank's share of the tokens, is partial
+        return self.pipelined or self.config.cp > 1
+
+    @property
     def distributed_sampler_kwargs(self) -> dict[str, int] | None:
         ctx = self._ctx
         return None if ctx is None or ctx.dp_size == 1 else {"num_replicas": ctx.dp_size, "rank": ctx.dp_rank}
 
     @property
     def loss_group(self) -> tuple[Any, int]:
-        # the ranks holding the global batch's other tokens: dp replicas (other micro-batches) and
-        # cp ranks (other tokens of the same sequences), the context's named "loss" group
-        return self._ctx.group("loss"), self._ctx.size("loss")
+        # the ranks holding the global batch's other samples: dp replicas, the context's "batch"
+        # group (cp ranks hold other tokens of the same samples: `sequence_shards`)
+        return self._ctx.group("batch"), self._ctx.size("batch")
+
+    @property
+    def sequence_shards(self) -> int:
+        return self.config.cp
 
     @property
     def sequence_multiple(self) -> int:
-        return self.config.tp if self.config.sequence_parallel else 1
+        cfg = self.config
+        zigzag = 2 if cfg.cp > 1 else 1  # 2*cp chunks
+        split = cfg.tp if cfg.sequence_parallel else 1  # each rank's T/cp over tp
+        return cfg.cp * math.lcm(zigzag, split)
+
+    def shard_batch(self, batch: Any) -> Any:
+        """cp > 1: this rank's zigzag chunks (`ring_attention.zigzag_shard`) of every per-token
+        tensor of the batch dict, and each token's global position (``position_ids``) for RoPE
+        when the batch brings none; a whole sequence is read and split here, after transfer."""
+        cp = self.config.cp
+        if cp == 1:
+            return batch
+        ids = batch.get("input_ids") if isinstance(batch, dict) else None
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise UsageError(
+                "context parallelism splits each batch's sequences: it needs a dict with input_ids (B, T) "
+                f"and per-token tensors of the same shape, got {type(batch).__name__}; set +parallel.cp=1 "
+                "for other batches"
+            )
+        self.config.check_sequence(ids.shape[1])
+        out = dict(batch)
+        out.setdefault("position_ids", torch.arange(ids.shape[1], device=ids.device).expand_as(ids))
+        rank = self._ctx.cp_rank
+        for key, value in out.items():
+            if isinstance(value, torch.Tensor) and value.shape[:2] == ids.shape:
+                out[key] = zigzag_shard(value, rank, cp, dim=1)
+        return out
+
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.cp == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.config.cp)]
+        # every cp rank sends its share of the sequence to every other one
+        dist.all_gather(parts, x.contiguous(), group=self._ctx.cp_group)
+        return zigzag_unshard(parts, dim=1)
 
     @property
     def topology(self) -> dict[str, Any]:
@@ -165,6 +215,7 @@ class Parallel3DStrategy(Strategy):
         return {
             "tp": ctx.tp_size,
             "pp": ctx.pp_size,
+            "cp": ctx.cp_size,
             "dp": ctx.dp_size,
             "world_size": ctx.world_size,
             "zero_stage": cfg.zero_stage,
@@ -176,8 +227,8 @@ class Parallel3DStrategy(Strategy):
         if self._ctx is None:
             cfg, env = self.config, detect_environment()
             replicas = 1 if cfg.dp == "auto" else cfg.dp  # plain python: dp="auto" is one replica
-            world = env.world_size if env is not None else cfg.tp * cfg.pp * replicas
-            dp = cfg.resolve_dp(world)  # world must be tp*pp*dp: a clear error, before anything starts
+            world = env.world_size if env is not None else cfg.tp * cfg.pp * cfg.cp * replicas
+            dp = cfg.resolve_dp(world)  # world must be tp*pp*cp*dp: a clear error, before anything starts
             env = ensure_processes(world)  # plain python, world > 1: re-launches and never returns
             self._local_rank = env.local_rank
             self.heartbeat = init_distributed(env, self.backend, self.timeout, self.device_ids)
@@ -196,7 +247,7 @@ class Parallel3DStrategy(Strategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         ctx, cfg = self._ctx, self.config
-        model, prefix = find_plan_model(module, required=cfg.tp * cfg.pp > 1)
+        model, prefix = find_plan_model(module, required=cfg.tp * cfg.pp * cfg.cp > 1)
         self.module = module
         if self.pretrained is not None:  # its exports keep the starting directory's HF token ids
             self.export = carried_extras(self.pretrained, self.export)
@@ -215,6 +266,13 @@ class Parallel3DStrategy(Strategy):
             seed = self.broadcast(self.init_seed if self.init_seed is not None else torch.initial_seed())
             gen = torch.Generator().manual_seed(seed)
             init_replayed_(model, sharded.specs, gen, shard_dims(model), ctx.tp_rank, ctx.tp_size)
+        if cfg.cp > 1:  # this stage's attention layers: ring attention over the cp group
+            if not hasattr(model, "set_attention_backend"):
+                raise UsageError(
+                    f"context parallelism (cp={cfg.cp}) replaces the model's attention with ring attention, "
+                    f"but {type(model).__name__} has no set_attention_backend (models/llama.py has); set +parallel.cp=1"
+                )
+            model.set_attention_backend(RingAttention(ctx.cp_group, ctx.cp_ranks))
         self.precision.convert_module(module)
         self.compiled = self.blocks.apply(module, self.is_global_zero)  # after tp and the split, before dp
         if sharded.split is not None:
@@ -231,7 +289,8 @@ class Parallel3DStrategy(Strategy):
         weights is waited for bucket by bucket in the next forward (not under compile, whose
         blocks would trace the hooks)."""
         cfg, master = self.config, self.precision.master_weights
-        self.precision.check_layout(cfg.zero_stage, self._ctx.dp_size)
+        replicas = self._ctx.size("replica")  # dp x cp: the ranks the optimizer state shards over
+        self.precision.check_layout(cfg.zero_stage, replicas)
         zero, dtype = (1, torch.float32) if master else (cfg.zero_stage, None)
         self.grads = GradientSync(
             self.module, self.layout, self._ctx, cfg.sequence_parallel, zero, self.dp_bucket_bytes, dtype
@@ -240,7 +299,7 @@ class Parallel3DStrategy(Strategy):
         if master:
             self.precision.cast_to_compute(self.module)
             blocks = _last_block(self.module)
-            if self._ctx.dp_size > 1 and not self.blocks.compile and blocks is not None:
+            if replicas > 1 and not self.blocks.compile and blocks is not None:
                 self.grads.zero.overlap_weight_gather(self.module.modules(), blocks)
         return self.optimizers
 

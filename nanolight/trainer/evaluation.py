@@ -76,10 +76,11 @@ def _batches(trainer: NanoTrainer, name: str, loaders: list[Any], limits: list[f
             if batch_idx >= limit:
                 break
             extra = (dl_idx,) if multi else ()
-            batch = trainer.hooks.transfer_batch(batch, dl_idx)
+            raw, batch = batch, trainer.hooks.transfer_batch(batch, dl_idx)
             trainer.metrics.batch = batch
             trainer.hooks.call(f"on_{name}_batch_start", batch, batch_idx, *extra)
-            with _grad_mode(trainer), trainer.strategy.autocast():
+            strategy = trainer.strategy  # cp: the ranks sharing a batch's tokens share its count
+            with _grad_mode(trainer), strategy.autocast(), strategy.token_mean([raw], whole_step=False):
                 out = trainer.hooks.step(f"{name}_step", batch, batch_idx, *extra)
             trainer.hooks.call(f"on_{name}_batch_end", out, batch, batch_idx, *extra)
             yield dl_idx, batch_idx, out

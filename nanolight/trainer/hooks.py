@@ -128,11 +128,12 @@ class HookCaller:
         self.call(name, stage)
 
     def transfer_batch(self, batch: Any, dataloader_idx: int = 0) -> Any:
-        """Precision cast, then the batch-transfer hooks (a datamodule's override wins)."""
+        """Precision cast, the batch-transfer hooks (a datamodule's override wins), then this
+        rank's share of the sequences (context parallelism: `Strategy.shard_batch`)."""
         strategy, dm = self.trainer.strategy, self.trainer.datamodule
         batch = strategy.precision.convert_input(batch)
         for name in BATCH_HOOKS:
             device = (strategy.root_device,) if name == "transfer_batch_to_device" else ()
             owner = self.datamodule if dm is not None and defines(dm, name, NanoDataModule) else self.module
             batch = owner(name, batch, *device, dataloader_idx)
-        return batch
+        return strategy.shard_batch(batch)

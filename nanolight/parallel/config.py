@@ -57,7 +57,7 @@ class ParallelConfig:
         if self.dp != "auto" and (isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1):
             raise UsageError(
                 f"parallel.dp={self.dp!r} must be a positive integer or 'auto' (fill the world: "
-                "dp = world_size // (tp * pp)), e.g. +parallel.dp=auto"
+                "dp = world_size // (tp * pp * cp)), e.g. +parallel.dp=auto"
             )
         if self.zero_stage not in ZERO_STAGES:
             raise UsageError(
@@ -99,6 +99,11 @@ class ParallelConfig:
         if not isinstance(self.sequence_parallel, bool):
             raise UsageError(f"parallel.sequence_parallel={self.sequence_parallel!r} must be true or false")
 
+    @property
+    def replica_ranks(self) -> int:
+        """The ranks one data-parallel replica spans: tp * pp * cp."""
+        return self.tp * self.pp * self.cp
+
     def _named(self, dp: Any = None) -> str:
         """The product the world is split into, spelled out: "tp*pp = 2*2" (cp only when used)."""
         degrees = {"tp": self.tp, "pp": self.pp, **({"cp": self.cp} if self.cp > 1 else {})}
@@ -108,7 +113,7 @@ class ParallelConfig:
 
     def resolve_dp(self, world_size: int) -> int:
         """The data-parallel degree for a world of `world_size` processes; checks tp*pp*cp*dp == world."""
-        model_parallel = self.tp * self.pp * self.cp
+        model_parallel = self.replica_ranks
         if self.dp == "auto":
             if world_size % model_parallel != 0:
                 raise UsageError(
@@ -140,7 +145,7 @@ class ParallelConfig:
         if self.dp == "auto":
             self.resolve_dp(world_size)
             return
-        expected = self.tp * self.pp * self.cp * self.dp
+        expected = self.replica_ranks * self.dp
         if world_size != expected:
             raise UsageError(
                 f"world size {world_size} != {self._named(self.dp)} = {expected}; "

@@ -105,12 +105,12 @@ def build_strategy(config: PretrainConfig, export: ExportExtras | None = None) -
     )
     env = detect_environment()  # torchrun/srun, or None under plain python
     precision = t.run_precision
-    if (p.tp, p.pp, p.dp) == (1, 1, 1) and (env is None or env.world_size == 1):
+    if (p.tp, p.pp, p.cp, p.dp) == (1, 1, 1, 1) and (env is None or env.world_size == 1):
         return SingleDeviceStrategy(precision=precision, **speed)
     if t.precision == "auto" and precision == "bf16-master" and p.zero_stage == 0 and p.dp != 1:
         # bf16-master keeps its fp32 masters in ZeRO-1's optimizer: plain dp replicas use autocast
         precision = "bf16-mixed"
-    # under torchrun/srun the 3D strategy checks that the world equals tp*pp*dp (or fills dp="auto")
+    # under torchrun/srun the strategy checks that the world equals tp*pp*cp*dp (or fills dp="auto")
     return Parallel3DStrategy.from_config(
         p, precision=precision, pretrained=config.checkpoint.init_from, **speed
     )

@@ -227,7 +227,7 @@ class Parallel3DStrategy(Strategy):
         if self._ctx is None:
             cfg, env = self.config, detect_environment()
             replicas = 1 if cfg.dp == "auto" else cfg.dp  # plain python: dp="auto" is one replica
-            world = env.world_size if env is not None else cfg.tp * cfg.pp * cfg.cp * replicas
+            world = env.world_size if env is not None else cfg.replica_ranks * replicas
             dp = cfg.resolve_dp(world)  # world must be tp*pp*cp*dp: a clear error, before anything starts
             env = ensure_processes(world)  # plain python, world > 1: re-launches and never returns
             self._local_rank = env.local_rank
@@ -247,7 +247,7 @@ class Parallel3DStrategy(Strategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         ctx, cfg = self._ctx, self.config
-        model, prefix = find_plan_model(module, required=cfg.tp * cfg.pp * cfg.cp > 1)
+        model, prefix = find_plan_model(module, required=cfg.replica_ranks > 1)
         self.module = module
         if self.pretrained is not None:  # its exports keep the starting directory's HF token ids
             self.export = carried_extras(self.pretrained, self.export)

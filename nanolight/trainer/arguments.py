@@ -292,8 +292,8 @@ def planned_processes(strategy: Strategy) -> int:
     cfg = strategy.config
     if cfg.dp == "auto":
         env = detect_environment()
-        return env.world_size if env is not None else cfg.tp * cfg.pp
-    return cfg.tp * cfg.pp * int(cfg.dp)
+        return env.world_size if env is not None else cfg.replica_ranks
+    return cfg.replica_ranks * int(cfg.dp)
 
 
 # ---- callbacks, loggers, determinism --------------------------------------------------

@@ -137,3 +137,13 @@ def test_recipe_refuses_a_sequence_cp_cannot_split(tmp_path: Path) -> None:
         "nanolight: error: context parallelism cp=2 cuts each sequence into 2*cp = 4 equal chunks, but "
         "trainer.seq_len=30 is not divisible by 4; choose a multiple of it"
     ], proc.stderr[-2000:]
+
+
+def test_cp_refuses_batches_it_cannot_split() -> None:
+    from nanolight.strategies.parallel3d import Parallel3DStrategy
+
+    strategy = Parallel3DStrategy(cp=2)  # not started: the batch is refused before any rank is asked
+    with pytest.raises(UsageError, match=r"needs a dict with input_ids \(B, T\).*got tuple"):
+        strategy.shard_batch((torch.zeros(2, 8), torch.zeros(2)))
+    with pytest.raises(UsageError, match=r"seq_len=6 is not divisible by 4"):
+        strategy.shard_batch({"input_ids": torch.zeros(2, 6, dtype=torch.long)})

@@ -168,7 +168,7 @@ def test_context_world_mismatch_message() -> None:
         ({"pp": 2, "pp_schedule": "interleaved_1f1b"}, "pp=2, pp_virtual=1; set e.g."),
         ({"pp_schedule": "interleaved_1f1b", "pp_virtual": 2}, "got pp=1, pp_virtual=2"),
         ({"cp": 0}, "parallel.cp=0 must be a positive integer"),
-        ({"cp": 2}, "parallel.cp=2: context parallelism is not implemented yet"),
+        ({"cp": True}, "parallel.cp=True must be a positive integer"),
     ],
 )
 def test_config_rejects_bad_values(kwargs: dict, match: str) -> None:

@@ -121,12 +121,14 @@ def test_pretrained_checkpoint_loads_sliced(tmp_path: Path) -> None:
     assert run_distributed(_pretrained_worker, 2, str(tmp_path / "pretrained")) == [True, True]
 
 
-def test_strategy_takes_cp_and_rejects_it_until_context_parallelism_exists() -> None:
-    """cp is a layout degree (a dimension of the context's mesh) the strategy and its Hydra config
-    accept; above 1 it is one clear error, before any process starts."""
+def test_strategy_takes_cp_from_its_arguments_and_its_config() -> None:
+    """cp is a layout degree the strategy and its Hydra config accept (the runs: test_context_parallel);
+    the world it plans is tp * pp * cp * dp."""
     from nanolight.parallel import ParallelConfig
+    from nanolight.trainer.arguments import planned_processes
 
-    with pytest.raises(ValueError, match="parallel.cp=2: context parallelism is not implemented yet"):
-        Parallel3DStrategy(tp=2, cp=2)
-    config = ParallelConfig(tp=2, pp=2, dp=2, zero_stage=1, cp=1)
-    assert Parallel3DStrategy.from_config(config).config == config
+    assert Parallel3DStrategy(tp=2, cp=2).config.cp == 2
+    config = ParallelConfig(tp=2, pp=2, dp=2, zero_stage=1, cp=2)
+    strategy = Parallel3DStrategy.from_config(config)
+    assert strategy.config == config and planned_processes(strategy) == 16
+    assert strategy.sequence_multiple == 4 and strategy.sequence_shards == 2

@@ -178,7 +178,15 @@ def test_the_micro_batch_split_does_not_change_the_step() -> None:
 
 # ---- every layout equals one process ----------------------------------------------------------------
 def _worker(
-    rank: int, world: int, tp: int, pp: int, zero_stage: int, schedule: str, micro: int, root: str, cp: int = 1
+    rank: int,
+    world: int,
+    tp: int,
+    pp: int,
+    zero_stage: int,
+    schedule: str,
+    micro: int,
+    root: str,
+    cp: int = 1,
 ) -> Any:
     dp = world // (tp * pp * cp)
     virtual = 2 if schedule == "interleaved_1f1b" else 1

@@ -18,6 +18,7 @@ and exits hard if that has not happened within a grace period.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import subprocess
@@ -287,6 +288,11 @@ def init_distributed(
     """
     if dist.is_initialized():
         return None
+    if not faulthandler.is_enabled():
+        # a rank that dies of a signal (a C++ abort in a communication library, a segfault) prints
+        # every thread's Python stack before it goes: the launcher's "rank N exited with -6" alone
+        # says nothing of where
+        faulthandler.enable(all_threads=True)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     options: dict = {}
     trace = None

@@ -139,13 +139,11 @@ class Strategy:
         return 1
 
     def shard_batch(self, batch: Any) -> Any:
-        """This rank's share of a transferred batch (context parallelism: its chunks of every
-        sequence); the batch itself without one."""
+        """This rank's share of a transferred batch: its chunks of every sequence under cp."""
         return batch
 
     def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        """The whole sequence (dim 1) of a per-token tensor computed on this rank's share: the
-        inverse of `shard_batch` (a sample callback reads the prediction at any position)."""
+        """The whole sequence (dim 1) of a tensor computed on this rank's share (`shard_batch`)."""
         return x
 
     @property
@@ -389,10 +387,8 @@ class Strategy:
                 self.on_weights_loaded()
             if load_optimizer:
                 self._load_optimizers(reader)
-            ctx = self.parallel_context
-            return trainer_state(
-                reader, self.global_rank, self.topology, ctx.dp_rank if ctx is not None else 0
-            )
+            ctx = self.parallel_context  # a data position is per dp rank
+            return trainer_state(reader, self.global_rank, self.topology, ctx.dp_rank if ctx else 0)
 
     def load_optimizer_checkpoint(self, path: str | Path) -> None:
         """Load the optimizer state(s) stored in checkpoint directory `path`."""

@@ -48,12 +48,14 @@ class Precision:
         """The optimizer steps fp32 master copies of low-precision compute weights (``bf16-master``)."""
         return self.mode == "bf16-master"
 
-    def check_layout(self, zero_stage: int, dp: int) -> None:
-        """``bf16-master`` keeps its fp32 masters in ZeRO-1's optimizer: plain dp replicas have none."""
-        if self.master_weights and zero_stage == 0 and dp > 1:
+    def check_layout(self, zero_stage: int, replicas: int) -> None:
+        """``bf16-master`` keeps its fp32 masters in ZeRO-1's optimizer: plain replicas (dp x cp
+        ranks holding the same weights) have none."""
+        if self.master_weights and zero_stage == 0 and replicas > 1:
             raise ValueError(
-                "precision='bf16-master' keeps its fp32 master weights in the ZeRO-1 optimizer: with dp > 1 "
-                "set zero_stage=1 (the same traffic as plain data parallelism, 1/dp of the optimizer state)"
+                f"precision='bf16-master' keeps its fp32 master weights in the ZeRO-1 optimizer: with {replicas} "
+                "replicas (dp x cp) set zero_stage=1 (the same traffic as plain data parallelism, 1/replicas "
+                "of the optimizer state)"
             )
 
     @property

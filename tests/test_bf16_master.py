@@ -259,6 +259,7 @@ def test_recipe_precision_auto_falls_back_to_autocast_for_plain_dp(monkeypatch: 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for parallel, want in [
         (ParallelConfig(dp=2), "bf16-mixed"),
+        (ParallelConfig(cp=2), "bf16-mixed"),  # cp ranks are replicas of the weights too
         (ParallelConfig(dp=2, zero_stage=1), "bf16-master"),
         (ParallelConfig(tp=2), "bf16-master"),
     ]:

@@ -117,26 +117,35 @@ def _column(run: Path, name: str) -> list[float]:
         return [float(r[name]) for r in csv.DictReader(f) if r.get(name)]
 
 
-def test_recipe_refuses_a_sequence_cp_cannot_split(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        (
+            ["trainer.seq_len=30"],
+            "context parallelism cp=2 cuts each sequence into 2*cp = 4 equal chunks, but trainer.seq_len=30 "
+            "is not divisible by 4; choose a multiple of it",
+        ),
+        (
+            ["trainer.precision=bf16-master"],
+            "precision='bf16-master' keeps its fp32 master weights in the ZeRO-1 optimizer: with 2 replicas "
+            "(dp x cp) set zero_stage=1 (the same traffic as plain data parallelism, 1/replicas of the "
+            "optimizer state)",
+        ),
+    ],
+)
+def test_recipe_refuses_what_cp_cannot_run_in_one_line(
+    tmp_path: Path, overrides: list[str], line: str
+) -> None:
     from test_recipe_e2e import REPO
 
     recipe = str(REPO / "recipes" / "smollm.py")
-    cmd = [
-        sys.executable,
-        recipe,
-        f"trainer.default_root_dir={tmp_path}",
-        "+parallel.cp=2",
-        "trainer.seq_len=30",
-    ]
+    cmd = [sys.executable, recipe, f"trainer.default_root_dir={tmp_path}", "+parallel.cp=2", *overrides]
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)}
     )
     assert proc.returncode != 0
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines == [
-        "nanolight: error: context parallelism cp=2 cuts each sequence into 2*cp = 4 equal chunks, but "
-        "trainer.seq_len=30 is not divisible by 4; choose a multiple of it"
-    ], proc.stderr[-2000:]
+    lines = [text for text in proc.stderr.splitlines() if text.strip()]
+    assert lines == [f"nanolight: error: {line}"], proc.stderr[-2000:]
 
 
 def test_cp_refuses_batches_it_cannot_split() -> None:

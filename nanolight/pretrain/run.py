@@ -31,6 +31,7 @@ from nanolight.loggers import CSVLogger, Logger, WandbLogger
 from nanolight.loggers.wandb_logger import has_wandb_credentials
 from nanolight.parallel.launcher import detect_environment
 from nanolight.parallel.pipeline import check_micro_batches, check_pipeline_layout
+from nanolight.precision import Precision
 from nanolight.pretrain.auto import PredictionCheck, auto_layout
 from nanolight.pretrain.config import ConfigError, PretrainConfig, to_dict
 from nanolight.pretrain.module import CausalLMPretrain, held_out
@@ -46,6 +47,8 @@ def check_layout(config: PretrainConfig) -> None:
     try:
         p.check_model(m.num_attention_heads, m.num_key_value_heads, m.vocab_size)
         p.check_sequence(config.trainer.seq_len)  # cp's 2*cp chunks, sp's T/cp over tp
+        if p.dp != "auto" and config.trainer.precision != "auto":  # auto falls back (`build_strategy`)
+            Precision(config.trainer.run_precision).check_layout(p.zero_stage, p.dp * p.cp)
         if p.pp > 1:  # every (virtual) stage needs a layer; 1F1B needs >= pp micro-batches per step
             check_pipeline_layout(p.pp, m.num_hidden_layers, p.pp_virtual)
             check_micro_batches(p.pp, p.pp_schedule, config.trainer.accumulate_grad_batches)
@@ -107,8 +110,8 @@ def build_strategy(config: PretrainConfig, export: ExportExtras | None = None) -
     precision = t.run_precision
     if (p.tp, p.pp, p.cp, p.dp) == (1, 1, 1, 1) and (env is None or env.world_size == 1):
         return SingleDeviceStrategy(precision=precision, **speed)
-    if t.precision == "auto" and precision == "bf16-master" and p.zero_stage == 0 and p.dp != 1:
-        # bf16-master keeps its fp32 masters in ZeRO-1's optimizer: plain dp replicas use autocast
+    if t.precision == "auto" and precision == "bf16-master" and p.zero_stage == 0 and (p.dp, p.cp) != (1, 1):
+        # bf16-master keeps its fp32 masters in ZeRO-1's optimizer: plain replicas use autocast
         precision = "bf16-mixed"
     # under torchrun/srun the strategy checks that the world equals tp*pp*cp*dp (or fills dp="auto")
     return Parallel3DStrategy.from_config(

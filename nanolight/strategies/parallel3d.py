@@ -285,7 +285,7 @@ class Parallel3DStrategy(Strategy):
         """Gradient synchronisation, and ZeRO-1 around the optimizer (`parallel/grads.py`).
 
         ``bf16-master``: the ZeRO-1 optimizer holds the fp32 masters and main gradients (at dp=1
-        too: one shard), then the model becomes bf16; with dp > 1 the post-step all-gather of bf16
+        too: one shard), then the model becomes bf16; with replicas the post-step all-gather of bf16
         weights is waited for bucket by bucket in the next forward (not under compile, whose
         blocks would trace the hooks)."""
         cfg, master = self.config, self.precision.master_weights

@@ -212,12 +212,9 @@ class ShardWriter:
     def _restore_files(self) -> None:
         """Make the files on disk match the committed state: truncate the open shard, drop later ones."""
         n_kept = len(self.shards) + (1 if self.open else 0)
-        i = n_kept
-        while any(os.path.exists(os.path.join(self.out, n)) for n in shard_names(i)):
-            for name in shard_names(i):
-                if os.path.exists(os.path.join(self.out, name)):
-                    os.remove(os.path.join(self.out, name))
-            i += 1
+        for name in prepared_leftovers(self.out):
+            if int(name[6:11]) >= n_kept:  # shard-NNNNN.bin / .doc
+                os.remove(os.path.join(self.out, name))
         if self.open:
             tokens_file, docs_file = (os.path.join(self.out, n) for n in shard_names(len(self.shards)))
             for path, size in (

@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nanolight.data.config import BatchGeometry
 from nanolight.data.loader import make_batch
-from nanolight.data.sources import check_text_field, guard_reads
+from nanolight.data.sources import check_text_field, reading
 from nanolight.data.tokenizer import Encoder
 
 Cursor = tuple[dict | None, int]  # (stream state before a read batch, None = the pass start; token offset)
@@ -60,9 +60,10 @@ class DocumentStream:
         if state is not None:
             ds.load_state_dict(copy.deepcopy(state))
         encoder = Encoder.of(self.tokenizer, self.text_field, np.dtype(np.int64))
-        eos, it, before = self.tokenizer.eos_token_id, guard_reads(ds, self.files), state
+        it, before = iter(ds), state
         while True:
-            rows = list(itertools.islice(it, self.batch_size))  # a damaged file surfaces here
+            with reading(self.files):  # a damaged file surfaces here
+                rows = list(itertools.islice(it, self.batch_size))
             if not rows:
                 return
             check_text_field(list(rows[0]), self.text_field)
@@ -70,9 +71,8 @@ class DocumentStream:
             texts = [r[self.text_field] for r in rows]
             if self.skip:
                 texts = [t for t in texts if not t or digest(t) not in self.skip]
-            ids, keep = encoder.encode(texts)
-            docs = [np.append(x, eos) for x, k in zip(ids, keep, strict=True) if k]
-            yield before, (np.concatenate(docs) if docs else np.zeros(0, dtype=np.int64)), texts, after
+            tokens, _, _ = encoder.documents(texts, self.tokenizer.eos_token_id)
+            yield before, tokens, texts, after
             before = after
 
     def windows(self, cursor: Cursor, size: int) -> Iterator[tuple[np.ndarray, Cursor | None]]:

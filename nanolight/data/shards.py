@@ -53,6 +53,11 @@ def shard_names(i: int) -> tuple[str, str]:
     return f"shard-{i:05d}.bin", f"shard-{i:05d}.doc"
 
 
+def shard_files(i: int, shard: dict[str, Any], itemsize: int) -> list[tuple[str, int]]:
+    """(name, size in bytes) of shard `i`'s two files, as `shard` (its index entry) records them."""
+    return list(zip(shard_names(i), (shard["tokens"] * itemsize, shard["documents"] * 8), strict=True))
+
+
 def is_prepared_dir(path: str) -> bool:
     """A directory prepare_data.py made or started (so it is never globbed as raw data files):
     its index, its progress file, or shards it wrote (an index lost after the shards were written)."""
@@ -106,11 +111,7 @@ def check_shards(path: str, index: dict[str, Any]) -> list[tuple[int, str]]:
     itemsize = np.dtype(index["dtype"]).itemsize
     problems = []
     for i, shard in enumerate(index["shards"]):
-        tokens_file, docs_file = shard_names(i)
-        for name, expected in (
-            (tokens_file, shard["tokens"] * itemsize),
-            (docs_file, shard["documents"] * 8),
-        ):
+        for name, expected in shard_files(i, shard, itemsize):
             full = os.path.join(path, name)
             if not os.path.exists(full):
                 problems.append((i, f"{full} is missing"))
@@ -216,11 +217,8 @@ class ShardWriter:
             if int(name[6:11]) >= n_kept:  # shard-NNNNN.bin / .doc
                 os.remove(os.path.join(self.out, name))
         if self.open:
-            tokens_file, docs_file = (os.path.join(self.out, n) for n in shard_names(len(self.shards)))
-            for path, size in (
-                (tokens_file, self.open["tokens"] * self.dtype.itemsize),
-                (docs_file, self.open["documents"] * 8),
-            ):
+            for name, size in shard_files(len(self.shards), self.open, self.dtype.itemsize):
+                path = os.path.join(self.out, name)
                 if not os.path.exists(path) or os.path.getsize(path) < size:
                     raise RuntimeError(
                         f"{path} is shorter than {PROGRESS} records; delete {self.out} and start over"

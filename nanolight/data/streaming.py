@@ -79,32 +79,18 @@ class DocumentStream:
         """Consecutive `size`-token windows from `cursor`, each with the cursor right after it.
 
         The last window of the stream may be shorter; its cursor is None (the end)."""
-        pending: list[list[Any]] = []  # [state before, tokens, offset already used]
-        have, last_after = 0, cursor[0]
-        for i, (before, tokens, _, after) in enumerate(self.batches(cursor[0])):
-            offset = cursor[1] if i == 0 else 0
-            pending.append([before, tokens, offset])
-            have, last_after = have + len(tokens) - offset, after
-            while have >= size:
-                yield _take(pending, size), ((pending[0][0], pending[0][2]) if pending else (last_after, 0))
-                have -= size
-        yield _take(pending, have), None
-
-
-def _take(pending: list[list[Any]], n: int) -> np.ndarray:
-    """The next `n` tokens of `pending`, which is advanced past them."""
-    parts = []
-    while n > 0:
-        _, tokens, offset = pending[0]
-        k = min(n, len(tokens) - offset)
-        parts.append(tokens[offset : offset + k])
-        n -= k
-        pending[0][2] += k
-        if pending[0][2] == len(tokens):
-            pending.pop(0)
-    while pending and pending[0][2] == len(pending[0][1]):
-        pending.pop(0)
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        # (state before, tokens) of the read batches not used up; pending[0]'s first `offset` are used
+        pending: list[tuple[dict | None, np.ndarray]] = []
+        offset = cursor[1]
+        for before, tokens, _, after in self.batches(cursor[0]):
+            pending.append((before, tokens))
+            while sum(len(t) for _, t in pending) - offset >= size:
+                window = np.concatenate([t for _, t in pending])[offset : offset + size]
+                offset += size
+                while pending and offset >= len(pending[0][1]):
+                    offset -= len(pending.pop(0)[1])
+                yield window, ((pending[0][0], offset) if pending else (after, 0))
+        yield np.concatenate([t for _, t in pending] or [np.zeros(0, dtype=np.int64)])[offset:], None
 
 
 def rank_stream(dataset: Any, dp_rank: int, dp_size: int) -> Callable[[], Any]:
@@ -204,13 +190,10 @@ class StreamingPackedLoader:
                     self._blocks_served += 1
                     served_in_pass = True
                     if self._taken == len(blocks):  # the window is used up: the position moves past it
-                        self._window, self._taken = self._window + 1, 0
-                        self._cursor = after if after is not None else (None, 0)
-                        if after is None:
-                            self._pass, self._window = self._pass + 1, 0
+                        self._next_window(after)
                     yield blocks[i]
-                if after is None and len(blocks) == 0:
-                    self._pass, self._window, self._taken, self._cursor = self._pass + 1, 0, 0, (None, 0)
+                if len(blocks) == 0:  # the stream's last window, shorter than a block
+                    self._next_window(after)
             if not served_in_pass:
                 raise ValueError(
                     f"dp rank {self.dp_rank} of {self.dp_size}: its share of the stream holds fewer than "
@@ -222,6 +205,14 @@ class StreamingPackedLoader:
                 "(the stream has no epochs; bound the run with trainer.max_steps)",
                 stacklevel=2,
             )
+
+    def _next_window(self, after: Cursor | None) -> None:
+        """Move the position past the current window: to `after`, or to the next pass at the end."""
+        self._taken = 0
+        if after is None:
+            self._pass, self._window, self._cursor = self._pass + 1, 0, (None, 0)
+        else:
+            self._window, self._cursor = self._window + 1, after
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         blocks = self._blocks()

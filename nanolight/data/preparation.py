@@ -3,10 +3,9 @@ corpus trained on directly, prepared the same way into the data cache (`token_fi
 
 The source (local files, a hub dataset or `embedded`) is opened as a map-style `datasets`
 table and tokenized chunk by chunk: each chunk of rows goes through `datasets.map(num_proc=N)`
-(N worker processes, one single-threaded tokenizer each) or, with N = 1, through one
-multi-threaded batch call in this process. Each worker gets every N-th row of the chunk rather
-than a contiguous slice, so a run of long documents cannot leave one worker late. Each chunk is
-committed (see shards.py), so a killed preparation continues from its last chunk, and one
+(N worker processes, one single-threaded tokenizer each; worker w gets every N-th row, so a run
+of long documents cannot leave one worker late) or, with N = 1, through one multi-threaded batch
+call in this process. Each chunk is committed (see shards.py), so a killed preparation continues from its last chunk, and one
 whose shards were later damaged is repaired from the first damaged shard on.
 """
 

@@ -40,7 +40,6 @@ INDEX = "index.json"
 PROGRESS = "prepare.json"  # present while a preparation is unfinished
 FORMAT = "nanolight-tokens"
 VERSION = 1
-_REPAIR = "re-run scripts/prepare_data.py with the same arguments: it rewrites the damaged shards only"
 
 
 def token_dtype(vocab: int) -> np.dtype:
@@ -142,7 +141,8 @@ class PreparedData:
         problems = check_shards(p, index)
         if problems:
             raise DataError(
-                f"prepared data {p} is damaged: {'; '.join(m for _, m in problems[:4])}. Fix: {_REPAIR}"
+                f"prepared data {p} is damaged: {'; '.join(m for _, m in problems[:4])}. Fix: re-run "
+                "scripts/prepare_data.py with the same arguments: it rewrites the damaged shards only"
             )
         return cls(p, index, TokenShards(p, index))
 

@@ -207,13 +207,12 @@ def check_text_field(columns: list[str] | None, text_field: str) -> None:
         )
 
 
-def stdlib_files(max_bytes: int, root: str | None = None) -> Iterator[tuple[str, str]]:
+def stdlib_files(max_bytes: int, root: str) -> Iterator[tuple[str, str]]:
     """Yield (relative path, absolute path) of stdlib .py files in sorted order, up to `max_bytes`.
 
     Sorted walk and whole-file cap make the corpus identical on every rank and every run.
     Test suites and third-party packages are skipped: they are not the standard library's prose.
     """
-    root = root or sysconfig.get_paths()["stdlib"]
     total = 0
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))

@@ -147,11 +147,8 @@ def hold_out(
 
 
 class StreamingPackedLoader:
-    """Micro-batches {"input_ids", "target_ids"} (micro_batch_size, seq_len) of this rank's stream share.
-
-    Never ends (see above): a rank that finishes its share starts another pass. The
-    state holds the stream's own position, so resuming costs one window whatever the step.
-    """
+    """Micro-batches {"input_ids", "target_ids"} (micro_batch_size, seq_len) of this rank's stream
+    share, for ever (a finished share starts another pass); resuming re-reads at most one window."""
 
     def __init__(
         self,
@@ -168,7 +165,6 @@ class StreamingPackedLoader:
         self.geometry, self.document_eos = geometry, document_eos
         self.seq_len, self.window_blocks = geometry.seq_len, max(1, shuffle_buffer)
         self.dp_rank, self.dp_size, self.seed = geometry.dp_rank, geometry.dp_size, geometry.seed
-        self.global_batch_size = geometry.global_batch_size
         share, files = rank_stream(dataset, self.dp_rank, self.dp_size), source_files or ["the stream"]
         self.stream = DocumentStream(share, tokenizer, text_field, tokenize_batch_size, skip_documents, files)
         self._pass, self._window, self._taken, self._blocks_served = 0, 0, 0, 0

@@ -147,11 +147,8 @@ def tokenizer_identity(tok: PreTrainedTokenizerBase) -> str:
 
 
 def vocab_size(tok: PreTrainedTokenizerBase) -> int:
-    """Number of token ids the model's embedding must cover (`len(tokenizer)`, incl. added tokens).
-
-    The recipe compares it with `model.vocab_size`: a tokenizer larger than the model's vocab
-    would index past the embedding.
-    """
+    """Token ids the model's embedding must cover (`len(tokenizer)`, added tokens included): the
+    recipe checks it against `model.vocab_size`, since a larger tokenizer would index past it."""
     return len(tok)
 
 

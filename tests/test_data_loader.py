@@ -164,8 +164,8 @@ def test_split_blocks_is_deterministic_and_disjoint() -> None:
     assert np.array_equal(val, split_blocks(1000, 0.05)[1])
     assert len(split_blocks(1000, 0.0)[1]) == 0 and len(split_blocks(1000, 0.5, val_blocks=7)[1]) == 7
     assert len(split_blocks(10, 0.001)[1]) == 1  # a positive fraction keeps at least one block
-    small, big = split_blocks(1000, 0.001)[1], split_blocks(1000, 0.001, min_val_blocks=16)[1]
-    assert len(big) == 16 and set(small) <= set(big)  # at least one val batch; a superset, not a reshuffle
+    small, big = split_blocks(1000, 0.001)[1], split_blocks(1000, 0.001, val_blocks=16)[1]
+    assert len(big) == 16 and set(small) <= set(big)  # a larger held-out set is a superset, not a reshuffle
 
 
 def test_eval_loader_shards_and_restarts() -> None:

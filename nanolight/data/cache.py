@@ -4,9 +4,8 @@ Every expensive artifact of the data pipeline (embedded corpus, embedded tokeniz
 shards of a local corpus) is a directory named by a hash of everything it depends on, so a
 changed input gets a new path and a stale artifact is never reused. It is built in a temporary
 directory and renamed into place by `checkpoint/atomic.py` (the one home of atomic writes), so a
-crash or a concurrent reader never sees a half-written one. Concurrent ranks serialize on a file
-lock (the first builds, the rest wait and then find it complete), or, on filesystems without
-working locks, on a barrier callback the caller supplies.
+crash or a concurrent reader never sees a half-written one. Concurrent processes serialize on a
+file lock: the first builds, the rest wait and then find it complete.
 """
 
 from __future__ import annotations
@@ -28,34 +27,16 @@ def fingerprint(identity: Any, length: int = 16) -> str:
     return hashlib.sha256(blob).hexdigest()[:length]
 
 
-def build_once(
-    path: str,
-    build: Callable[[str], None],
-    *,
-    barrier: Callable[[], None] | None = None,
-    is_builder: bool = True,
-) -> str:
+def build_once(path: str, build: Callable[[str], None]) -> str:
     """Make sure the directory `path` exists, calling `build(tmp_dir)` at most once across processes.
 
     `build` fills the empty temporary directory it is given, which becomes `path` only after
-    `build` returns, so `path` existing means complete. Without a barrier, every process takes
-    the file lock `<path>.lock` and builds if the artifact is still missing after acquiring it.
-    With a barrier, only processes with `is_builder` (e.g. local rank 0) build; every process
-    then calls `barrier()` -- all of them, even on a cache hit, so the collective always
-    matches -- and reads the artifact afterwards.
+    `build` returns, so `path` existing means complete.
     """
-    if barrier is None or is_builder:
-        if not os.path.exists(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with FileLock(path + ".lock"):
-                if not os.path.exists(path):
-                    with atomic_directory(path) as tmp:
-                        build(str(tmp))
-    if barrier is not None:
-        barrier()
     if not os.path.exists(path):
-        raise RuntimeError(
-            f"cache artifact {path} is missing after the barrier: no process built it. Pass "
-            "is_builder=True on one process per machine (local rank 0) when passing a barrier"
-        )
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with FileLock(path + ".lock"):
+            if not os.path.exists(path):
+                with atomic_directory(path) as tmp:
+                    build(str(tmp))
     return path

@@ -177,13 +177,8 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class BatchGeometry:
-    """How a step's data is cut, on this rank: the one value every loader takes.
-
-    Global batch s is samples [s*G, (s+1)*G) of the data's order, G = micro_batch_size *
-    accumulate_grad_batches * dp_size; dp rank r takes the r-th contiguous slice of G and yields
-    it as `accumulate_grad_batches` micro-batches of `micro_batch_size` rows of `seq_len` tokens.
-    `seed` orders the samples. Every rank passes the same values but its own `dp_rank`.
-    """
+    """How a step's data is cut, on this rank: the one value every loader takes (the global batch
+    rule it follows: loader.py). Every rank passes the same values but its own `dp_rank`."""
 
     seq_len: int
     micro_batch_size: int

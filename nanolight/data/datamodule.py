@@ -1,15 +1,10 @@
 """`build_datamodule`: the one call the recipe makes to turn a `DataConfig` into loaders.
 
-Two sources, one contract (batches, state_dict, the global batch rule):
-- token shards, memory-mapped and packed at read time, served by `PackedLoader` (one seeded
-  permutation over all samples, global batch s = order[s*G:(s+1)*G], rank r's slice of it) or,
-  for `data.mixture`, by `MixtureLoader`. They are a directory made by scripts/prepare_data.py
-  (`data.path=<dir>`, nothing built at run time), or the embedded corpus, local files or a hub
-  dataset prepared the same way once into the data cache: embedded corpus (only if asked for)
-  -> tokenizer -> shards, each step cached and built by one process at a time (see cache.py).
-  So every layout sees the same global batch at every step, resuming is a consumed-samples
-  counter, and a rank reads only its own samples' bytes (`TokenShards` maps a shard when one of
-  them first touches it);
+Two sources, one contract (batches, state_dict, the global batch rule of loader.py):
+- token shards (shards.py), read through `PackedLoader`, or `MixtureLoader` for `data.mixture`:
+  a directory made by scripts/prepare_data.py (`data.path=<dir>`, nothing built at run time),
+  or the embedded corpus, local files or a hub dataset prepared the same way once into the data
+  cache (preparation.py `token_file`);
 - a stream (`data.streaming=true`): each dp rank reads and tokenizes its share (streaming.py).
 """
 
@@ -17,7 +12,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from transformers import PreTrainedTokenizerBase
@@ -40,22 +34,14 @@ class DataModule(NamedTuple):
     tokenizer: PreTrainedTokenizerBase
 
 
-def build_datamodule(
-    cfg: DataConfig,
-    geometry: BatchGeometry,
-    barrier: Callable[[], None] | None = None,
-    is_builder: bool = True,
-) -> DataModule:
+def build_datamodule(cfg: DataConfig, geometry: BatchGeometry) -> DataModule:
     """Loaders for this dp rank, the validation loader (None without a val split) and the tokenizer.
 
-    Every rank calls this with the same `cfg` and `geometry` but its own `geometry.dp_rank`.
-    Cache builds are serialized with a file lock; on a filesystem without working file locks,
-    pass a `barrier` (e.g. `torch.distributed.barrier`) and `is_builder=(local_rank == 0)`, and
-    every rank must then call this (the barrier is entered once per cached artifact on every
-    rank). Train batches are {"input_ids", "target_ids"} (micro_batch_size, seq_len) int64
-    (targets already shifted: `loader.make_batch`), plus "position_ids" and "document_ids" with
-    `data.document_mask`; checkpoint `train_loader.state_dict()` after each step. The recipe
-    checks `len(tokenizer)` (`nanolight.data.vocab_size`) against the model's vocab size.
+    Every rank calls this with the same `cfg` and `geometry` but its own `geometry.dp_rank`;
+    cached artifacts are built by one process at a time (cache.py). Train batches are
+    {"input_ids", "target_ids"} (micro_batch_size, seq_len) int64, plus "position_ids" and
+    "document_ids" with `data.document_mask`; checkpoint `train_loader.state_dict()` after each
+    step. The recipe checks `len(tokenizer)` (`nanolight.data.vocab_size`) against the model's.
     """
     if cfg.mixture is not None:
         return _mixture(cfg, geometry)
@@ -69,14 +55,13 @@ def build_datamodule(
         return _prepared(cfg, geometry, data, _run_tokenizer([("data.path", data)], cfg.tokenizer))
     if cfg.path != EMBEDDED:
         local_files(cfg.path)  # a missing local path fails now, not after a tokenizer is trained
-    shared: dict[str, Any] = {"barrier": barrier, "is_builder": is_builder}
     corpus = None
     if cfg.path == EMBEDDED or cfg.tokenizer == EMBEDDED:
-        corpus = embedded_corpus(cfg.cache_root, cfg.embedded_max_mb, **shared)
-    tok = resolve_tokenizer(cfg, corpus, **shared)
+        corpus = embedded_corpus(cfg.cache_root, cfg.embedded_max_mb)
+    tok = resolve_tokenizer(cfg, corpus)
     if cfg.streaming:
         return _streaming(cfg, geometry, tok)
-    return _prepared(cfg, geometry, token_file(cfg, tok, corpus, **shared), tok)
+    return _prepared(cfg, geometry, token_file(cfg, tok, corpus), tok)
 
 
 def _run_tokenizer(sources: list[tuple[str, PreparedData]], tokenizer: str) -> PreTrainedTokenizerBase:
@@ -107,17 +92,16 @@ def _blocks(
     data: PreparedData, cfg: DataConfig, seq_len: int, document_eos: int | None
 ) -> tuple[PackedDataset, PackedDataset]:
     """(train, val) datasets of prepared shards; the held-out blocks are the same at every layout."""
-    train_ids, val_ids = split_blocks(len(data.tokens) // seq_len, cfg.val_fraction, cfg.val_blocks)
-    train = PackedDataset(data.tokens, seq_len, train_ids, document_eos)
-    return train, PackedDataset(data.tokens, seq_len, val_ids, document_eos)
+    ids = split_blocks(len(data.tokens) // seq_len, cfg.val_fraction, cfg.val_blocks)
+    train, val = (PackedDataset(data.tokens, seq_len, part, document_eos) for part in ids)
+    return train, val
 
 
 def _prepared(
     cfg: DataConfig, geometry: BatchGeometry, data: PreparedData, tok: PreTrainedTokenizerBase
 ) -> DataModule:
     """Loaders over one set of shards (a prepared directory or the cached preparation)."""
-    eos = tok.eos_token_id if cfg.document_mask else None
-    train, val = _blocks(data, cfg, geometry.seq_len, eos)
+    train, val = _blocks(data, cfg, geometry.seq_len, tok.eos_token_id if cfg.document_mask else None)
     return DataModule(PackedLoader(train, geometry), EvalLoader.of(val, geometry), tok)
 
 

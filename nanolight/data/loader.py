@@ -7,9 +7,9 @@ boundaries, and the EOS tells the model where one document ends. The last `num_t
 tokens do not fill a block and are dropped (at most seq_len - 1 tokens of the whole corpus).
 
 The rule (DESIGN.md) that makes runs comparable across layouts: an epoch's sample order is a
-permutation from (seed, epoch); global batch s is order[s*G:(s+1)*G] and dp rank r takes the
-r-th contiguous slice of it (`BatchGeometry`), yielded as `accumulate_grad_batches`
-micro-batches. Concatenating all ranks' micro-batches of a step, rank-major, gives the same
+permutation from (seed, epoch); global batch s is order[s*G:(s+1)*G], G = micro_batch_size x
+accumulate_grad_batches x dp, and dp rank r takes the r-th contiguous slice of it
+(`BatchGeometry.rank_offset`), yielded as `accumulate_grad_batches` micro-batches. Concatenating all ranks' micro-batches of a step, rank-major, gives the same
 ordered global batch at any dp size and any micro-batch split. The last `len(dataset) % G`
 samples of an epoch (an incomplete global batch) are dropped; the next epoch's permutation
 brings them back in.
@@ -66,21 +66,20 @@ def make_batch(ids: torch.Tensor, document_eos: int | None) -> dict[str, torch.T
 
 
 def split_blocks(
-    n_blocks: int, val_fraction: float, val_blocks: int | None = None, min_val_blocks: int = 1
+    n_blocks: int, val_fraction: float, val_blocks: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """(train, val) block ids: a fixed pseudo-random `val_fraction` (or `val_blocks`) held out.
 
     Random rather than the tail: a sorted corpus's tail is one topic (e.g. the stdlib's `xml` and
-    `zoneinfo`), a biased validation set. A positive `val_fraction` holds out at least
-    `min_val_blocks`; the held-out set for a larger count is a superset. The split depends on the
-    data alone, never on the layout (a layout-dependent minimum, such as one validation batch of
-    micro_batch_size * dp, would change the training samples with dp): a split too small for one
-    validation batch is the validation loader's error to report.
+    `zoneinfo`), a biased validation set. A positive `val_fraction` holds out at least one block;
+    the held-out set for a larger count is a superset. The split depends on the data alone, never
+    on the layout (a layout-dependent minimum, such as one validation batch of micro_batch_size *
+    dp, would change the training samples with dp): a split too small for one validation batch is
+    the validation loader's error to report.
     """
-    n_val = val_blocks if val_blocks is not None else int(round(val_fraction * n_blocks))
-    if val_fraction > 0 and val_blocks is None:
-        n_val = max(n_val, min_val_blocks)
-    n_val = min(n_val, n_blocks)
+    if val_blocks is None:
+        val_blocks = max(int(round(val_fraction * n_blocks)), 1 if val_fraction > 0 else 0)
+    n_val = min(val_blocks, n_blocks)
     perm = np.random.default_rng(_VAL_SEED).permutation(n_blocks)
     return np.sort(perm[n_val:]), np.sort(perm[:n_val])
 

@@ -29,11 +29,11 @@ from nanolight.data.loader import PackedDataset, PackedLoader, epoch_order, make
 class MixtureSchedule:
     """Source of every global sample index for `weights` (any positive numbers, relative)."""
 
-    def __init__(self, weights: list[float], max_period: int = 10_000) -> None:
+    def __init__(self, weights: list[float]) -> None:
         total = sum(weights)
         shares = [Fraction(w / total).limit_denominator(1000) for w in weights]
         period = math.lcm(*(s.denominator for s in shares))
-        self.period = period if period <= max_period else max_period
+        self.period = min(period, 10_000)  # shares of a large common denominator: apportioned
         self.counts = _apportion([w / total for w in weights], self.period)
         self.table = _interleave(self.counts)
         onehot = np.eye(len(weights), dtype=np.int64)[self.table]
@@ -128,14 +128,13 @@ class MixtureLoader(PackedLoader):
 
     def _batch(self, ks: np.ndarray) -> dict[str, torch.Tensor]:
         src, local = self.schedule.locate(ks)
-        rows = np.empty((len(ks), self.sources[0].seq_len), dtype=np.int64)
         for s in np.unique(src):
-            ds, mine = self.sources[s], np.flatnonzero(src == s)
-            passes = np.full(len(mine), self._epoch) if self.epoch_samples else local[mine] // len(ds)
+            n, mine = len(self.sources[s]), np.flatnonzero(src == s)
+            passes = np.full(len(mine), self._epoch) if self.epoch_samples else local[mine] // n
             for p in np.unique(passes):
                 sel = mine[passes == p]
-                rows[sel] = ds.rows(self._order(int(s), int(p))[local[sel] % len(ds)])
-        return make_batch(torch.from_numpy(rows), self.sources[0].document_eos)
+                local[sel] = self._order(int(s), int(p))[local[sel] % n]
+        return _gather(self.sources, src, local)
 
     def _step_starts(self) -> None:
         """Under `repeat`, rank 0 warns when this step runs a source out (every rank runs the same schedule)."""
@@ -186,8 +185,12 @@ class ConcatBlocks:
     def batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
         indices = np.asarray(indices)
         part = np.searchsorted(self.starts, indices, side="right") - 1
-        rows = np.empty((len(indices), self.seq_len), dtype=np.int64)
-        for p in np.unique(part):
-            sel = part == p
-            rows[sel] = self.parts[p].rows(indices[sel] - self.starts[p])
-        return make_batch(torch.from_numpy(rows), self.parts[0].document_eos)
+        return _gather(self.parts, part, indices - self.starts[part])
+
+
+def _gather(sources: list[PackedDataset], which: np.ndarray, rows: np.ndarray) -> dict[str, torch.Tensor]:
+    """The batch whose j-th row is row `rows[j]` of `sources[which[j]]`."""
+    out = np.empty((len(which), sources[0].seq_len), dtype=np.int64)
+    for s in np.unique(which):
+        out[which == s] = sources[s].rows(rows[which == s])
+    return make_batch(torch.from_numpy(out), sources[0].document_eos)

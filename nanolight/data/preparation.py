@@ -3,10 +3,9 @@ corpus trained on directly, prepared the same way into the data cache (`token_fi
 
 The source (local files, a hub dataset or `embedded`) is opened as a map-style `datasets`
 table and tokenized chunk by chunk: each chunk of rows goes through `datasets.map(num_proc=N)`
-(N worker processes, one single-threaded tokenizer each) or, with N = 1, through one
-multi-threaded batch call in this process. Each worker gets every N-th row of the chunk rather
-than a contiguous slice, so a run of long documents cannot leave one worker late. Each chunk is
-committed (see shards.py), so a killed preparation continues from its last chunk, and one
+(N worker processes, one single-threaded tokenizer each; worker w gets every N-th row, so a run
+of long documents cannot leave one worker late) or, with N = 1, through one multi-threaded batch
+call in this process. Each chunk is committed (see shards.py), so a killed preparation continues from its last chunk, and one
 whose shards were later damaged is repaired from the first damaged shard on.
 """
 
@@ -51,9 +50,9 @@ from nanolight.data.sources import (
     local_identity,
     open_hub,
     open_local,
-    read_error,
+    reading,
 )
-from nanolight.data.tokenizer import Encoder, resolve_tokenizer, tokenizer_identity
+from nanolight.data.tokenizer import Encoder, resolve_tokenizer, tokenizer_identity, with_eos
 
 _INPUT_KEYS = ("source", "tokenizer", "text_field", "dtype", "shard_tokens")
 
@@ -213,10 +212,21 @@ def _tokenize(
 ) -> None:
     """Rows `row`.. of `ds` into `writer`, one committed chunk at a time, behind one progress bar."""
     import datasets
+    from tqdm.auto import tqdm
 
     encoder = Encoder.of(tok, cfg.text_field, np.dtype(inputs["dtype"]))
     n_rows, out = len(ds), writer.out
-    bar = _progress_bar(progress, n_rows, row, out)
+    if progress and row:
+        print(f"{out}: resuming at document row {row:,} of {n_rows:,}", file=sys.stderr)
+    bar = tqdm(
+        total=n_rows,
+        initial=row,
+        unit="doc",
+        unit_scale=True,
+        desc="tokenize",
+        file=sys.stderr,
+        disable=not progress,
+    )
     was_enabled = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # one bar: ours (documents and tokens per second)
     start, n_tokens = time.perf_counter(), 0
@@ -228,15 +238,13 @@ def _tokenize(
             writer.add(tokens, ends, rows)
             writer.commit(inputs, stop)
             n_tokens += len(tokens)
-            if bar is not None:
-                bar.update(stop - row)
-                bar.set_postfix_str(f"{n_tokens / (time.perf_counter() - start):,.0f} tok/s")
+            bar.update(stop - row)
+            bar.set_postfix_str(f"{n_tokens / (time.perf_counter() - start):,.0f} tok/s")
             row = stop
             if after_commit is not None:
                 after_commit(row)
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
         if was_enabled:
             datasets.enable_progress_bars()
         _remove_leftovers(out)
@@ -302,16 +310,6 @@ def _check_same_inputs(out: str, saved: dict[str, Any], inputs: dict[str, Any]) 
         )
 
 
-def _progress_bar(enabled: bool, total: int, done: int, out: str) -> Any:
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    if done:
-        print(f"{out}: resuming at document row {done:,} of {total:,}", file=sys.stderr)
-    return tqdm(total=total, initial=done, unit="doc", unit_scale=True, desc="tokenize", file=sys.stderr)
-
-
 def tokenize_rows(
     ds: Any,
     start: int,
@@ -325,41 +323,26 @@ def tokenize_rows(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, document end offsets, source row per document) of rows [start, stop) of `ds`;
     `source` (the files, or the hub name) is what an error names."""
-    try:
+    with reading(source):  # e.g. a text that is not a string: name the source, not a worker traceback
         if num_proc <= 1:
-            texts = ds[start:stop][encoder.text_field]
-            ids, keep = [], []
-            for i in range(0, len(texts), batch_size * 64):  # big calls: the tokenizer threads them
-                part_ids, part_keep = encoder.encode(texts[i : i + batch_size * 64])
-                ids += part_ids
-                keep += part_keep
-            lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-            values = np.concatenate(ids) if ids else np.zeros(0, dtype=encoder.dtype)
-            kept = np.asarray(keep, dtype=bool)
+            tokens, ends, kept = encoder.documents(ds[start:stop][encoder.text_field], eos)
         else:
-            lengths, values, kept = _map_chunk(ds, start, stop, encoder, num_proc, batch_size, work_dir)
-    except Exception as err:  # e.g. a text that is not a string: name the source, not a worker traceback
-        raise read_error(source, err) from err
-    rows = start + np.flatnonzero(kept)
-    lengths = lengths[kept]
-    # each document's tokens, then EOS: insert one EOS after every document's last token
-    tokens = np.insert(values, np.cumsum(lengths), np.asarray(eos, dtype=values.dtype))
-    return tokens, np.cumsum(lengths + 1), rows
+            tokens, ends, kept = _map_chunk(ds, start, stop, encoder, eos, num_proc, batch_size, work_dir)
+    return tokens, ends, start + np.flatnonzero(kept)
 
 
 def _map_chunk(
-    ds: Any, start: int, stop: int, encoder: Encoder, num_proc: int, batch_size: int, work_dir: str
+    ds: Any, start: int, stop: int, encoder: Encoder, eos: int, num_proc: int, batch_size: int, work_dir: str
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`Encoder.documents` of rows [start, stop) through `datasets.map` with `num_proc` workers."""
     import datasets
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    list_feature = getattr(datasets, "List", None) or datasets.Sequence  # datasets < 4 calls it Sequence
-
     # worker w gets rows start+w, start+w+N, ...: datasets hands each worker a contiguous slice
     order = np.concatenate([np.arange(start + w, stop, num_proc) for w in range(num_proc)])
     features = datasets.Features(
-        {"ids": list_feature(datasets.Value(encoder.dtype.name)), "keep": datasets.Value("bool")}
+        {"ids": datasets.List(datasets.Value(encoder.dtype.name)), "keep": datasets.Value("bool")}
     )
     cache = os.path.join(work_dir, f".chunk-{os.getpid()}.arrow")
     workers = min(num_proc, len(order))
@@ -383,16 +366,13 @@ def _map_chunk(
     del mapped, table, ids
     for f in glob.glob(cache.replace(".arrow", "*")):
         os.remove(f)
-    return lengths, values, kept
+    return (*with_eos(values, lengths[kept], eos), kept)
 
 
 def token_file(
     cfg: DataConfig,
     tok: PreTrainedTokenizerBase,
     corpus: str | None = None,
-    *,
-    barrier: Callable[[], None] | None = None,
-    is_builder: bool = True,
 ) -> PreparedData:
     """The shards of `cfg`'s source under `tok`, prepared (as by scripts/prepare_data.py) into the
     data cache on a miss, so a local corpus is read through the same format and loader.
@@ -426,4 +406,4 @@ def token_file(
         )
         prepare(prep, progress=False, tokenizer=tok, key="data.path")
 
-    return PreparedData.open(build_once(path, build, barrier=barrier, is_builder=is_builder))
+    return PreparedData.open(build_once(path, build))

@@ -40,7 +40,6 @@ INDEX = "index.json"
 PROGRESS = "prepare.json"  # present while a preparation is unfinished
 FORMAT = "nanolight-tokens"
 VERSION = 1
-_REPAIR = "re-run scripts/prepare_data.py with the same arguments: it rewrites the damaged shards only"
 
 
 def token_dtype(vocab: int) -> np.dtype:
@@ -51,6 +50,11 @@ def token_dtype(vocab: int) -> np.dtype:
 def shard_names(i: int) -> tuple[str, str]:
     """(tokens file, document-ends file) of shard `i`."""
     return f"shard-{i:05d}.bin", f"shard-{i:05d}.doc"
+
+
+def shard_files(i: int, shard: dict[str, Any], itemsize: int) -> list[tuple[str, int]]:
+    """(name, size in bytes) of shard `i`'s two files, as `shard` (its index entry) records them."""
+    return list(zip(shard_names(i), (shard["tokens"] * itemsize, shard["documents"] * 8), strict=True))
 
 
 def is_prepared_dir(path: str) -> bool:
@@ -106,11 +110,7 @@ def check_shards(path: str, index: dict[str, Any]) -> list[tuple[int, str]]:
     itemsize = np.dtype(index["dtype"]).itemsize
     problems = []
     for i, shard in enumerate(index["shards"]):
-        tokens_file, docs_file = shard_names(i)
-        for name, expected in (
-            (tokens_file, shard["tokens"] * itemsize),
-            (docs_file, shard["documents"] * 8),
-        ):
+        for name, expected in shard_files(i, shard, itemsize):
             full = os.path.join(path, name)
             if not os.path.exists(full):
                 problems.append((i, f"{full} is missing"))
@@ -141,7 +141,8 @@ class PreparedData:
         problems = check_shards(p, index)
         if problems:
             raise DataError(
-                f"prepared data {p} is damaged: {'; '.join(m for _, m in problems[:4])}. Fix: {_REPAIR}"
+                f"prepared data {p} is damaged: {'; '.join(m for _, m in problems[:4])}. Fix: re-run "
+                "scripts/prepare_data.py with the same arguments: it rewrites the damaged shards only"
             )
         return cls(p, index, TokenShards(p, index))
 
@@ -212,18 +213,12 @@ class ShardWriter:
     def _restore_files(self) -> None:
         """Make the files on disk match the committed state: truncate the open shard, drop later ones."""
         n_kept = len(self.shards) + (1 if self.open else 0)
-        i = n_kept
-        while any(os.path.exists(os.path.join(self.out, n)) for n in shard_names(i)):
-            for name in shard_names(i):
-                if os.path.exists(os.path.join(self.out, name)):
-                    os.remove(os.path.join(self.out, name))
-            i += 1
+        for name in prepared_leftovers(self.out):
+            if int(name[6:11]) >= n_kept:  # shard-NNNNN.bin / .doc
+                os.remove(os.path.join(self.out, name))
         if self.open:
-            tokens_file, docs_file = (os.path.join(self.out, n) for n in shard_names(len(self.shards)))
-            for path, size in (
-                (tokens_file, self.open["tokens"] * self.dtype.itemsize),
-                (docs_file, self.open["documents"] * 8),
-            ):
+            for name, size in shard_files(len(self.shards), self.open, self.dtype.itemsize):
+                path = os.path.join(self.out, name)
                 if not os.path.exists(path) or os.path.getsize(path) < size:
                     raise RuntimeError(
                         f"{path} is shorter than {PROGRESS} records; delete {self.out} and start over"

@@ -21,14 +21,13 @@ import logging
 import os
 import sys
 import sysconfig
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 from nanolight.data.cache import build_once, fingerprint
 from nanolight.data.config import DataConfig, DataError, DataNotFound
 
-T = TypeVar("T")
 _PEEK = 1 << 16  # bytes of each text file read up front to tell a data file from garbage
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idle_test"}
 _CORPUS_FORMAT = 2  # bump when the corpus layout changes, so old caches are not reused
@@ -149,54 +148,36 @@ def open_local(files: list[str], *, streaming: bool, cache_dir: str, num_proc: i
         check_local_file(f)
     builder, defaults = _BUILDERS[exts.pop()]
     kwargs = dict(defaults)  # a copy: the table is shared
+    if num_proc and num_proc > 1 and not streaming:
+        kwargs["num_proc"] = num_proc  # converts the files to arrow in parallel
     import datasets
 
-    try:
-        if num_proc and num_proc > 1 and not streaming:
-            kwargs["num_proc"] = num_proc  # converts the files to arrow in parallel
-        with reader_logs_silenced():
-            return datasets.load_dataset(
-                builder, data_files=files, split="train", streaming=streaming, cache_dir=cache_dir, **kwargs
-            )
-    except DataError:
-        raise
-    except Exception as err:  # damage past the first 64 KB surfaces here, in many exception types
-        raise read_error(files, err) from err
+    with reading(files):  # damage past the first 64 KB surfaces here, in many exception types
+        return datasets.load_dataset(
+            builder, data_files=files, split="train", streaming=streaming, cache_dir=cache_dir, **kwargs
+        )
 
 
 @contextmanager
-def reader_logs_silenced() -> Iterator[None]:
-    """`datasets`' file readers log the error they then raise (on stdout and stderr under the
-    recipe's logging); the DataError made from it says it once, with what to do."""
+def reading(files: list[str]) -> Iterator[None]:
+    """Around a `datasets` read of `files`: a library error becomes a DataError naming the files
+    and saying what to do (our own DataErrors pass through); the readers' own log of it (on stdout
+    and stderr under the recipe's logging) is silenced, so the error is said once."""
     log = logging.getLogger("datasets.packaged_modules")
     previous = log.level
     log.setLevel(logging.CRITICAL)
     try:
         yield
-    finally:
-        log.setLevel(previous)
-
-
-def guard_reads(items: Iterable[T], files: list[str]) -> Iterator[T]:
-    """`items` (an iteration that reads `files`), with a library error while reading turned into a
-    DataError naming the files (our own DataErrors pass through)."""
-    try:
-        with reader_logs_silenced():
-            yield from items
     except DataError:
         raise
     except Exception as err:
-        raise read_error(files, err) from err
-
-
-def read_error(files: list[str], err: BaseException) -> DataError:
-    """A DataError for a failure while `datasets` reads `files` (the library's message names the
-    file for most formats; ours says what to do)."""
-    where = files[0] if len(files) == 1 else f"one of {len(files)} files ({files[0]} ...)"
-    return DataError(
-        f"could not read {where}: {type(err).__name__}: {err}. The file is damaged or not in the format "
-        "its extension says; fix or remove it"
-    )
+        where = files[0] if len(files) == 1 else f"one of {len(files)} files ({files[0]} ...)"
+        raise DataError(
+            f"could not read {where}: {type(err).__name__}: {err}. The file is damaged or not in the "
+            "format its extension says; fix or remove it"
+        ) from err
+    finally:
+        log.setLevel(previous)
 
 
 def open_hub(cfg: DataConfig, *, streaming: bool, num_proc: int | None = None) -> Any:
@@ -226,13 +207,12 @@ def check_text_field(columns: list[str] | None, text_field: str) -> None:
         )
 
 
-def stdlib_files(max_bytes: int, root: str | None = None) -> Iterator[tuple[str, str]]:
+def stdlib_files(max_bytes: int, root: str) -> Iterator[tuple[str, str]]:
     """Yield (relative path, absolute path) of stdlib .py files in sorted order, up to `max_bytes`.
 
     Sorted walk and whole-file cap make the corpus identical on every rank and every run.
     Test suites and third-party packages are skipped: they are not the standard library's prose.
     """
-    root = root or sysconfig.get_paths()["stdlib"]
     total = 0
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
@@ -247,13 +227,7 @@ def stdlib_files(max_bytes: int, root: str | None = None) -> Iterator[tuple[str,
             yield os.path.relpath(full, root), full
 
 
-def embedded_corpus(
-    cache_root: str,
-    max_mb: float,
-    *,
-    barrier: Callable[[], None] | None = None,
-    is_builder: bool = True,
-) -> str:
+def embedded_corpus(cache_root: str, max_mb: float) -> str:
     """Path of the cached JSONL corpus (`{"text", "path"}` per line), written on first use.
 
     It lies in a directory named by its content key, which the embedded tokenizer's key reuses."""
@@ -276,4 +250,4 @@ def embedded_corpus(
                 "set data.path to a local .jsonl/.txt corpus or a hub dataset instead of `embedded`"
             )
 
-    return os.path.join(build_once(path, build, barrier=barrier, is_builder=is_builder), "corpus.jsonl")
+    return os.path.join(build_once(path, build), "corpus.jsonl")

@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nanolight.data.config import BatchGeometry
 from nanolight.data.loader import make_batch
-from nanolight.data.sources import check_text_field, guard_reads
+from nanolight.data.sources import check_text_field, reading
 from nanolight.data.tokenizer import Encoder
 
 Cursor = tuple[dict | None, int]  # (stream state before a read batch, None = the pass start; token offset)
@@ -60,9 +60,10 @@ class DocumentStream:
         if state is not None:
             ds.load_state_dict(copy.deepcopy(state))
         encoder = Encoder.of(self.tokenizer, self.text_field, np.dtype(np.int64))
-        eos, it, before = self.tokenizer.eos_token_id, guard_reads(ds, self.files), state
+        it, before = iter(ds), state
         while True:
-            rows = list(itertools.islice(it, self.batch_size))  # a damaged file surfaces here
+            with reading(self.files):  # a damaged file surfaces here
+                rows = list(itertools.islice(it, self.batch_size))
             if not rows:
                 return
             check_text_field(list(rows[0]), self.text_field)
@@ -70,41 +71,26 @@ class DocumentStream:
             texts = [r[self.text_field] for r in rows]
             if self.skip:
                 texts = [t for t in texts if not t or digest(t) not in self.skip]
-            ids, keep = encoder.encode(texts)
-            docs = [np.append(x, eos) for x, k in zip(ids, keep, strict=True) if k]
-            yield before, (np.concatenate(docs) if docs else np.zeros(0, dtype=np.int64)), texts, after
+            tokens, _, _ = encoder.documents(texts, self.tokenizer.eos_token_id)
+            yield before, tokens, texts, after
             before = after
 
     def windows(self, cursor: Cursor, size: int) -> Iterator[tuple[np.ndarray, Cursor | None]]:
         """Consecutive `size`-token windows from `cursor`, each with the cursor right after it.
 
         The last window of the stream may be shorter; its cursor is None (the end)."""
-        pending: list[list[Any]] = []  # [state before, tokens, offset already used]
-        have, last_after = 0, cursor[0]
-        for i, (before, tokens, _, after) in enumerate(self.batches(cursor[0])):
-            offset = cursor[1] if i == 0 else 0
-            pending.append([before, tokens, offset])
-            have, last_after = have + len(tokens) - offset, after
-            while have >= size:
-                yield _take(pending, size), ((pending[0][0], pending[0][2]) if pending else (last_after, 0))
-                have -= size
-        yield _take(pending, have), None
-
-
-def _take(pending: list[list[Any]], n: int) -> np.ndarray:
-    """The next `n` tokens of `pending`, which is advanced past them."""
-    parts = []
-    while n > 0:
-        _, tokens, offset = pending[0]
-        k = min(n, len(tokens) - offset)
-        parts.append(tokens[offset : offset + k])
-        n -= k
-        pending[0][2] += k
-        if pending[0][2] == len(tokens):
-            pending.pop(0)
-    while pending and pending[0][2] == len(pending[0][1]):
-        pending.pop(0)
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        # (state before, tokens) of the read batches not used up; pending[0]'s first `offset` are used
+        pending: list[tuple[dict | None, np.ndarray]] = []
+        offset = cursor[1]
+        for before, tokens, _, after in self.batches(cursor[0]):
+            pending.append((before, tokens))
+            while sum(len(t) for _, t in pending) - offset >= size:
+                window = np.concatenate([t for _, t in pending])[offset : offset + size]
+                offset += size
+                while pending and offset >= len(pending[0][1]):
+                    offset -= len(pending.pop(0)[1])
+                yield window, ((pending[0][0], offset) if pending else (after, 0))
+        yield np.concatenate([t for _, t in pending] or [np.zeros(0, dtype=np.int64)])[offset:], None
 
 
 def rank_stream(dataset: Any, dp_rank: int, dp_size: int) -> Callable[[], Any]:
@@ -161,11 +147,8 @@ def hold_out(
 
 
 class StreamingPackedLoader:
-    """Micro-batches {"input_ids", "target_ids"} (micro_batch_size, seq_len) of this rank's stream share.
-
-    Never ends (see above): a rank that finishes its share starts another pass. The
-    state holds the stream's own position, so resuming costs one window whatever the step.
-    """
+    """Micro-batches {"input_ids", "target_ids"} (micro_batch_size, seq_len) of this rank's stream
+    share, for ever (a finished share starts another pass); resuming re-reads at most one window."""
 
     def __init__(
         self,
@@ -182,7 +165,6 @@ class StreamingPackedLoader:
         self.geometry, self.document_eos = geometry, document_eos
         self.seq_len, self.window_blocks = geometry.seq_len, max(1, shuffle_buffer)
         self.dp_rank, self.dp_size, self.seed = geometry.dp_rank, geometry.dp_size, geometry.seed
-        self.global_batch_size = geometry.global_batch_size
         share, files = rank_stream(dataset, self.dp_rank, self.dp_size), source_files or ["the stream"]
         self.stream = DocumentStream(share, tokenizer, text_field, tokenize_batch_size, skip_documents, files)
         self._pass, self._window, self._taken, self._blocks_served = 0, 0, 0, 0
@@ -204,13 +186,10 @@ class StreamingPackedLoader:
                     self._blocks_served += 1
                     served_in_pass = True
                     if self._taken == len(blocks):  # the window is used up: the position moves past it
-                        self._window, self._taken = self._window + 1, 0
-                        self._cursor = after if after is not None else (None, 0)
-                        if after is None:
-                            self._pass, self._window = self._pass + 1, 0
+                        self._next_window(after)
                     yield blocks[i]
-                if after is None and len(blocks) == 0:
-                    self._pass, self._window, self._taken, self._cursor = self._pass + 1, 0, 0, (None, 0)
+                if len(blocks) == 0:  # the stream's last window, shorter than a block
+                    self._next_window(after)
             if not served_in_pass:
                 raise ValueError(
                     f"dp rank {self.dp_rank} of {self.dp_size}: its share of the stream holds fewer than "
@@ -222,6 +201,14 @@ class StreamingPackedLoader:
                 "(the stream has no epochs; bound the run with trainer.max_steps)",
                 stacklevel=2,
             )
+
+    def _next_window(self, after: Cursor | None) -> None:
+        """Move the position past the current window: to `after`, or to the next pass at the end."""
+        self._taken = 0
+        if after is None:
+            self._pass, self._window, self._cursor = self._pass + 1, 0, (None, 0)
+        else:
+            self._window, self._cursor = self._window + 1, after
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         blocks = self._blocks()

@@ -13,7 +13,7 @@ import itertools
 import json
 import os
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlparse
 
@@ -64,13 +64,7 @@ def _jsonl_texts(path: str, max_bytes: int) -> Iterator[str]:
             yield text
 
 
-def embedded_tokenizer_dir(
-    cfg: DataConfig,
-    corpus_path: str,
-    *,
-    barrier: Callable[[], None] | None = None,
-    is_builder: bool = True,
-) -> str:
+def embedded_tokenizer_dir(cfg: DataConfig, corpus_path: str) -> str:
     """Directory of the embedded tokenizer trained on `corpus_path`, trained on first use."""
     key = fingerprint(
         {
@@ -89,7 +83,7 @@ def embedded_tokenizer_dir(
             raise RuntimeError(f"cannot train the embedded tokenizer: {corpus_path} holds no text")
         train_bpe_tokenizer(itertools.chain(first, texts), tmp, cfg.embedded_vocab_size)
 
-    return build_once(path, build, barrier=barrier, is_builder=is_builder)
+    return build_once(path, build)
 
 
 def _unreachable_hub(timeout_s: float = 3.0) -> str | None:
@@ -153,27 +147,18 @@ def tokenizer_identity(tok: PreTrainedTokenizerBase) -> str:
 
 
 def vocab_size(tok: PreTrainedTokenizerBase) -> int:
-    """Number of token ids the model's embedding must cover (`len(tokenizer)`, incl. added tokens).
-
-    The recipe compares it with `model.vocab_size`: a tokenizer larger than the model's vocab
-    would index past the embedding.
-    """
+    """Token ids the model's embedding must cover (`len(tokenizer)`, added tokens included): the
+    recipe checks it against `model.vocab_size`, since a larger tokenizer would index past it."""
     return len(tok)
 
 
-def resolve_tokenizer(
-    cfg: DataConfig,
-    corpus_path: str | None,
-    *,
-    barrier: Callable[[], None] | None = None,
-    is_builder: bool = True,
-) -> PreTrainedTokenizerBase:
+def resolve_tokenizer(cfg: DataConfig, corpus_path: str | None) -> PreTrainedTokenizerBase:
     """The tokenizer `cfg.tokenizer` names; `embedded` trains one on `corpus_path` (once)."""
     if cfg.tokenizer != EMBEDDED:
         return load_tokenizer(cfg.tokenizer)
     if corpus_path is None:
         raise ValueError("data.tokenizer=embedded needs the embedded corpus; internal call without it")
-    return load_tokenizer(embedded_tokenizer_dir(cfg, corpus_path, barrier=barrier, is_builder=is_builder))
+    return load_tokenizer(embedded_tokenizer_dir(cfg, corpus_path))
 
 
 class Encoder:
@@ -210,8 +195,30 @@ class Encoder:
         ids = [np.asarray(next(encoded).ids, dtype=self.dtype) if k else empty for k in keep]
         return ids, keep
 
+    def documents(self, texts: list[str | None], eos: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens, document end offsets, kept) of `texts`: every non-empty text's ids then EOS.
+
+        The tokenizer gets 16k texts a call: enough for its threads, few Rust objects alive at once."""
+        ids: list[np.ndarray] = []
+        keep: list[bool] = []
+        for i in range(0, len(texts), 1 << 14):
+            part_ids, part_keep = self.encode(texts[i : i + (1 << 14)])
+            ids += part_ids
+            keep += part_keep
+        lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+        values = np.concatenate(ids) if ids else np.zeros(0, dtype=self.dtype)
+        kept = np.asarray(keep, dtype=bool)
+        return (*with_eos(values, lengths[kept], eos), kept)
+
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         if self.worker:  # this forked worker's own setting: N workers x N tokenizer threads oversubscribe
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
         ids, keep = self.encode(batch[self.text_field])
         return {"ids": ids, "keep": keep}
+
+
+def with_eos(values: np.ndarray, lengths: np.ndarray, eos: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the documents of `lengths` tokens laid end to end in `values`, each followed by EOS; their
+    end offsets): the packed stream every token format and loader reads."""
+    tokens = np.insert(values, np.cumsum(lengths), np.asarray(eos, dtype=values.dtype))
+    return tokens, np.cumsum(lengths + 1)

@@ -15,10 +15,11 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from test_token_mean import _check_layout
+from test_token_mean import GLOBAL, SEED, STEPS, _check_layout, _loader, _module, _single
 
 from nanolight.errors import UsageError
 from nanolight.parallel.config import ParallelConfig
@@ -35,14 +36,78 @@ def test_dp2_cp2_zero1_equals_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_tp2_cp2_equals_one_process(tmp_path: Path) -> None:
-    _check_layout(tmp_path, tp=2, pp=1, dp=1, micro=1, cp=2)
+def test_tp2_sp_cp2_equals_one_process(tmp_path: Path) -> None:
+    _check_layout(tmp_path, tp=2, pp=1, dp=1, micro=1, cp=2, sequence_parallel=True)
+
+
+@pytest.mark.slow
+def test_cp4_equals_one_process(tmp_path: Path) -> None:
+    _check_layout(tmp_path, tp=1, pp=1, dp=1, micro=1, cp=4)  # chunks of 4 tokens: most cross a document
+
+
+@pytest.mark.slow
+def test_cp2_with_activation_checkpointing_and_compile_equals_one_process(tmp_path: Path) -> None:
+    _check_layout(tmp_path, tp=1, pp=1, dp=1, micro=1, cp=2, activation_checkpointing="full", compile=True)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
 def test_pp2_cp2_equals_one_process(tmp_path: Path, schedule: str) -> None:
     _check_layout(tmp_path, tp=1, pp=2, dp=1, micro=2, cp=2, schedule=schedule)
+
+
+# ---- checkpoints: cp2·dp2 -> one process -> cp4, and back ------------------------------------------
+def _train(strategy: Any, dp: int, steps: int, root: str, load: str | None, save: str) -> list[float]:
+    """Train to `steps` (from checkpoint `load`), the last step's checkpoint saved in the loop (as a
+    run's ModelCheckpoint does) to `root`/`save`; the losses of the steps run."""
+    from _tiny import StepLosses
+
+    from nanolight import NanoTrainer
+    from nanolight.callbacks import ModelCheckpoint
+
+    record, micro = StepLosses(), 1 if dp > 1 else 2
+    rank = 0 if strategy.parallel_context is None else strategy.parallel_context.dp_rank
+    saving = ModelCheckpoint(dirpath=Path(root) / save, every_n_train_steps=1, save_last=False, keep_last_n=1)
+    trainer = NanoTrainer(
+        use_distributed_sampler=False, max_steps=steps, accumulate_grad_batches=GLOBAL // (dp * micro),
+        gradient_clip_val=1.0, strategy=strategy, seed=SEED, logger=False, callbacks=[record, saving],
+        enable_progress_bar=False,
+    )  # fmt: skip
+    load_path = None if load is None else str(next((Path(root) / load).iterdir()))
+    trainer.fit(_module(), train_dataloaders=_loader(micro, dp, rank), ckpt_path=load_path)
+    return record.losses
+
+
+def _leg(rank: int, world: int, cp: int, steps: int, root: str, load: str | None, save: str) -> Any:
+    from nanolight.strategies.parallel3d import Parallel3DStrategy
+
+    dp = world // cp
+    strategy = Parallel3DStrategy(dp=dp, cp=cp, zero_stage=1 if dp > 1 else 0)
+    strategy.setup_environment()
+    losses = _train(strategy, dp, steps, root, load, save)
+    return losses if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_checkpoints_cross_cp_layouts_and_resume_bit_exactly(tmp_path: Path) -> None:
+    """Step 1 at cp2·dp2 (ZeRO-1), step 2 on one process, step 3 at cp4: the losses of the whole
+    run are one process's (1e-6); and a cp2·dp2 run resumed at cp2·dp2 repeats its uninterrupted
+    self bit for bit."""
+    from _tiny import run_distributed
+
+    from nanolight.strategies.base import SingleDeviceStrategy
+
+    reference = _single(2)[0].losses
+    first = run_distributed(_leg, 4, 2, 1, str(tmp_path), None, "a", timeout=600, pg_timeout=90)[0]
+    second = _train(SingleDeviceStrategy("cpu"), 1, 2, str(tmp_path), "a", "b")
+    third = run_distributed(_leg, 4, 4, STEPS, str(tmp_path), "b", "c", timeout=600, pg_timeout=90)[0]
+    torch.testing.assert_close(
+        torch.tensor(first + second + third), torch.tensor(reference), rtol=1e-6, atol=0
+    )
+
+    whole = run_distributed(_leg, 4, 2, STEPS, str(tmp_path), None, "d", timeout=600, pg_timeout=90)[0]
+    resumed = run_distributed(_leg, 4, 2, STEPS, str(tmp_path), "a", "e", timeout=600, pg_timeout=90)[0]
+    assert resumed == whole[1:]  # the same layout: bit-exact
 
 
 def test_zigzag_shards_put_back_together() -> None:

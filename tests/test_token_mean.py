@@ -69,15 +69,20 @@ def _module() -> DocLM:
 
 
 def _fit(
-    strategy: Any, loader: DataLoader, accumulate: int, *callbacks: Callback
+    strategy: Any,
+    loader: DataLoader,
+    accumulate: int,
+    *callbacks: Callback,
+    steps: int = STEPS,
+    ckpt_path: str | None = None,
 ) -> tuple[NanoTrainer, DocLM]:
     trainer = NanoTrainer(
-        use_distributed_sampler=False, max_steps=STEPS, accumulate_grad_batches=accumulate,
+        use_distributed_sampler=False, max_steps=steps, accumulate_grad_batches=accumulate,
         gradient_clip_val=1.0, strategy=strategy, seed=SEED, logger=False, callbacks=list(callbacks),
         enable_progress_bar=False, enable_checkpointing=False,
     )  # fmt: skip
     module = _module()
-    trainer.fit(module, train_dataloaders=loader)
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
     return trainer, module
 
 
@@ -187,11 +192,13 @@ def _worker(
     micro: int,
     root: str,
     cp: int = 1,
+    options: dict | None = None,
 ) -> Any:
     dp = world // (tp * pp * cp)
     virtual = 2 if schedule == "interleaved_1f1b" else 1
+    extra = options or {}
     strategy = Parallel3DStrategy(
-        tp=tp, pp=pp, dp=dp, cp=cp, zero_stage=zero_stage, pp_schedule=schedule, pp_virtual=virtual
+        tp=tp, pp=pp, dp=dp, cp=cp, zero_stage=zero_stage, pp_schedule=schedule, pp_virtual=virtual, **extra
     )
     strategy.setup_environment()
     record = StepLosses()
@@ -213,11 +220,24 @@ def _check_layout(
     zero_stage: int = 0,
     schedule: str = "1f1b",
     cp: int = 1,
+    **options: Any,
 ) -> None:
+    """`options`: more `Parallel3DStrategy` arguments (sequence_parallel, activation_checkpointing, compile)."""
     reference = _single(2)
     world = tp * pp * dp * cp
     out = run_distributed(
-        _worker, world, tp, pp, zero_stage, schedule, micro, str(tmp_path), cp, timeout=400, pg_timeout=90
+        _worker,
+        world,
+        tp,
+        pp,
+        zero_stage,
+        schedule,
+        micro,
+        str(tmp_path),
+        cp,
+        options,
+        timeout=600,
+        pg_timeout=90,
     )
     losses, norms, state = out[0]
     record = StepLosses()

@@ -1,23 +1,15 @@
 """Model directories: a whole model saved and loaded, and converted to and from Hugging Face.
 
 The one file of `checkpoint/` that builds a model (`load_pretrained` returns a `LlamaForCausalLM`);
-the Llama <-> HF tensor mapping is the model's own (`models/hf_adapter.py`). A model directory is:
-
-    config.json         LlamaConfig fields (rope_scaling omitted when null), plus
-                          "format": "nanolight", "format_version": 1,
-                          "sharding": null   -- one model.safetensors (below); a training step
-                                                directory says {"index": "index.json", "prefix":
-                                                "model."}: the module's shards described by
-                                                index.json (`index.py`), the model's tensors under
-                                                that prefix (`save.directory_meta`). Step
-                                                directories written before the one format may say
-                                                {"index": null, ...}: one model.safetensors of the
-                                                whole training module.
-                          "hf_extra": {...}  -- HF-only keys (bos/eos/pad token ids) carried
-                                                through HF -> nanolight -> HF unchanged
-    model.safetensors   full (unsharded) tensors under nanolight parameter names; with tied
-                        embeddings only `model.embed_tokens.weight` is stored
-    tokenizer files     optional, copied verbatim so `AutoTokenizer.from_pretrained(dir)` works
+the Llama <-> HF tensor mapping is the model's own (`models/hf_adapter.py`). A model directory is
+``config.json`` (`save.write_config`: the LlamaConfig fields, rope_scaling omitted when null; the
+format's tags; ``"hf_extra"``, the HF-only keys such as bos/eos/pad token ids, carried through
+HF -> nanolight -> HF unchanged), one ``model.safetensors`` of full tensors under nanolight names
+(a tied lm_head is not stored), and the tokenizer files, copied verbatim so
+``AutoTokenizer.from_pretrained(dir)`` works. Its ``"sharding"`` is null; a training step
+directory is a model directory too, with ``{"index": "index.json", "prefix": "model."}`` (the
+module's shards, the model's tensors under that prefix), or ``"index": null`` when written before
+the one format (one model.safetensors of the whole module).
 
 Directories are written atomically (`atomic.py`). HF weights are read straight from safetensors
 (single file or a sharded index), one tensor at a time, never by instantiating a transformers
@@ -29,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +28,6 @@ import torch
 from safetensors import safe_open
 
 from nanolight.checkpoint.atomic import (
-    LAST_POINTER,
     MissingCheckpointFile,
     atomic_directory,
     load_json,
@@ -47,7 +37,7 @@ from nanolight.checkpoint.atomic import (
 from nanolight.checkpoint.index import INDEX_FILE
 from nanolight.checkpoint.load import check_matches
 from nanolight.checkpoint.reader import CONFIG_FILE, TRAINER_FILE, WEIGHTS_FILE, CheckpointReader
-from nanolight.checkpoint.save import FORMAT_NAME, FORMAT_VERSION, ExportExtras
+from nanolight.checkpoint.save import FORMAT_NAME, FORMAT_VERSION, ExportExtras, write_config
 from nanolight.models.hf_adapter import (
     config_from_hf,
     config_to_hf,
@@ -71,25 +61,6 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
-
-__all__ = [
-    "convert_hf_to_nanolight",
-    "convert_nanolight_to_hf",
-    "load_pretrained",
-    "read_checkpoint",
-    "save_pretrained",
-    "write_checkpoint",
-]
-
-
-def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
-    """Copy the tokenizer files found in `src` into `dst`; returns the names copied."""
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (Path(src) / name).is_file():
-            shutil.copy2(Path(src) / name, Path(dst) / name)
-            copied.append(name)
-    return copied
 
 
 def run_extras(tokenizer_dir: str | Path | None, hf_extra: dict[str, Any] | None = None) -> ExportExtras:
@@ -119,13 +90,9 @@ def write_checkpoint(
 ) -> None:
     """Write config.json + model.safetensors into an existing directory (no atomicity here)."""
     fields = config.to_dict()
-    if fields["rope_scaling"] is None:
-        # Omitted when unused: transformers' AutoTokenizer reads this config.json too, and warns
-        # on any `rope_scaling` key (deprecated in 5.x). Absent reads back as None.
+    if fields["rope_scaling"] is None:  # as `LlamaForCausalLM.directory_config` (AutoTokenizer warns on it)
         del fields["rope_scaling"]
-    tags = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "sharding": None}
-    meta = {**fields, **tags, "hf_extra": hf_extra or {}}
-    Path(directory, CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    write_config(Path(directory), fields, None, {"hf_extra": hf_extra or {}})
     save_tensors(Path(directory, WEIGHTS_FILE), state_dict)
 
 
@@ -154,7 +121,7 @@ def read_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tens
                 "config was written: save the model with nanolight.save_pretrained instead)"
             )
         raise MissingCheckpointFile(f"no nanolight checkpoint at {path}: {CONFIG_FILE} is missing{hint}")
-    meta = json.loads(cfg_file.read_text())
+    meta = load_json(cfg_file, "model config")
     if meta.get("format") != FORMAT_NAME:
         hint = " (it looks like a Hugging Face model: convert it with scripts/convert_hf_to_nanolight.py)"
         raise ValueError(
@@ -210,8 +177,7 @@ def save_pretrained(
     """Save a (single-device, unsharded) model as a nanolight checkpoint directory, atomically."""
     with atomic_directory(path, overwrite=overwrite) as tmp:
         write_checkpoint(tmp, model.config, model_state_dict(model), hf_extra)
-        if tokenizer_dir is not None:
-            copy_tokenizer_files(tokenizer_dir, tmp)
+        run_extras(tokenizer_dir).copy_into(tmp)
     return Path(path)
 
 
@@ -304,7 +270,7 @@ def convert_hf_to_nanolight(
     sd = hf_to_nanolight_state_dict(config, weights.get, weights.keys())
     with atomic_directory(save_path, overwrite=overwrite) as tmp:
         write_checkpoint(tmp, config, sd, hf_extra)
-        copy_tokenizer_files(src, tmp)
+        run_extras(src).copy_into(tmp)
     return Path(save_path)
 
 
@@ -317,9 +283,7 @@ def convert_nanolight_to_hf(
 
     The source may be a sharded training step directory from any topology (`read_checkpoint`),
     or a run's ``last`` pointer (or the ``checkpoints`` directory holding it)."""
-    src = Path(checkpoint_path)
-    if src.name == LAST_POINTER or (src / LAST_POINTER).is_file():
-        src = resolve_checkpoint(src) or src  # the step directory `last` names
+    src = resolve_checkpoint(checkpoint_path) or Path(checkpoint_path)  # `last` -> its step directory
     if not src.is_dir():
         raise FileNotFoundError(f"checkpoint path {src} does not exist or is not a directory")
     _check_distinct(src, save_path)
@@ -330,7 +294,7 @@ def convert_nanolight_to_hf(
     with atomic_directory(save_path, overwrite=overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         save_tensors(tmp / "model.safetensors", hf_sd)
-        copy_tokenizer_files(src, tmp)
+        run_extras(src).copy_into(tmp)
         if not (tmp / "generation_config.json").exists():  # what `generate` / `pipeline` start from
             (tmp / "generation_config.json").write_text(
                 json.dumps(generation_config(hf_extra), indent=2) + "\n"

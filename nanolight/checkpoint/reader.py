@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,6 @@ class CheckpointReader:
         self._handles: dict[str, Any] = {}
         self._verified: set[str] = set()
         self._groups: list[list[dict[str, Any]]] = []
-        self._optimizer_bound = indexed  # an old optimizer.pt is indexed on request
 
     @classmethod
     def open(cls, path: str | Path) -> CheckpointReader:
@@ -122,13 +122,12 @@ class CheckpointReader:
         shard = Shard(file, key, [0] * len(shape), shape)
         self.index.tensors[name] = TensorEntry(shape, dtype, [shard])
 
-    @property
-    def needs_param_names(self) -> bool:
-        """True until `bind_param_names`: an old optimizer.pt names parameters by position."""
-        return not self._optimizer_bound
-
-    def bind_param_names(self, names: list[list[str]]) -> None:
-        """Index ``optimizer.pt``: `names[k]` are optimizer k's parameter keys in its flat order."""
+    def bind_param_names(self, param_names: Callable[[], list[list[str]]]) -> None:
+        """Index an old ``optimizer.pt``, which names parameters by position: `param_names()[k]` are
+        optimizer k's parameter keys in its flat order (asked only then, and once)."""
+        if self.indexed or OPTIMIZER_FILE in self._handles:
+            return
+        names = param_names()
         states = load_torch(self._checked(OPTIMIZER_FILE), "optimizer state")
         if len(states) != len(names):
             raise ValueError(
@@ -148,7 +147,6 @@ class CheckpointReader:
                     else:
                         self.index.extras[name] = value
         self._handles[OPTIMIZER_FILE] = InMemoryTensors(tensors)
-        self._optimizer_bound = True
 
     # ---- what is stored --------------------------------------------------------------------------
     @property
@@ -213,7 +211,7 @@ class CheckpointReader:
             raise ValueError(f"{name}: block {offset}+{shape} is outside the stored shape {entry.shape}")
         whole = [s for s in entry.shards if s.flat is None and s.offset == offset and s.shape == shape]
         if whole:  # exactly one stored block (same topology): no assembly, no extra copy
-            return self._get(whole[0])
+            return self._handle(whole[0].file).get_tensor(whole[0].key)
         out = torch.empty(shape, dtype=getattr(torch, entry.dtype))
         filled = 0
         for block_offset, block_shape, shards in _blocks(entry.shards):
@@ -238,7 +236,8 @@ class CheckpointReader:
     ) -> torch.Tensor:
         if len(shards) == 1 and shards[0].flat is None:  # a whole block: read just the slice
             shard = shards[0]
-            return self._handle(shard.file).get_slice(shard.key)[src] if src else self._get(shard)
+            handle = self._handle(shard.file)
+            return handle.get_slice(shard.key)[src] if src else handle.get_tensor(shard.key)
         # ZeRO-1: flat pieces of the block from several dp ranks. Read only the pieces (and the
         # parts of them) overlapping the flat extent of the requested region.
         row = math.prod(block_shape[1:]) if block_shape else 1
@@ -253,14 +252,6 @@ class CheckpointReader:
         if lo == 0 and hi == math.prod(block_shape):
             return buf.view(block_shape)[src]
         return buf.view(-1, *block_shape[1:])  # exactly the requested rows
-
-    def _get(self, shard: Shard) -> torch.Tensor:
-        try:
-            return self._handle(shard.file).get_tensor(shard.key)
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise CheckpointError(f"checkpoint shard {self.path / shard.file} is unreadable ({exc})") from exc
 
     def verify_all(self) -> None:
         """Open every file (size and checksum where indexed, else its header); a damaged one raises."""

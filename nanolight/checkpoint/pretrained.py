@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from nanolight.checkpoint.atomic import (
     MissingCheckpointFile,
@@ -36,7 +35,7 @@ from nanolight.checkpoint.atomic import (
 )
 from nanolight.checkpoint.index import INDEX_FILE
 from nanolight.checkpoint.load import check_matches
-from nanolight.checkpoint.reader import CONFIG_FILE, TRAINER_FILE, WEIGHTS_FILE, CheckpointReader
+from nanolight.checkpoint.reader import CONFIG_FILE, HF_INDEX, TRAINER_FILE, WEIGHTS_FILE, CheckpointReader
 from nanolight.checkpoint.save import FORMAT_NAME, FORMAT_VERSION, ExportExtras, write_config
 from nanolight.models.hf_adapter import (
     config_from_hf,
@@ -211,33 +210,6 @@ def _buildable(config: LlamaConfig) -> LlamaConfig:
     return LlamaConfig.from_dict({**config.to_dict(), "attn_implementation": "sdpa"})
 
 
-# ---------------------------------------------------------------------- reading HF files
-class HFSafetensors:
-    """Lazy access to the tensors of a HF model directory (single file or sharded index)."""
-
-    def __init__(self, directory: Path) -> None:
-        index = directory / "model.safetensors.index.json"
-        single = directory / "model.safetensors"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: directory / file for name, file in weight_map.items()}
-        elif single.is_file():
-            with safe_open(str(single), framework="pt") as f:
-                self.files = {name: single for name in f.keys()}  # noqa: SIM118
-        else:
-            raise FileNotFoundError(
-                f"no model.safetensors or model.safetensors.index.json in {directory}; only safetensors "
-                "checkpoints are read (re-save a .bin checkpoint with safe_serialization=True)"
-            )
-
-    def keys(self) -> set[str]:
-        return set(self.files)
-
-    def get(self, name: str) -> torch.Tensor:
-        with safe_open(str(self.files[name]), framework="pt") as f:
-            return f.get_tensor(name)
-
-
 def resolve_checkpoint_path(path_or_id: str | Path) -> Path:
     """A local directory as is; otherwise a Hub id resolved with `snapshot_download`."""
     path = Path(path_or_id)
@@ -266,8 +238,14 @@ def convert_hf_to_nanolight(
     src = resolve_checkpoint_path(checkpoint_path)
     _check_distinct(src, save_path)
     config, hf_extra = config_from_hf(read_hf_config(src))
-    weights = HFSafetensors(src)
-    sd = hf_to_nanolight_state_dict(config, weights.get, weights.keys())
+    if not ((src / WEIGHTS_FILE).is_file() or (src / HF_INDEX).is_file()):
+        raise FileNotFoundError(
+            f"no {WEIGHTS_FILE} or {HF_INDEX} in {src}; only safetensors checkpoints are read "
+            "(re-save a .bin checkpoint with safe_serialization=True)"
+        )
+    weights = CheckpointReader.open(src)  # one tensor at a time, from the memory-mapped files
+    names = {name.removeprefix("model/") for name in weights.names("model/")}
+    sd = hf_to_nanolight_state_dict(config, lambda name: weights.read(f"model/{name}"), names)
     with atomic_directory(save_path, overwrite=overwrite) as tmp:
         write_checkpoint(tmp, config, sd, hf_extra)
         run_extras(src).copy_into(tmp)

@@ -8,10 +8,10 @@ rows/columns (safetensors slices come from the memory-mapped file). ZeRO-1 piece
 of a block; their block is rebuilt from the pieces that overlap.
 
 Plus one read path without an index, kept for what has none: a model directory's one
-``model.safetensors`` (`pretrained.py`), and a one-process checkpoint written before the format
-was one (``model.safetensors`` + ``optimizer.pt``, ``checksums.json`` for sizes and CRCs). The
-same index is built for it in memory (every tensor one whole shard), so it is read and resharded
-the same way.
+``model.safetensors`` (`pretrained.py`; a Hugging Face model's files too, for conversion), and a
+one-process checkpoint written before the format was one (``model.safetensors`` +
+``optimizer.pt``, ``checksums.json`` for sizes and CRCs). The same index is built for it in memory
+(every tensor one whole shard), so it is read and resharded the same way.
 
 Each file is checked when this rank first opens it -- there, as large as written, the same CRC-32
 (damage that keeps the size) -- so a missing or damaged shard is an error naming the file. Only
@@ -45,6 +45,7 @@ from nanolight.checkpoint.index import INDEX_FILE, CheckpointIndex, Shard, Tenso
 TRAINER_FILE, CONFIG_FILE = "trainer_state.pt", "config.json"
 GROUPS_FILE = "optimizer_groups.pt"  # every optimizer's param-group hyperparameters
 WEIGHTS_FILE = "model.safetensors"  # no index: a model directory's, or an old one-process checkpoint's
+HF_INDEX = "model.safetensors.index.json"  # a Hugging Face model's weights in several files
 OPTIMIZER_FILE, CHECKSUMS_FILE = "optimizer.pt", "checksums.json"  # old one-process checkpoints only
 ONE_PROCESS = {"tp": 1, "pp": 1, "dp": 1, "world_size": 1}
 SAFETENSORS_DTYPES = {
@@ -93,7 +94,7 @@ class CheckpointReader:
             index_file = path / INDEX_FILE
             text = index_file.read_text(errors="replace")  # not UTF-8: from_json names the file
             return cls(path, CheckpointIndex.from_json(text, index_file), True)
-        if (path / WEIGHTS_FILE).is_file():  # no index: build it in memory
+        if (path / WEIGHTS_FILE).is_file() or (path / HF_INDEX).is_file():  # no index: build it in memory
             index = CheckpointIndex(dict(ONE_PROCESS), {}, {})
             manifest = path / CHECKSUMS_FILE  # absent in checkpoints written before checksums
             for name, rec in (load_json(manifest, "checksums file") if manifest.is_file() else {}).items():
@@ -106,16 +107,14 @@ class CheckpointReader:
 
     # ---- the in-memory index of a directory without one ---------------------------------------
     def _index_weights(self) -> CheckpointReader:
-        handle = self._handle(WEIGHTS_FILE)
-        for key in handle.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
-            part = handle.get_slice(key)
-            self._add_whole(
-                f"model/{key}",
-                WEIGHTS_FILE,
-                key,
-                list(part.get_shape()),
-                SAFETENSORS_DTYPES[part.get_dtype()],
-            )
+        hf_index = self.path / HF_INDEX
+        weight_map = load_json(hf_index, "weights index")["weight_map"] if hf_index.is_file() else {}
+        for file in sorted(set(weight_map.values())) or [WEIGHTS_FILE]:
+            handle = self._handle(file)
+            for key in handle.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
+                part = handle.get_slice(key)
+                dtype = SAFETENSORS_DTYPES[part.get_dtype()]
+                self._add_whole(f"model/{key}", file, key, list(part.get_shape()), dtype)
         return self
 
     def _add_whole(self, name: str, file: str, key: str, shape: list[int], dtype: str) -> None:

@@ -199,13 +199,14 @@ def _nbytes(obj: Any) -> int:
     return 0
 
 
-@contextmanager
-def _writing(path: Path, obj: Any) -> Any:
-    """Turn a full disk into a `DiskFullError` that says which file and how many bytes it needed:
-    ``OSError`` ENOSPC, safetensors' "(os error 28)", or torch.save's "unexpected pos" (which
-    names no cause) when the filesystem has less room left than the object needs."""
+def _write(path: Path, obj: Any, write: Callable[[Path], None]) -> str:
+    """`write(path)`, fsynced; returns the file's CRC-32. A full disk becomes a `DiskFullError` that
+    says which file and how many bytes it needed: ``OSError`` ENOSPC, safetensors' "(os error 28)",
+    or torch.save's "unexpected pos" (which names no cause) when the filesystem has less room left
+    than the object needs."""
     try:
-        yield
+        write(path)
+        fsync_path(path)
     except Exception as exc:
         needed = _nbytes(obj)
         free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
@@ -216,6 +217,7 @@ def _writing(path: Path, obj: Any) -> Any:
             f"disk full writing {path}: about {needed:,} bytes needed, {free:,} free on that filesystem; "
             "free space (or point the run at another disk) and resume",
         ) from exc
+    return file_crc32(path)
 
 
 def _umask() -> int:
@@ -225,24 +227,21 @@ def _umask() -> int:
 
 
 def save_torch(path: Path, obj: Any) -> str:
-    """`obj` must hold tensors and plain containers only (read back with ``weights_only=True``).
-    Fsynced; returns its CRC-32."""
-    with _writing(path, obj):
-        torch.save(obj, path)
-        fsync_path(path)
-    return file_crc32(path)
+    """`obj` must hold tensors and plain containers only (read back with ``weights_only=True``)."""
+    return _write(path, obj, lambda p: torch.save(obj, p))
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
-    """A safetensors file of CPU tensors, fsynced, with the permissions of any other file (the
-    umask's, where safetensors alone writes 0600). Returns its CRC-32."""
-    with _writing(path, tensors):
+    """A safetensors file of CPU tensors, with the permissions of any other file (the umask's, where
+    safetensors alone writes 0600)."""
+
+    def write(p: Path) -> None:
         save_file(
-            {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(path), {"format": "pt"}
+            {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(p), {"format": "pt"}
         )
-        os.chmod(path, 0o666 & ~_umask())
-        fsync_path(path)
-    return file_crc32(path)
+        os.chmod(p, 0o666 & ~_umask())
+
+    return _write(path, tensors, write)
 
 
 def verify(path: Path, size: int | None = None, crc32: str | None = None) -> None:

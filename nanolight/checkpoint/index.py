@@ -20,10 +20,8 @@ Names: ``model/<module state_dict key>`` for weights, ``optim/<k>/<param state_d
 key>`` for optimizer k's per-parameter state (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``).
 `aliases` maps a tied name (``model/model.lm_head.weight``) to the stored one. `files` records
 every file's byte size and CRC-32, so a truncated, missing or damaged file is found before its
-tensors are used.
-
-One process writes the same index (one shard per tensor). A directory without one (a model
-directory, an old one-process checkpoint) gets it built in memory by `reader.py`.
+tensors are used. (One process writes the same index, one shard per tensor; `reader.py` builds
+one in memory for a directory without it.)
 """
 
 from __future__ import annotations

@@ -81,18 +81,23 @@ def carried_extras(directory: str | Path, extras: ExportExtras | None) -> Export
 
 
 # ---------------------------------------------------------------------- raw read / write
-def write_checkpoint(
-    directory: str | Path,
+def write_model_directory(
+    path: str | Path,
     config: LlamaConfig,
     state_dict: dict[str, torch.Tensor],
-    hf_extra: dict[str, Any] | None = None,
-) -> None:
-    """Write config.json + model.safetensors into an existing directory (no atomicity here)."""
+    hf_extra: dict[str, Any] | None,
+    tokenizer_dir: str | Path | None,
+    overwrite: bool,
+) -> Path:
+    """config.json, model.safetensors and the tokenizer files found in `tokenizer_dir`, atomically."""
     fields = config.to_dict()
     if fields["rope_scaling"] is None:  # as `LlamaForCausalLM.directory_config` (AutoTokenizer warns on it)
         del fields["rope_scaling"]
-    write_config(Path(directory), fields, None, {"hf_extra": hf_extra or {}})
-    save_tensors(Path(directory, WEIGHTS_FILE), state_dict)
+    with atomic_directory(path, overwrite=overwrite) as tmp:
+        write_config(tmp, fields, None, {"hf_extra": hf_extra or {}})
+        save_tensors(tmp / WEIGHTS_FILE, state_dict)
+        run_extras(tokenizer_dir).copy_into(tmp)
+    return Path(path)
 
 
 def read_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, Any]]:
@@ -160,7 +165,9 @@ def model_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
 def check_state_dict(config: LlamaConfig, state_dict: dict[str, torch.Tensor]) -> None:
     """Compare names and shapes with a model of `config`; name every offending tensor."""
     with torch.device("meta"):
-        expected = model_state_dict(LlamaForCausalLM(_buildable(config)))
+        # built with sdpa: flash-attn's availability is irrelevant to names and shapes
+        buildable = LlamaConfig.from_dict({**config.to_dict(), "attn_implementation": "sdpa"})
+        expected = model_state_dict(LlamaForCausalLM(buildable))
     check_matches(
         {k: tuple(t.shape) for k, t in expected.items()}, {k: tuple(t.shape) for k, t in state_dict.items()}
     )
@@ -174,10 +181,9 @@ def save_pretrained(
     hf_extra: dict[str, Any] | None = None,
 ) -> Path:
     """Save a (single-device, unsharded) model as a nanolight checkpoint directory, atomically."""
-    with atomic_directory(path, overwrite=overwrite) as tmp:
-        write_checkpoint(tmp, model.config, model_state_dict(model), hf_extra)
-        run_extras(tokenizer_dir).copy_into(tmp)
-    return Path(path)
+    return write_model_directory(
+        path, model.config, model_state_dict(model), hf_extra, tokenizer_dir, overwrite
+    )
 
 
 def load_pretrained(
@@ -203,11 +209,6 @@ def load_pretrained(
     model.tie_weights()
     model.to(device=device, dtype=dtype)
     return model.eval()
-
-
-def _buildable(config: LlamaConfig) -> LlamaConfig:
-    """A copy that can be built anywhere (flash-attn availability is irrelevant to shapes)."""
-    return LlamaConfig.from_dict({**config.to_dict(), "attn_implementation": "sdpa"})
 
 
 def resolve_checkpoint_path(path_or_id: str | Path) -> Path:
@@ -246,10 +247,7 @@ def convert_hf_to_nanolight(
     weights = CheckpointReader.open(src)  # one tensor at a time, from the memory-mapped files
     names = {name.removeprefix("model/") for name in weights.names("model/")}
     sd = hf_to_nanolight_state_dict(config, lambda name: weights.read(f"model/{name}"), names)
-    with atomic_directory(save_path, overwrite=overwrite) as tmp:
-        write_checkpoint(tmp, config, sd, hf_extra)
-        run_extras(src).copy_into(tmp)
-    return Path(save_path)
+    return write_model_directory(save_path, config, sd, hf_extra, src, overwrite)
 
 
 def convert_nanolight_to_hf(

@@ -47,7 +47,6 @@ GROUPS_FILE = "optimizer_groups.pt"  # every optimizer's param-group hyperparame
 WEIGHTS_FILE = "model.safetensors"  # no index: a model directory's, or an old one-process checkpoint's
 HF_INDEX = "model.safetensors.index.json"  # a Hugging Face model's weights in several files
 OPTIMIZER_FILE, CHECKSUMS_FILE = "optimizer.pt", "checksums.json"  # old one-process checkpoints only
-ONE_PROCESS = {"tp": 1, "pp": 1, "dp": 1, "world_size": 1}
 SAFETENSORS_DTYPES = {
     "F64": "float64",
     "F32": "float32",
@@ -95,7 +94,7 @@ class CheckpointReader:
             text = index_file.read_text(errors="replace")  # not UTF-8: from_json names the file
             return cls(path, CheckpointIndex.from_json(text, index_file), True)
         if (path / WEIGHTS_FILE).is_file() or (path / HF_INDEX).is_file():  # no index: build it in memory
-            index = CheckpointIndex(dict(ONE_PROCESS), {}, {})
+            index = CheckpointIndex({"tp": 1, "pp": 1, "dp": 1, "world_size": 1}, {}, {})
             manifest = path / CHECKSUMS_FILE  # absent in checkpoints written before checksums
             for name, rec in (load_json(manifest, "checksums file") if manifest.is_file() else {}).items():
                 index.files[name], index.checksums[name] = rec["size"], rec["crc32"]
@@ -170,12 +169,8 @@ class CheckpointReader:
         """Every optimizer's param-group hyperparameters (without the parameters), as saved."""
         if not self.indexed:
             return self._groups
-        groups_file = self.path / GROUPS_FILE
-        return (
-            load_torch(self._checked(GROUPS_FILE), "optimizer hyperparameters")
-            if groups_file.exists()
-            else []
-        )
+        there = (self.path / GROUPS_FILE).exists()
+        return load_torch(self._checked(GROUPS_FILE), "optimizer hyperparameters") if there else []
 
     def trainer_state(self) -> dict[str, Any]:
         """Progress, schedulers, callbacks, loop position and RNG, as the trainer saved them."""

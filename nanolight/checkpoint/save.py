@@ -139,9 +139,16 @@ class ShardWriter:
         dtype = str(tensor.dtype).removeprefix("torch.")
         self.part.entries.append((name, list(global_shape), dtype, dict(vars(shard))))
 
-    def add_extra(self, name: str, value: Any) -> None:
-        """A non-tensor value (e.g. SGD's ``momentum_buffer=None``), kept in the index as JSON."""
-        self.part.extras[name] = value
+    def add_value(self, file: str, name: str, value: Any) -> None:
+        """A whole tensor, or a plain value (e.g. SGD's ``momentum_buffer=None``) kept in the index."""
+        if isinstance(value, torch.Tensor):
+            self.add(file, name, value, list(value.shape))
+        elif value is None or isinstance(value, bool | int | float | str):
+            self.part.extras[name] = value
+        else:
+            raise TypeError(
+                f"optimizer state {name} is a {type(value).__name__}: only tensors and plain values are saved"
+            )
 
     def write(self, directory: Path) -> RankPart:
         """Write and fsync this rank's files; return its part of the index."""
@@ -197,17 +204,6 @@ def _whole_pieces(opt: Any) -> Iterator[tuple[nn.Parameter, int, int, dict[str, 
         yield p, 0, p.numel(), entry
 
 
-def _add_value(writer: ShardWriter, file: str, name: str, value: Any) -> None:
-    if isinstance(value, torch.Tensor):
-        writer.add(file, name, value, list(value.shape))
-    elif value is None or isinstance(value, bool | int | float | str):
-        writer.add_extra(name, value)
-    else:
-        raise TypeError(
-            f"optimizer state {name} is a {type(value).__name__}: only tensors and plain values are saved"
-        )
-
-
 def _rank_part(
     tmp: Path, module: nn.Module, optimizers: list[Any], layout: Any, rank_state: dict
 ) -> RankPart:
@@ -234,7 +230,7 @@ def _rank_part(
                     flat = (start, end) if zero else None
                     writer.add(_file("optim", coords), name, value, full, offset, shape, flat, dim)
                 elif start == 0 and coords["tp"] == 0:  # scalars (`step`): written once
-                    _add_value(writer, _file("optim", coords), name, value)
+                    writer.add_value(_file("optim", coords), name, value)
     part = writer.write(tmp)
     rank_file = tmp / f"rank-{rank_state['rank']:05d}.pt"
     own = {"rng": rank_state.get("rng"), "loop": rank_state.get("loop"), "coords": coords}

@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -68,17 +68,21 @@ def check_target(final: Path, overwrite: bool) -> None:
         )
 
 
+def _aside(path: Path) -> Path:
+    """Rename `path` to a ``.trash-`` sibling (which `remove_stale` cleans up after a crash)."""
+    trash = path.parent / f"{TRASH_PREFIX}{path.name}-{os.getpid()}"
+    os.replace(path, trash)
+    return trash
+
+
 def publish(tmp: Path, final: Path) -> None:
     """Rename the finished `tmp` (its files already fsynced) to `final`, durably. Replacing an
     existing `final` moves it aside first, so at every instant one complete directory has the name."""
     fsync_path(tmp)
-    if final.exists():
-        trash = final.parent / f"{TRASH_PREFIX}{final.name}-{os.getpid()}"
-        os.replace(final, trash)
-        os.replace(tmp, final)
+    trash = _aside(final) if final.exists() else None
+    os.replace(tmp, final)
+    if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
     fsync_path(final.parent)
 
 
@@ -101,13 +105,11 @@ def atomic_directory(final: str | Path, overwrite: bool = False) -> Iterator[Pat
 
 
 def remove_directory(path: str | Path) -> None:
-    """Remove a directory without ever leaving a half-deleted one under its name: rename it to a
-    ``.trash-`` sibling first (which `remove_stale` cleans up after a crash). A file is unlinked."""
+    """Remove a directory without ever leaving a half-deleted one under its name (it is moved
+    aside first). A file is unlinked."""
     path = Path(path)
     if path.is_dir():
-        trash = path.parent / f"{TRASH_PREFIX}{path.name}-{os.getpid()}"
-        os.replace(path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        shutil.rmtree(_aside(path), ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
 
@@ -144,8 +146,6 @@ def resolve_checkpoint(path: str | Path) -> Path | None:
 
 
 # ---- one file, written and read back with errors that name it ------------------------------------
-#
-# One file of a checkpoint, written and read back with errors that name it.
 #
 # Why a wrapper: safetensors and ``torch.load`` report a truncated or damaged file as
 # ``SafetensorError: incomplete metadata`` or ``PytorchStreamReader failed reading zip archive``,
@@ -199,13 +199,14 @@ def _nbytes(obj: Any) -> int:
     return 0
 
 
-@contextmanager
-def _writing(path: Path, obj: Any) -> Any:
-    """Turn a full disk into a `DiskFullError` that says which file and how many bytes it needed:
-    ``OSError`` ENOSPC, safetensors' "(os error 28)", or torch.save's "unexpected pos" (which
-    names no cause) when the filesystem has less room left than the object needs."""
+def _write(path: Path, obj: Any, write: Callable[[Path], None]) -> str:
+    """`write(path)`, fsynced; returns the file's CRC-32. A full disk becomes a `DiskFullError` that
+    says which file and how many bytes it needed: ``OSError`` ENOSPC, safetensors' "(os error 28)",
+    or torch.save's "unexpected pos" (which names no cause) when the filesystem has less room left
+    than the object needs."""
     try:
-        yield
+        write(path)
+        fsync_path(path)
     except Exception as exc:
         needed = _nbytes(obj)
         free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
@@ -216,6 +217,7 @@ def _writing(path: Path, obj: Any) -> Any:
             f"disk full writing {path}: about {needed:,} bytes needed, {free:,} free on that filesystem; "
             "free space (or point the run at another disk) and resume",
         ) from exc
+    return file_crc32(path)
 
 
 def _umask() -> int:
@@ -225,24 +227,21 @@ def _umask() -> int:
 
 
 def save_torch(path: Path, obj: Any) -> str:
-    """`obj` must hold tensors and plain containers only (read back with ``weights_only=True``).
-    Fsynced; returns its CRC-32."""
-    with _writing(path, obj):
-        torch.save(obj, path)
-        fsync_path(path)
-    return file_crc32(path)
+    """`obj` must hold tensors and plain containers only (read back with ``weights_only=True``)."""
+    return _write(path, obj, lambda p: torch.save(obj, p))
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
-    """A safetensors file of CPU tensors, fsynced, with the permissions of any other file (the
-    umask's, where safetensors alone writes 0600). Returns its CRC-32."""
-    with _writing(path, tensors):
+    """A safetensors file of CPU tensors, with the permissions of any other file (the umask's, where
+    safetensors alone writes 0600)."""
+
+    def write(p: Path) -> None:
         save_file(
-            {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(path), {"format": "pt"}
+            {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(p), {"format": "pt"}
         )
-        os.chmod(path, 0o666 & ~_umask())
-        fsync_path(path)
-    return file_crc32(path)
+        os.chmod(p, 0o666 & ~_umask())
+
+    return _write(path, tensors, write)
 
 
 def verify(path: Path, size: int | None = None, crc32: str | None = None) -> None:
@@ -265,46 +264,33 @@ def require(path: Path, what: str = "checkpoint file") -> Path:
     return path
 
 
-def load_torch(path: Path, what: str = "checkpoint file", device: str | torch.device = "cpu") -> Any:
+def _read(path: Path, what: str, read: Callable[[Path], Any]) -> Any:
+    """`read(path)`, with any failure (a truncated zip, a bad safetensors header, garbled JSON, a
+    pickle of something else) turned into a `CheckpointError` that names the file."""
     try:
-        return torch.load(require(path, what), map_location=device, weights_only=True)
+        return read(require(path, what))
     except CheckpointError:
         raise
-    except Exception as exc:  # a truncated zip, a pickle of something else: name the file
-        raise CheckpointError(f"{what} {path} is truncated or damaged ({exc}); {_FIX}") from exc
+    except Exception as exc:
+        raise CheckpointError(f"{what} {path} is unreadable: truncated or damaged ({exc}); {_FIX}") from exc
+
+
+def load_torch(path: Path, what: str = "checkpoint file") -> Any:
+    return _read(path, what, lambda p: torch.load(p, map_location="cpu", weights_only=True))
 
 
 def load_json(path: Path, what: str = "checkpoint file") -> Any:
-    """`path` parsed as UTF-8 JSON; a truncated or garbled file is an error naming it."""
-    try:
-        return json.loads(require(path, what).read_bytes().decode("utf-8"))
-    except CheckpointError:
-        raise
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(
-            f"{what} {path} is truncated or damaged (not UTF-8 JSON: {exc}); {_FIX}"
-        ) from exc
+    """`path` parsed as UTF-8 JSON."""
+    return _read(path, what, lambda p: json.loads(p.read_bytes().decode("utf-8")))
 
 
 def open_tensors(path: Path, what: str = "checkpoint shard") -> Any:
     """A safetensors handle (``keys``, ``get_tensor``, ``get_slice``) for `path`."""
-    try:
-        return safe_open(str(require(path, what)), framework="pt")
-    except CheckpointError:
-        raise
-    except Exception as exc:  # safetensors raises its own error type for a bad header
-        raise CheckpointError(f"{what} {path} is unreadable: truncated or damaged ({exc}); {_FIX}") from exc
+    return _read(path, what, lambda p: safe_open(str(p), framework="pt"))
 
 
-class InMemoryTensors:
+class InMemoryTensors(dict):
     """Tensors already in memory (a one-process ``optimizer.pt``) behind the safetensors handle
     interface (`open_tensors`) the reader uses."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def get_tensor(self, key: str) -> torch.Tensor:
-        return self.tensors[key]
-
-    def get_slice(self, key: str) -> torch.Tensor:
-        return self.tensors[key]
+    get_tensor = get_slice = dict.__getitem__

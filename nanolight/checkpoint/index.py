@@ -20,10 +20,8 @@ Names: ``model/<module state_dict key>`` for weights, ``optim/<k>/<param state_d
 key>`` for optimizer k's per-parameter state (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``).
 `aliases` maps a tied name (``model/model.lm_head.weight``) to the stored one. `files` records
 every file's byte size and CRC-32, so a truncated, missing or damaged file is found before its
-tensors are used.
-
-One process writes the same index (one shard per tensor). A directory without one (a model
-directory, an old one-process checkpoint) gets it built in memory by `reader.py`.
+tensors are used. (One process writes the same index, one shard per tensor; `reader.py` builds
+one in memory for a directory without it.)
 """
 
 from __future__ import annotations
@@ -84,16 +82,10 @@ class CheckpointIndex:
             name: {"shape": e.shape, "dtype": e.dtype, "shards": [vars(s) for s in e.shards]}
             for name, e in self.tensors.items()
         }
-        raw = {
-            "format": self.format,
-            "topology": self.topology,
-            "files": self.files,
-            "aliases": self.aliases,
-            "extras": self.extras,
-            "checksums": self.checksums,
-            "tensors": tensors,
-        }
-        return json.dumps(raw, separators=(",", ":")) + "\n"  # `python -m json.tool` to read
+        header = {k: v for k, v in vars(self).items() if k != "tensors"}
+        return (
+            json.dumps({**header, "tensors": tensors}, separators=(",", ":")) + "\n"
+        )  # `python -m json.tool`
 
     @classmethod
     def from_json(cls, text: str, where: Path) -> CheckpointIndex:
@@ -105,14 +97,7 @@ class CheckpointIndex:
                 name: TensorEntry(e["shape"], e["dtype"], [Shard(**s) for s in e["shards"]])
                 for name, e in raw["tensors"].items()
             }
-            return cls(
-                raw["topology"],
-                tensors,
-                raw["files"],
-                raw.get("aliases", {}),
-                raw.get("extras", {}),
-                raw.get("checksums", {}),  # absent in indexes written before checksums (still read)
-            )
+            return cls(**{**raw, "tensors": tensors})  # no "checksums" in indexes written before them
         except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
             raise CheckpointError(
                 f"checkpoint index {where} is unreadable ({exc}); the save did not finish or the file "
@@ -122,17 +107,3 @@ class CheckpointIndex:
     def resolve(self, name: str) -> str:
         """The stored name for `name` (itself, or what a tied alias points at)."""
         return self.aliases.get(name, name)
-
-
-def check_coverage(index: CheckpointIndex) -> None:
-    """Every global tensor must be stored exactly once: its shards' sizes sum to its size.
-
-    A cheap self-check at save time (the ownership rules decide who writes what; a bug there
-    would otherwise surface only when some later run loads zeros or fails)."""
-    bad = []
-    for name, entry in index.tensors.items():
-        stored = sum(s.numel for s in entry.shards)
-        if stored != math.prod(entry.shape):
-            bad.append(f"{name}: {stored} of {math.prod(entry.shape)} elements")
-    if bad:
-        raise RuntimeError(f"sharded checkpoint would be incomplete: {', '.join(bad[:5])}")

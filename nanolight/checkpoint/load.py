@@ -93,8 +93,7 @@ def load_optimizers(
     `param_names()` lists every optimizer's parameter keys in the one-process flat order (only
     called for an old one-process checkpoint, whose ``optimizer.pt`` names parameters by position). A
     ZeRO optimizer takes the same format and keeps its own flat partition of it."""
-    if reader.needs_param_names:
-        reader.bind_param_names(param_names())
+    reader.bind_param_names(param_names)
     saved_groups = reader.optimizer_groups()
     if len(saved_groups) != len(optimizers):
         raise UsageError(

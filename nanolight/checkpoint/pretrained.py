@@ -1,23 +1,15 @@
 """Model directories: a whole model saved and loaded, and converted to and from Hugging Face.
 
 The one file of `checkpoint/` that builds a model (`load_pretrained` returns a `LlamaForCausalLM`);
-the Llama <-> HF tensor mapping is the model's own (`models/hf_adapter.py`). A model directory is:
-
-    config.json         LlamaConfig fields (rope_scaling omitted when null), plus
-                          "format": "nanolight", "format_version": 1,
-                          "sharding": null   -- one model.safetensors (below); a training step
-                                                directory says {"index": "index.json", "prefix":
-                                                "model."}: the module's shards described by
-                                                index.json (`index.py`), the model's tensors under
-                                                that prefix (`save.directory_meta`). Step
-                                                directories written before the one format may say
-                                                {"index": null, ...}: one model.safetensors of the
-                                                whole training module.
-                          "hf_extra": {...}  -- HF-only keys (bos/eos/pad token ids) carried
-                                                through HF -> nanolight -> HF unchanged
-    model.safetensors   full (unsharded) tensors under nanolight parameter names; with tied
-                        embeddings only `model.embed_tokens.weight` is stored
-    tokenizer files     optional, copied verbatim so `AutoTokenizer.from_pretrained(dir)` works
+the Llama <-> HF tensor mapping is the model's own (`models/hf_adapter.py`). A model directory is
+``config.json`` (`save.write_config`: the LlamaConfig fields, rope_scaling omitted when null; the
+format's tags; ``"hf_extra"``, the HF-only keys such as bos/eos/pad token ids, carried through
+HF -> nanolight -> HF unchanged), one ``model.safetensors`` of full tensors under nanolight names
+(a tied lm_head is not stored), and the tokenizer files, copied verbatim so
+``AutoTokenizer.from_pretrained(dir)`` works. Its ``"sharding"`` is null; a training step
+directory is a model directory too, with ``{"index": "index.json", "prefix": "model."}`` (the
+module's shards, the model's tensors under that prefix), or ``"index": null`` when written before
+the one format (one model.safetensors of the whole module).
 
 Directories are written atomically (`atomic.py`). HF weights are read straight from safetensors
 (single file or a sharded index), one tensor at a time, never by instantiating a transformers
@@ -29,15 +21,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from nanolight.checkpoint.atomic import (
-    LAST_POINTER,
     MissingCheckpointFile,
     atomic_directory,
     load_json,
@@ -46,8 +35,8 @@ from nanolight.checkpoint.atomic import (
 )
 from nanolight.checkpoint.index import INDEX_FILE
 from nanolight.checkpoint.load import check_matches
-from nanolight.checkpoint.reader import CONFIG_FILE, TRAINER_FILE, WEIGHTS_FILE, CheckpointReader
-from nanolight.checkpoint.save import FORMAT_NAME, FORMAT_VERSION, ExportExtras
+from nanolight.checkpoint.reader import CONFIG_FILE, HF_INDEX, TRAINER_FILE, WEIGHTS_FILE, CheckpointReader
+from nanolight.checkpoint.save import FORMAT_NAME, FORMAT_VERSION, ExportExtras, write_config
 from nanolight.models.hf_adapter import (
     config_from_hf,
     config_to_hf,
@@ -72,25 +61,6 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 
-__all__ = [
-    "convert_hf_to_nanolight",
-    "convert_nanolight_to_hf",
-    "load_pretrained",
-    "read_checkpoint",
-    "save_pretrained",
-    "write_checkpoint",
-]
-
-
-def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
-    """Copy the tokenizer files found in `src` into `dst`; returns the names copied."""
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (Path(src) / name).is_file():
-            shutil.copy2(Path(src) / name, Path(dst) / name)
-            copied.append(name)
-    return copied
-
 
 def run_extras(tokenizer_dir: str | Path | None, hf_extra: dict[str, Any] | None = None) -> ExportExtras:
     """What a run adds to its checkpoints' exports: the tokenizer files it saved to
@@ -111,22 +81,23 @@ def carried_extras(directory: str | Path, extras: ExportExtras | None) -> Export
 
 
 # ---------------------------------------------------------------------- raw read / write
-def write_checkpoint(
-    directory: str | Path,
+def write_model_directory(
+    path: str | Path,
     config: LlamaConfig,
     state_dict: dict[str, torch.Tensor],
-    hf_extra: dict[str, Any] | None = None,
-) -> None:
-    """Write config.json + model.safetensors into an existing directory (no atomicity here)."""
+    hf_extra: dict[str, Any] | None,
+    tokenizer_dir: str | Path | None,
+    overwrite: bool,
+) -> Path:
+    """config.json, model.safetensors and the tokenizer files found in `tokenizer_dir`, atomically."""
     fields = config.to_dict()
-    if fields["rope_scaling"] is None:
-        # Omitted when unused: transformers' AutoTokenizer reads this config.json too, and warns
-        # on any `rope_scaling` key (deprecated in 5.x). Absent reads back as None.
+    if fields["rope_scaling"] is None:  # as `LlamaForCausalLM.directory_config` (AutoTokenizer warns on it)
         del fields["rope_scaling"]
-    tags = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "sharding": None}
-    meta = {**fields, **tags, "hf_extra": hf_extra or {}}
-    Path(directory, CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    save_tensors(Path(directory, WEIGHTS_FILE), state_dict)
+    with atomic_directory(path, overwrite=overwrite) as tmp:
+        write_config(tmp, fields, None, {"hf_extra": hf_extra or {}})
+        save_tensors(tmp / WEIGHTS_FILE, state_dict)
+        run_extras(tokenizer_dir).copy_into(tmp)
+    return Path(path)
 
 
 def read_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, Any]]:
@@ -154,7 +125,7 @@ def read_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tens
                 "config was written: save the model with nanolight.save_pretrained instead)"
             )
         raise MissingCheckpointFile(f"no nanolight checkpoint at {path}: {CONFIG_FILE} is missing{hint}")
-    meta = json.loads(cfg_file.read_text())
+    meta = load_json(cfg_file, "model config")
     if meta.get("format") != FORMAT_NAME:
         hint = " (it looks like a Hugging Face model: convert it with scripts/convert_hf_to_nanolight.py)"
         raise ValueError(
@@ -194,7 +165,9 @@ def model_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
 def check_state_dict(config: LlamaConfig, state_dict: dict[str, torch.Tensor]) -> None:
     """Compare names and shapes with a model of `config`; name every offending tensor."""
     with torch.device("meta"):
-        expected = model_state_dict(LlamaForCausalLM(_buildable(config)))
+        # built with sdpa: flash-attn's availability is irrelevant to names and shapes
+        buildable = LlamaConfig.from_dict({**config.to_dict(), "attn_implementation": "sdpa"})
+        expected = model_state_dict(LlamaForCausalLM(buildable))
     check_matches(
         {k: tuple(t.shape) for k, t in expected.items()}, {k: tuple(t.shape) for k, t in state_dict.items()}
     )
@@ -208,11 +181,9 @@ def save_pretrained(
     hf_extra: dict[str, Any] | None = None,
 ) -> Path:
     """Save a (single-device, unsharded) model as a nanolight checkpoint directory, atomically."""
-    with atomic_directory(path, overwrite=overwrite) as tmp:
-        write_checkpoint(tmp, model.config, model_state_dict(model), hf_extra)
-        if tokenizer_dir is not None:
-            copy_tokenizer_files(tokenizer_dir, tmp)
-    return Path(path)
+    return write_model_directory(
+        path, model.config, model_state_dict(model), hf_extra, tokenizer_dir, overwrite
+    )
 
 
 def load_pretrained(
@@ -238,38 +209,6 @@ def load_pretrained(
     model.tie_weights()
     model.to(device=device, dtype=dtype)
     return model.eval()
-
-
-def _buildable(config: LlamaConfig) -> LlamaConfig:
-    """A copy that can be built anywhere (flash-attn availability is irrelevant to shapes)."""
-    return LlamaConfig.from_dict({**config.to_dict(), "attn_implementation": "sdpa"})
-
-
-# ---------------------------------------------------------------------- reading HF files
-class HFSafetensors:
-    """Lazy access to the tensors of a HF model directory (single file or sharded index)."""
-
-    def __init__(self, directory: Path) -> None:
-        index = directory / "model.safetensors.index.json"
-        single = directory / "model.safetensors"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: directory / file for name, file in weight_map.items()}
-        elif single.is_file():
-            with safe_open(str(single), framework="pt") as f:
-                self.files = {name: single for name in f.keys()}  # noqa: SIM118
-        else:
-            raise FileNotFoundError(
-                f"no model.safetensors or model.safetensors.index.json in {directory}; only safetensors "
-                "checkpoints are read (re-save a .bin checkpoint with safe_serialization=True)"
-            )
-
-    def keys(self) -> set[str]:
-        return set(self.files)
-
-    def get(self, name: str) -> torch.Tensor:
-        with safe_open(str(self.files[name]), framework="pt") as f:
-            return f.get_tensor(name)
 
 
 def resolve_checkpoint_path(path_or_id: str | Path) -> Path:
@@ -300,12 +239,15 @@ def convert_hf_to_nanolight(
     src = resolve_checkpoint_path(checkpoint_path)
     _check_distinct(src, save_path)
     config, hf_extra = config_from_hf(read_hf_config(src))
-    weights = HFSafetensors(src)
-    sd = hf_to_nanolight_state_dict(config, weights.get, weights.keys())
-    with atomic_directory(save_path, overwrite=overwrite) as tmp:
-        write_checkpoint(tmp, config, sd, hf_extra)
-        copy_tokenizer_files(src, tmp)
-    return Path(save_path)
+    if not ((src / WEIGHTS_FILE).is_file() or (src / HF_INDEX).is_file()):
+        raise FileNotFoundError(
+            f"no {WEIGHTS_FILE} or {HF_INDEX} in {src}; only safetensors checkpoints are read "
+            "(re-save a .bin checkpoint with safe_serialization=True)"
+        )
+    weights = CheckpointReader.open(src)  # one tensor at a time, from the memory-mapped files
+    names = {name.removeprefix("model/") for name in weights.names("model/")}
+    sd = hf_to_nanolight_state_dict(config, lambda name: weights.read(f"model/{name}"), names)
+    return write_model_directory(save_path, config, sd, hf_extra, src, overwrite)
 
 
 def convert_nanolight_to_hf(
@@ -317,9 +259,7 @@ def convert_nanolight_to_hf(
 
     The source may be a sharded training step directory from any topology (`read_checkpoint`),
     or a run's ``last`` pointer (or the ``checkpoints`` directory holding it)."""
-    src = Path(checkpoint_path)
-    if src.name == LAST_POINTER or (src / LAST_POINTER).is_file():
-        src = resolve_checkpoint(src) or src  # the step directory `last` names
+    src = resolve_checkpoint(checkpoint_path) or Path(checkpoint_path)  # `last` -> its step directory
     if not src.is_dir():
         raise FileNotFoundError(f"checkpoint path {src} does not exist or is not a directory")
     _check_distinct(src, save_path)
@@ -330,7 +270,7 @@ def convert_nanolight_to_hf(
     with atomic_directory(save_path, overwrite=overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         save_tensors(tmp / "model.safetensors", hf_sd)
-        copy_tokenizer_files(src, tmp)
+        run_extras(src).copy_into(tmp)
         if not (tmp / "generation_config.json").exists():  # what `generate` / `pipeline` start from
             (tmp / "generation_config.json").write_text(
                 json.dumps(generation_config(hf_extra), indent=2) + "\n"

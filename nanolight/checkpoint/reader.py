@@ -8,10 +8,10 @@ rows/columns (safetensors slices come from the memory-mapped file). ZeRO-1 piece
 of a block; their block is rebuilt from the pieces that overlap.
 
 Plus one read path without an index, kept for what has none: a model directory's one
-``model.safetensors`` (`pretrained.py`), and a one-process checkpoint written before the format
-was one (``model.safetensors`` + ``optimizer.pt``, ``checksums.json`` for sizes and CRCs). The
-same index is built for it in memory (every tensor one whole shard), so it is read and resharded
-the same way.
+``model.safetensors`` (`pretrained.py`; a Hugging Face model's files too, for conversion), and a
+one-process checkpoint written before the format was one (``model.safetensors`` +
+``optimizer.pt``, ``checksums.json`` for sizes and CRCs). The same index is built for it in memory
+(every tensor one whole shard), so it is read and resharded the same way.
 
 Each file is checked when this rank first opens it -- there, as large as written, the same CRC-32
 (damage that keeps the size) -- so a missing or damaged shard is an error naming the file. Only
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,8 @@ from nanolight.checkpoint.index import INDEX_FILE, CheckpointIndex, Shard, Tenso
 TRAINER_FILE, CONFIG_FILE = "trainer_state.pt", "config.json"
 GROUPS_FILE = "optimizer_groups.pt"  # every optimizer's param-group hyperparameters
 WEIGHTS_FILE = "model.safetensors"  # no index: a model directory's, or an old one-process checkpoint's
+HF_INDEX = "model.safetensors.index.json"  # a Hugging Face model's weights in several files
 OPTIMIZER_FILE, CHECKSUMS_FILE = "optimizer.pt", "checksums.json"  # old one-process checkpoints only
-ONE_PROCESS = {"tp": 1, "pp": 1, "dp": 1, "world_size": 1}
 SAFETENSORS_DTYPES = {
     "F64": "float64",
     "F32": "float32",
@@ -83,7 +84,6 @@ class CheckpointReader:
         self._handles: dict[str, Any] = {}
         self._verified: set[str] = set()
         self._groups: list[list[dict[str, Any]]] = []
-        self._optimizer_bound = indexed  # an old optimizer.pt is indexed on request
 
     @classmethod
     def open(cls, path: str | Path) -> CheckpointReader:
@@ -93,8 +93,8 @@ class CheckpointReader:
             index_file = path / INDEX_FILE
             text = index_file.read_text(errors="replace")  # not UTF-8: from_json names the file
             return cls(path, CheckpointIndex.from_json(text, index_file), True)
-        if (path / WEIGHTS_FILE).is_file():  # no index: build it in memory
-            index = CheckpointIndex(dict(ONE_PROCESS), {}, {})
+        if (path / WEIGHTS_FILE).is_file() or (path / HF_INDEX).is_file():  # no index: build it in memory
+            index = CheckpointIndex({"tp": 1, "pp": 1, "dp": 1, "world_size": 1}, {}, {})
             manifest = path / CHECKSUMS_FILE  # absent in checkpoints written before checksums
             for name, rec in (load_json(manifest, "checksums file") if manifest.is_file() else {}).items():
                 index.files[name], index.checksums[name] = rec["size"], rec["crc32"]
@@ -106,29 +106,26 @@ class CheckpointReader:
 
     # ---- the in-memory index of a directory without one ---------------------------------------
     def _index_weights(self) -> CheckpointReader:
-        handle = self._handle(WEIGHTS_FILE)
-        for key in handle.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
-            part = handle.get_slice(key)
-            self._add_whole(
-                f"model/{key}",
-                WEIGHTS_FILE,
-                key,
-                list(part.get_shape()),
-                SAFETENSORS_DTYPES[part.get_dtype()],
-            )
+        hf_index = self.path / HF_INDEX
+        weight_map = load_json(hf_index, "weights index")["weight_map"] if hf_index.is_file() else {}
+        for file in sorted(set(weight_map.values())) or [WEIGHTS_FILE]:
+            handle = self._handle(file)
+            for key in handle.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
+                part = handle.get_slice(key)
+                dtype = SAFETENSORS_DTYPES[part.get_dtype()]
+                self._add_whole(f"model/{key}", file, key, list(part.get_shape()), dtype)
         return self
 
     def _add_whole(self, name: str, file: str, key: str, shape: list[int], dtype: str) -> None:
         shard = Shard(file, key, [0] * len(shape), shape)
         self.index.tensors[name] = TensorEntry(shape, dtype, [shard])
 
-    @property
-    def needs_param_names(self) -> bool:
-        """True until `bind_param_names`: an old optimizer.pt names parameters by position."""
-        return not self._optimizer_bound
-
-    def bind_param_names(self, names: list[list[str]]) -> None:
-        """Index ``optimizer.pt``: `names[k]` are optimizer k's parameter keys in its flat order."""
+    def bind_param_names(self, param_names: Callable[[], list[list[str]]]) -> None:
+        """Index an old ``optimizer.pt``, which names parameters by position: `param_names()[k]` are
+        optimizer k's parameter keys in its flat order (asked only then, and once)."""
+        if self.indexed or OPTIMIZER_FILE in self._handles:
+            return
+        names = param_names()
         states = load_torch(self._checked(OPTIMIZER_FILE), "optimizer state")
         if len(states) != len(names):
             raise ValueError(
@@ -148,7 +145,6 @@ class CheckpointReader:
                     else:
                         self.index.extras[name] = value
         self._handles[OPTIMIZER_FILE] = InMemoryTensors(tensors)
-        self._optimizer_bound = True
 
     # ---- what is stored --------------------------------------------------------------------------
     @property
@@ -173,12 +169,8 @@ class CheckpointReader:
         """Every optimizer's param-group hyperparameters (without the parameters), as saved."""
         if not self.indexed:
             return self._groups
-        groups_file = self.path / GROUPS_FILE
-        return (
-            load_torch(self._checked(GROUPS_FILE), "optimizer hyperparameters")
-            if groups_file.exists()
-            else []
-        )
+        there = (self.path / GROUPS_FILE).exists()
+        return load_torch(self._checked(GROUPS_FILE), "optimizer hyperparameters") if there else []
 
     def trainer_state(self) -> dict[str, Any]:
         """Progress, schedulers, callbacks, loop position and RNG, as the trainer saved them."""
@@ -213,7 +205,7 @@ class CheckpointReader:
             raise ValueError(f"{name}: block {offset}+{shape} is outside the stored shape {entry.shape}")
         whole = [s for s in entry.shards if s.flat is None and s.offset == offset and s.shape == shape]
         if whole:  # exactly one stored block (same topology): no assembly, no extra copy
-            return self._get(whole[0])
+            return self._handle(whole[0].file).get_tensor(whole[0].key)
         out = torch.empty(shape, dtype=getattr(torch, entry.dtype))
         filled = 0
         for block_offset, block_shape, shards in _blocks(entry.shards):
@@ -238,7 +230,8 @@ class CheckpointReader:
     ) -> torch.Tensor:
         if len(shards) == 1 and shards[0].flat is None:  # a whole block: read just the slice
             shard = shards[0]
-            return self._handle(shard.file).get_slice(shard.key)[src] if src else self._get(shard)
+            handle = self._handle(shard.file)
+            return handle.get_slice(shard.key)[src] if src else handle.get_tensor(shard.key)
         # ZeRO-1: flat pieces of the block from several dp ranks. Read only the pieces (and the
         # parts of them) overlapping the flat extent of the requested region.
         row = math.prod(block_shape[1:]) if block_shape else 1
@@ -253,14 +246,6 @@ class CheckpointReader:
         if lo == 0 and hi == math.prod(block_shape):
             return buf.view(block_shape)[src]
         return buf.view(-1, *block_shape[1:])  # exactly the requested rows
-
-    def _get(self, shard: Shard) -> torch.Tensor:
-        try:
-            return self._handle(shard.file).get_tensor(shard.key)
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise CheckpointError(f"checkpoint shard {self.path / shard.file} is unreadable ({exc})") from exc
 
     def verify_all(self) -> None:
         """Open every file (size and checksum where indexed, else its header); a damaged one raises."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -44,7 +44,7 @@ from nanolight.checkpoint.atomic import (
     save_torch,
     temp_dir_for,
 )
-from nanolight.checkpoint.index import INDEX_FILE, CheckpointIndex, Shard, TensorEntry, check_coverage
+from nanolight.checkpoint.index import INDEX_FILE, CheckpointIndex, Shard, TensorEntry
 from nanolight.checkpoint.reader import CONFIG_FILE, GROUPS_FILE, TRAINER_FILE
 
 FORMAT_NAME, FORMAT_VERSION = "nanolight", 1  # a model directory's config.json says so
@@ -67,22 +67,23 @@ class ExportExtras:
     names: tuple[str, ...] = ()
     config: dict[str, Any] = field(default_factory=dict)
 
-    def files(self) -> dict[str, Path]:
-        found = [n for n in self.names if self.directory is not None and (Path(self.directory) / n).is_file()]
-        return {name: Path(self.directory) / name for name in found}
+    def copy_into(self, target: Path) -> None:
+        """Copy the files `names` found in `directory` into `target` (fsynced)."""
+        for name in self.names:
+            if self.directory is not None and (Path(self.directory) / name).is_file():
+                shutil.copyfile(Path(self.directory) / name, Path(target) / name)
+                fsync_path(Path(target) / name)
 
 
-def directory_meta(module: nn.Module, extras: ExportExtras) -> dict[str, Any] | None:
-    """``config.json`` of a step directory whose module holds a model that `DescribesItself` (its
-    fields, this format's tags, where its tensors are: ``"sharding": {"index": "index.json",
-    "prefix": <its key prefix>}``, and the run's extras); None when the module holds none."""
-    found = next(((n, m) for n, m in module.named_modules() if isinstance(m, DescribesItself)), None)
-    if found is None:
-        return None
-    prefix, model = found
-    sharding = {"index": INDEX_FILE, "prefix": f"{prefix}." if prefix else ""}
+def write_config(
+    directory: Path, fields: dict[str, Any], sharding: dict[str, str] | None, extra: dict[str, Any]
+) -> None:
+    """A model directory's ``config.json``: the model's `fields`, this format's tags, where its
+    tensors are (`sharding`; null: one ``model.safetensors``) and what the run adds (`extra`)."""
     tags = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "sharding": sharding}
-    return {**model.directory_config(), **tags, **extras.config}
+    path = Path(directory) / CONFIG_FILE
+    path.write_text(json.dumps({**fields, **tags, **extra}, indent=2) + "\n")
+    fsync_path(path)
 
 
 # ---- one rank's part ---------------------------------------------------------------------------
@@ -94,6 +95,10 @@ class RankPart:
     checksums: dict[str, str] = field(default_factory=dict)
     entries: list[tuple[str, list[int], str, dict[str, Any]]] = field(default_factory=list)
     extras: dict[str, Any] = field(default_factory=dict)
+
+    def record(self, path: Path, crc32: str) -> None:
+        """File `path` was written, fsynced, with this CRC-32: the index records its size and CRC."""
+        self.files[path.name], self.checksums[path.name] = path.stat().st_size, crc32
 
 
 class ShardWriter:
@@ -134,16 +139,22 @@ class ShardWriter:
         dtype = str(tensor.dtype).removeprefix("torch.")
         self.part.entries.append((name, list(global_shape), dtype, dict(vars(shard))))
 
-    def add_extra(self, name: str, value: Any) -> None:
-        """A non-tensor value (e.g. SGD's ``momentum_buffer=None``), kept in the index as JSON."""
-        self.part.extras[name] = value
+    def add_value(self, file: str, name: str, value: Any) -> None:
+        """A whole tensor, or a plain value (e.g. SGD's ``momentum_buffer=None``) kept in the index."""
+        if isinstance(value, torch.Tensor):
+            self.add(file, name, value, list(value.shape))
+        elif value is None or isinstance(value, bool | int | float | str):
+            self.part.extras[name] = value
+        else:
+            raise TypeError(
+                f"optimizer state {name} is a {type(value).__name__}: only tensors and plain values are saved"
+            )
 
     def write(self, directory: Path) -> RankPart:
         """Write and fsync this rank's files; return its part of the index."""
         for file, tensors in self._files.items():
             path = Path(directory) / file
-            self.part.checksums[file] = save_tensors(path, tensors)
-            self.part.files[file] = path.stat().st_size
+            self.part.record(path, save_tensors(path, tensors))
         return self.part
 
 
@@ -162,7 +173,15 @@ def merge_parts(parts: list[RankPart], topology: dict[str, Any], aliases: dict[s
                 )
             entry.shards.append(Shard(**shard))
     index.tensors = dict(sorted(index.tensors.items()))
-    check_coverage(index)
+    # each global tensor stored exactly once: a cheap self-check of the ownership rules (`stores`),
+    # whose bug would otherwise surface only when a later run loads zeros or fails
+    bad = [
+        f"{n}: {sum(s.numel for s in e.shards)} of {math.prod(e.shape)} elements"
+        for n, e in index.tensors.items()
+        if sum(s.numel for s in e.shards) != math.prod(e.shape)
+    ]
+    if bad:
+        raise RuntimeError(f"sharded checkpoint would be incomplete: {', '.join(bad[:5])}")
     return index
 
 
@@ -183,17 +202,6 @@ def _whole_pieces(opt: Any) -> Iterator[tuple[nn.Parameter, int, int, dict[str, 
     for idx, entry in opt.state_dict()["state"].items():
         p = params[int(idx)]
         yield p, 0, p.numel(), entry
-
-
-def _add_value(writer: ShardWriter, file: str, name: str, value: Any) -> None:
-    if isinstance(value, torch.Tensor):
-        writer.add(file, name, value, list(value.shape))
-    elif value is None or isinstance(value, bool | int | float | str):
-        writer.add_extra(name, value)
-    else:
-        raise TypeError(
-            f"optimizer state {name} is a {type(value).__name__}: only tensors and plain values are saved"
-        )
 
 
 def _rank_part(
@@ -222,19 +230,24 @@ def _rank_part(
                     flat = (start, end) if zero else None
                     writer.add(_file("optim", coords), name, value, full, offset, shape, flat, dim)
                 elif start == 0 and coords["tp"] == 0:  # scalars (`step`): written once
-                    _add_value(writer, _file("optim", coords), name, value)
+                    writer.add_value(_file("optim", coords), name, value)
     part = writer.write(tmp)
     rank_file = tmp / f"rank-{rank_state['rank']:05d}.pt"
     own = {"rng": rank_state.get("rng"), "loop": rank_state.get("loop"), "coords": coords}
-    part.checksums[rank_file.name] = save_torch(rank_file, own)
-    part.files[rank_file.name] = rank_file.stat().st_size
+    part.record(rank_file, save_torch(rank_file, own))
     return part
 
 
 # ---- every rank --------------------------------------------------------------------------------
-def _raise_if_any(error: Exception | None, what: str, tmp: Path, device: torch.device, ranks: bool) -> None:
-    """All ranks learn whether any rank failed (then every rank raises; rank 0 removes the temp dir)."""
+def _on_every_rank(work: Callable[[], Any], what: str, tmp: Path, device: torch.device, ranks: bool) -> Any:
+    """`work()`'s result, once all ranks have learned whether any rank's work failed: then every
+    rank raises (rank 0 removes the temp dir) instead of some hanging in the next collective."""
     rank = dist.get_rank() if ranks else 0
+    result, error = None, None
+    try:
+        result = work()
+    except Exception as exc:
+        error = exc
     failed = 0 if error is None else rank + 1
     if ranks:
         flag = torch.tensor([failed], device=device)
@@ -242,7 +255,7 @@ def _raise_if_any(error: Exception | None, what: str, tmp: Path, device: torch.d
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         failed = int(flag)
     if failed == 0:
-        return
+        return result
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     if error is not None:
@@ -272,54 +285,35 @@ def save_checkpoint(
         tmp.mkdir()
     if ranks:
         dist.barrier()  # the temporary directory exists before any rank writes into it
-    part, error = None, None
-    try:
-        part = _rank_part(tmp, module, optimizers, layout, {**trainer_state, "rank": rank})
-    except Exception as exc:  # reported to every rank below instead of hanging them
-        error = exc
-    _raise_if_any(error, "writing its checkpoint shards", tmp, device, ranks)
+    own = {**trainer_state, "rank": rank}
+    part = _on_every_rank(
+        lambda: _rank_part(tmp, module, optimizers, layout, own),
+        "writing its checkpoint shards",
+        tmp,
+        device,
+        ranks,
+    )
     parts: list[Any] | None = [None] * world if rank == 0 else None
     if ranks:
         # every rank sends its file sizes and index entries to rank 0, which writes the index
         dist.gather_object(part, parts, dst=0)
     else:
         parts = [part]
-    error = None
-    if rank == 0:
-        try:
-            _finish(tmp, final, parts, module, optimizers, layout, trainer_state, topology, extras)
-        except Exception as exc:
-            error = exc
-    _raise_if_any(error, "writing the checkpoint index", tmp, device, ranks)
 
+    def finish() -> None:  # rank 0: the shared files, the index last, then the rename into place
+        run = extras or ExportExtras()
+        run.copy_into(tmp)
+        shared = RankPart()
+        groups = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in optimizers]
+        shared.record(tmp / GROUPS_FILE, save_torch(tmp / GROUPS_FILE, groups))
+        shared.record(tmp / TRAINER_FILE, save_torch(tmp / TRAINER_FILE, trainer_state))
+        described = next(((n, m) for n, m in module.named_modules() if isinstance(m, DescribesItself)), None)
+        if described is not None:  # the step directory is also a model directory
+            prefix, model = described
+            sharding = {"index": INDEX_FILE, "prefix": f"{prefix}." if prefix else ""}
+            write_config(tmp, model.directory_config(), sharding, run.config)
+        aliases = {f"model/{a}": f"model/{c}" for a, c in layout.aliases.items()}
+        write_index(tmp, merge_parts([*parts, shared], topology, aliases))  # last: no index, no checkpoint
+        publish(tmp, final)
 
-def _finish(
-    tmp: Path,
-    final: Path,
-    parts: list[RankPart],
-    module: nn.Module,
-    optimizers: list[Any],
-    layout: Any,
-    trainer_state: dict,
-    topology: dict,
-    extras: ExportExtras | None,
-) -> None:
-    """Rank 0: the shared files, the index last, then the rename into place."""
-    extras = extras or ExportExtras()
-    for name, src in extras.files().items():
-        shutil.copyfile(src, tmp / name)
-        fsync_path(tmp / name)
-    groups = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in optimizers]
-    crcs = {
-        GROUPS_FILE: save_torch(tmp / GROUPS_FILE, groups),
-        TRAINER_FILE: save_torch(tmp / TRAINER_FILE, trainer_state),
-    }
-    meta = directory_meta(module, extras)
-    if meta is not None:
-        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        fsync_path(tmp / CONFIG_FILE)
-    index = merge_parts(parts, topology, {f"model/{a}": f"model/{c}" for a, c in layout.aliases.items()})
-    for name, crc in crcs.items():
-        index.files[name], index.checksums[name] = (tmp / name).stat().st_size, crc
-    write_index(tmp, index)  # last: a directory without an index is not a checkpoint
-    publish(tmp, final)
+    _on_every_rank(finish if rank == 0 else lambda: None, "writing the checkpoint index", tmp, device, ranks)

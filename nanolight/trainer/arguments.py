@@ -44,20 +44,12 @@ UNSUPPORTED = {
 }
 
 
-# Lightning's default for each: a program that spells the default out asks for nothing missing
-UNSUPPORTED_DEFAULTS: dict[str, Any] = {
-    "profiler": None,
-    "plugins": None,
-    "sync_batchnorm": False,
-    "model_registry": None,
-}
-
-
 def unsupported_args(kwargs: dict[str, Any]) -> None:
     """Raise for a Lightning argument nanolight does not take (unless at Lightning's default:
     ``sync_batchnorm=False`` asks for nothing), or an unknown one."""
     for key, value in kwargs.items():
-        if key in UNSUPPORTED and value is not UNSUPPORTED_DEFAULTS[key]:
+        default = False if key == "sync_batchnorm" else None  # Lightning's: it asks for nothing
+        if key in UNSUPPORTED and value is not default:
             raise UsageError(
                 f"NanoTrainer({key}=...) is a Lightning argument nanolight does not support: {UNSUPPORTED[key]}"
             )
@@ -93,6 +85,13 @@ def _check_limit(name: str, value: int | float) -> None:
         )
 
 
+def clip_algorithm(name: str) -> str:
+    """``gradient_clip_algorithm``, checked: "norm" or "value" (any case)."""
+    if name.lower() not in ("norm", "value"):
+        raise UsageError(f'gradient_clip_algorithm must be "norm" or "value", got {name!r}')
+    return name.lower()
+
+
 @dataclass
 class TrainerConfig:
     """Loop knobs (Lightning's meaning for each). ``val_check_interval``: a float is a fraction of
@@ -125,11 +124,7 @@ class TrainerConfig:
         if self.gradient_clip_val is not None and self.gradient_clip_val < 0:
             raise UsageError(f"gradient_clip_val must be >= 0 or None, got {self.gradient_clip_val}")
         if self.gradient_clip_algorithm is not None:
-            self.gradient_clip_algorithm = self.gradient_clip_algorithm.lower()
-            if self.gradient_clip_algorithm not in ("norm", "value"):
-                raise UsageError(
-                    f'gradient_clip_algorithm must be "norm" or "value", got {self.gradient_clip_algorithm!r}'
-                )
+            self.gradient_clip_algorithm = clip_algorithm(self.gradient_clip_algorithm)
         self.max_time_s = parse_max_time(self.max_time)
         vci = self.val_check_interval
         if vci is None:

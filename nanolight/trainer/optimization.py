@@ -18,6 +18,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from nanolight.errors import UsageError
 from nanolight.module.optimizers import NanoOptimizer, parse_optimizers
+from nanolight.trainer.arguments import clip_algorithm
 from nanolight.trainer.step import refuse_under_pipeline
 
 if TYPE_CHECKING:
@@ -133,9 +134,7 @@ class Optimization:
                 f"gradient_clip_val={value} passed to clip_gradients, but NanoTrainer(gradient_clip_val="
                 f"{cfg.gradient_clip_val}) too: use one of them"
             )
-        algorithm = (algorithm or cfg.gradient_clip_algorithm or "norm").lower()
-        if algorithm not in ("norm", "value"):
-            raise UsageError(f'gradient_clip_algorithm must be "norm" or "value", got {algorithm!r}')
+        algorithm = clip_algorithm(algorithm or cfg.gradient_clip_algorithm or "norm")
         if value <= 0:
             return None
         if algorithm == "value":

@@ -92,6 +92,18 @@ def clip_algorithm(name: str) -> str:
     return name.lower()
 
 
+# the least value of each count (None is Lightning's default where the type allows it)
+LEAST = {
+    "accumulate_grad_batches": (1, ""),
+    "gradient_clip_val": (0, " or None"),
+    "check_val_every_n_epoch": (1, " or None"),
+    "num_sanity_val_steps": (-1, " (-1: the whole loader)"),
+    "log_every_n_steps": (0, " (0: no step rows)"),
+    "max_steps": (-1, " (-1: no limit)"),
+    "max_epochs": (-1, " (-1: no limit)"),
+}
+
+
 @dataclass
 class TrainerConfig:
     """Loop knobs (Lightning's meaning for each). ``val_check_interval``: a float is a fraction of
@@ -119,10 +131,10 @@ class TrainerConfig:
     reload_dataloaders_every_n_epochs: int = 0
 
     def __post_init__(self) -> None:
-        if self.accumulate_grad_batches < 1:
-            raise UsageError(f"accumulate_grad_batches must be >= 1, got {self.accumulate_grad_batches}")
-        if self.gradient_clip_val is not None and self.gradient_clip_val < 0:
-            raise UsageError(f"gradient_clip_val must be >= 0 or None, got {self.gradient_clip_val}")
+        for name, (least, note) in LEAST.items():
+            value = getattr(self, name)
+            if value is not None and value < least:
+                raise UsageError(f"{name} must be >= {least}{note}, got {value}")
         if self.gradient_clip_algorithm is not None:
             self.gradient_clip_algorithm = clip_algorithm(self.gradient_clip_algorithm)
         self.max_time_s = parse_max_time(self.max_time)
@@ -137,24 +149,12 @@ class TrainerConfig:
             raise UsageError(
                 f"val_check_interval={vci}: a float is a fraction of the epoch; use an int for batches"
             )
-        if self.check_val_every_n_epoch is not None and self.check_val_every_n_epoch < 1:
-            raise UsageError(
-                f"check_val_every_n_epoch must be >= 1 or None, got {self.check_val_every_n_epoch}"
-            )
         if self.check_val_every_n_epoch is None and not isinstance(self.val_check_interval, int):
             raise UsageError(
                 "check_val_every_n_epoch=None counts val_check_interval across epochs: give it an int"
             )
         self.num_sanity_val_steps = 2 if self.num_sanity_val_steps is None else self.num_sanity_val_steps
-        if self.num_sanity_val_steps < -1:
-            raise UsageError(
-                f"num_sanity_val_steps must be >= -1 (-1: the whole loader), got {self.num_sanity_val_steps}"
-            )
         self.log_every_n_steps = 50 if self.log_every_n_steps is None else self.log_every_n_steps
-        if self.log_every_n_steps < 0:
-            raise UsageError(
-                f"log_every_n_steps must be >= 0 (0: no step rows), got {self.log_every_n_steps}"
-            )
         for name in [f"limit_{kind}_batches" for kind in ("train", "val", "test", "predict")]:
             if getattr(self, name) is None:
                 setattr(self, name, 1.0)
@@ -173,12 +173,8 @@ class TrainerConfig:
             self.val_check_interval, self.check_val_every_n_epoch, self.log_every_n_steps = 1.0, 1, 1
         else:
             self.fast_dev_run = 0
-        if self.max_steps < -1:
-            raise UsageError(f"max_steps must be -1 (no limit) or >= 0, got {self.max_steps}")
         if self.max_epochs is None:  # Lightning's default: 1000 epochs unless another limit is set
             self.max_epochs = 1000 if self.max_steps == -1 and self.max_time_s is None else -1
-        if self.max_epochs is not None and self.max_epochs < -1:
-            raise UsageError(f"max_epochs must be -1 (no limit), None or >= 0, got {self.max_epochs}")
 
 
 # ---- the strategy ----------------------------------------------------------------------

@@ -11,7 +11,6 @@ loggers finalised, or ``on_exception``.
 from __future__ import annotations
 
 import os
-from contextlib import ExitStack
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -335,9 +334,7 @@ class NanoTrainer(TrainerProperties):
             lg.save()
 
     def _fit_stage(self) -> None:
-        with ExitStack() as stack:
-            if self.detect_anomaly:
-                stack.enter_context(torch.autograd.set_detect_anomaly(True))
+        with torch.autograd.set_detect_anomaly(self.detect_anomaly):  # as Lightning (False: off)
             self.hooks.call("on_fit_start")
             self.lightning_module.zero_grad()  # before the stage, as for validate/test/predict
             if (

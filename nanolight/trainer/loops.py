@@ -148,14 +148,16 @@ class FitLoop:
 
     @property
     def done(self) -> bool:
-        trainer, cfg = self.trainer, self.trainer.config
-        if self.max_batches == 0:
+        cfg = self.trainer.config
+        if self.max_batches == 0 or (cfg.max_epochs != -1 and self.trainer.current_epoch >= cfg.max_epochs):
             return True
-        if cfg.max_steps != -1 and trainer.global_step >= cfg.max_steps:
-            return True
-        if cfg.max_epochs != -1 and trainer.current_epoch >= cfg.max_epochs:
-            return True
-        return self._stop_requested()
+        return self._steps_done
+
+    @property
+    def _steps_done(self) -> bool:
+        """``max_steps`` reached, or a stop requested that ``min_steps`` / ``min_epochs`` allow."""
+        cfg = self.trainer.config
+        return (cfg.max_steps != -1 and self.trainer.global_step >= cfg.max_steps) or self._stop_requested()
 
     # ---- the loop --------------------------------------------------------------------------
     def run(self) -> None:
@@ -218,9 +220,7 @@ class FitLoop:
         step = ManualStep(trainer) if manual else AutomaticStep(trainer)
         window = 1 if manual else cfg.accumulate_grad_batches
         complete = False
-        while (
-            not (cfg.max_steps != -1 and trainer.global_step >= cfg.max_steps) and not self._stop_requested()
-        ):
+        while not self._steps_done:
             first = trainer.progress["batch_idx"]
             left = self.max_batches - first
             batches = list(islice(iterator, int(min(window, left)))) if left > 0 else []

@@ -1,11 +1,7 @@
-"""The trainer's optimization duties (its ``optimization`` part), for both kinds of optimization:
-the optimizers, backward with its hooks, the optimizer step behind ``NanoOptimizer.step``,
-clipping, and the LR schedulers.
-
-Automatic optimization (`step.py`) steps once per accumulation window through the module's
-``optimizer_step``; manual optimization lets ``training_step`` call ``opt.step()``. Either way
-`global_step` counts optimizer steps, as in Lightning. The state callbacks read stays on the
-trainer: ``lr_scheduler_configs``, ``nano_optimizers``, ``skip_optimizer_step``, ``grad_norm``.
+"""The trainer's optimization duties (its ``optimization`` part), for both kinds of optimization
+(`step.py` says how each steps): the optimizers, backward with its hooks, the optimizer step
+behind ``NanoOptimizer.step``, clipping, and the LR schedulers. The state callbacks read stays on
+the trainer: ``lr_scheduler_configs``, ``nano_optimizers``, ``skip_optimizer_step``, ``grad_norm``.
 """
 
 from __future__ import annotations

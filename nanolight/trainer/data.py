@@ -43,22 +43,23 @@ def worker_init(worker_id: int, rank: int = 0) -> None:
     torch.manual_seed(seed)
 
 
-def parse_num_batches(kind: str, length: int | None, limit: int | float) -> float:
-    """Batches a loop runs for a loader of `length` (None: unsized) under `limit`."""
+def parse_num_batches(kind: str, length: int | None, limit: int | float) -> int | float:
+    """Batches a loop runs for a loader of `length` (None: unsized) under `limit`: an int, or
+    ``math.inf`` for an unsized loader without an int limit (Lightning's ``num_*_batches``)."""
     if isinstance(limit, int):
-        return float(limit) if length is None else float(min(length, limit))
+        return limit if length is None else min(length, limit)
     if length is None:
         if limit not in (0.0, 1.0):
             raise UsageError(
                 f"limit_{kind}_batches={limit}: a fraction needs a loader with a length; give an int"
             )
-        return 0.0 if limit == 0.0 else math.inf
+        return 0 if limit == 0.0 else math.inf
     n = int(length * limit)
     if n == 0 and limit > 0.0 and length > 0:
         raise UsageError(
             f"limit_{kind}_batches={limit} x {length} batches = 0 batches: use at least {1 / length:.3g} or an int"
         )
-    return float(n)
+    return n
 
 
 class DataConnector:
@@ -109,7 +110,7 @@ class DataConnector:
             raise UsageError(f"training takes one dataloader, got {len(loaders)}: combine them into one")
         return [self._process(loader, kind) for loader in loaders]
 
-    def num_batches(self, loader: Any, kind: str) -> float:
+    def num_batches(self, loader: Any, kind: str) -> int | float:
         return parse_num_batches(
             kind, loader_len(loader), getattr(self.trainer.config, f"limit_{kind}_batches")
         )

@@ -56,23 +56,18 @@ def _evaluating(trainer: NanoTrainer, name: str) -> Iterator[None]:
                     sub.training = modes[sub_name]
 
 
-def _limits(trainer: NanoTrainer, kind: str, loaders: list[Any], sanity: bool) -> list[float]:
+def _limits(trainer: NanoTrainer, kind: str, loaders: list[Any], sanity: bool) -> list[int | float]:
     """Batches per dataloader, recorded as ``trainer.num_<kind>_batches``; the sanity check runs
     at most ``num_sanity_val_steps`` of them (-1: all), recorded as ``num_sanity_val_batches``."""
     limits = [trainer.data.num_batches(loader, kind) for loader in loaders]
-    setattr(trainer, {"val": "num_val_batches"}.get(kind, f"num_{kind}_batches"), _counts(limits))
+    setattr(trainer, f"num_{kind}_batches", limits)
     if sanity:
         n = trainer.config.num_sanity_val_steps
-        limits = [float(lim) if n == -1 else float(min(n, lim)) for lim in limits]
-        trainer.num_sanity_val_batches = _counts(limits)
+        limits = trainer.num_sanity_val_batches = [lim if n == -1 else min(n, lim) for lim in limits]
     return limits
 
 
-def _counts(limits: list[float]) -> list[int | float]:
-    return [int(n) if n != float("inf") else n for n in limits]
-
-
-def _batches(trainer: NanoTrainer, name: str, loaders: list[Any], limits: list[float]) -> Any:
+def _batches(trainer: NanoTrainer, name: str, loaders: list[Any], limits: list[int | float]) -> Any:
     """Each dataloader's batches up to its limit: yields (dataloader_idx, batch_idx, the step's
     output) after running transfer, ``on_<name>_batch_start``, the step and ``on_<name>_batch_end``;
     a dataloader's end is marked by a batch_idx of None."""

@@ -52,7 +52,7 @@ class FitLoop:
         self.trainer = trainer
         self.train_loader: Any = None
         self.val_loaders: list[Any] | None = None
-        self.max_batches = math.inf  # training batches per epoch
+        self.max_batches: int | float = math.inf  # training batches per epoch
         self.val_check_batch = math.inf
         self._epoch_start: dict[str, Any] | None = None  # RNG that ordered this epoch's samples
         self._resume: dict[str, Any] | None = None  # loop position read from a checkpoint
@@ -87,13 +87,14 @@ class FitLoop:
         return resume is not None and (self.trainer.config.max_steps != -1 or bool(resume.get("batch_idx")))
 
     # ---- data ------------------------------------------------------------------------------
-    def ensure_train_data(self) -> float:
+    def ensure_train_data(self) -> int | float:
         """The train loader (requested once per fit) and its number of batches per epoch."""
         trainer = self.trainer
         if self.train_loader is None:
             self.train_loader = trainer.data.request("train")[0]
-            self.max_batches = trainer.data.num_batches(self.train_loader, "train")
-            trainer.num_training_batches = int(self.max_batches) if self.max_batches != math.inf else math.inf
+            self.max_batches = trainer.num_training_batches = trainer.data.num_batches(
+                self.train_loader, "train"
+            )
             self._val_check_batch()
         return self.max_batches
 
@@ -408,12 +409,18 @@ class Preemption:
             return
         trainer = self.trainer
         trainer.preempted_by = NAMES[agreed]  # agreed, so the same on every rank (once per run)
-        path = save_now(trainer)
+        # through the first ModelCheckpoint, so `last` and its pruning stay consistent (a no-op if
+        # it saved this step already); without one, to <root>/checkpoints/step-N
+        cb = trainer.checkpoint_callback
+        path = Path(trainer.default_root_dir) / "checkpoints" / f"step-{trainer.global_step}"
+        if cb is not None:
+            path = Path(cb.save_now(trainer))
+        else:
+            trainer.save_checkpoint(path)
         trainer.should_stop = True
-        cbs = trainer.checkpoint_callbacks
         hint = (
             "ckpt_path='last' / checkpoint.resume=last"
-            if not cbs or cbs[0].save_last
+            if cb is None or cb.save_last
             else f"ckpt_path='{path}'"
         )
         if trainer.is_global_zero:
@@ -423,14 +430,3 @@ class Preemption:
                 file=sys.stderr,
                 flush=True,
             )
-
-
-def save_now(trainer: NanoTrainer) -> Path:
-    """Save the current step through the first `ModelCheckpoint` (so ``last`` and its pruning stay
-    consistent; a no-op if it already saved this step), else to ``<root>/checkpoints/step-N``."""
-    callbacks = trainer.checkpoint_callbacks
-    if callbacks:
-        return Path(callbacks[0].save_now(trainer))
-    path = Path(trainer.default_root_dir) / "checkpoints" / f"step-{trainer.global_step}"
-    trainer.save_checkpoint(path)
-    return path

@@ -81,10 +81,7 @@ class MetricStore:
         self.hook: str | None = None  # the hook running now (sets the defaults)
         self.batch: Any = None  # the batch being processed (for its size)
         self.dataloader_idx: int | None = None  # evaluation with several dataloaders
-        self.callback_metrics: dict[str, torch.Tensor] = {}
-        self.logged_metrics: dict[str, torch.Tensor] = {}
-        self.progress_bar_metrics: dict[str, torch.Tensor] = {}
-        self._eval_rows: dict[int, int] = {}  # per-batch evaluation rows written, per dataloader
+        self.reset()
 
     def reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         # a collective: every rank of the strategy's dp group exchanges these values (under
@@ -161,8 +158,10 @@ class MetricStore:
         """A new trainer call: Lightning's dicts start empty for fit, validate, test, predict."""
         self.train.reset()
         self.eval.reset()
-        self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
-        self._eval_rows = {}
+        self.callback_metrics: dict[str, torch.Tensor] = {}
+        self.logged_metrics: dict[str, torch.Tensor] = {}
+        self.progress_bar_metrics: dict[str, torch.Tensor] = {}
+        self._eval_rows: dict[int, int] = {}  # per-batch evaluation rows written, per dataloader
 
     # ---- rows for the loggers ------------------------------------------------------------
     def log_row(self, metrics: dict[str, Any], step: int | None = None) -> None:

@@ -119,7 +119,7 @@ class GreedySamples(Callback):
         return self.tokenizer.decode(ids[0].tolist())
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        if getattr(trainer, "sanity_checking", False):
+        if trainer.sanity_checking:
             return
         was_training = pl_module.training
         pl_module.eval()

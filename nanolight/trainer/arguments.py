@@ -74,14 +74,15 @@ def parse_max_time(value: Any) -> float | None:
     )
 
 
-def _check_limit(name: str, value: int | float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise UsageError(
-            f"{name} must be an int >= 0 (batches) or a float in [0, 1] (a fraction), got {value!r}"
-        )
+def _check_batches(name: str, value: Any, positive: bool = False) -> None:
+    """An int count of batches (>= 1 if `positive`, else >= 0) or a float fraction of the loader."""
+    least, span = (1, "(0, 1]") if positive else (0, "[0, 1]")
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or value < 0 or (positive and value == 0):
+        raise UsageError(f"{name} must be an int >= {least} (batches) or a float in {span}, got {value!r}")
     if isinstance(value, float) and value > 1.0:
         raise UsageError(
-            f"{name}={value}: a float is a fraction of the loader in [0, 1]; use an int for a count"
+            f"{name}={value}: a float is a fraction of the loader in {span}; use an int for a count"
         )
 
 
@@ -138,17 +139,8 @@ class TrainerConfig:
         if self.gradient_clip_algorithm is not None:
             self.gradient_clip_algorithm = clip_algorithm(self.gradient_clip_algorithm)
         self.max_time_s = parse_max_time(self.max_time)
-        vci = self.val_check_interval
-        if vci is None:
-            self.val_check_interval = 1.0
-        elif isinstance(vci, bool) or not isinstance(vci, (int, float)) or vci <= 0:
-            raise UsageError(
-                f"val_check_interval: an int >= 1 (training batches) or a float in (0, 1], got {vci!r}"
-            )
-        elif isinstance(vci, float) and vci > 1.0:
-            raise UsageError(
-                f"val_check_interval={vci}: a float is a fraction of the epoch; use an int for batches"
-            )
+        self.val_check_interval = 1.0 if self.val_check_interval is None else self.val_check_interval
+        _check_batches("val_check_interval", self.val_check_interval, positive=True)
         if self.check_val_every_n_epoch is None and not isinstance(self.val_check_interval, int):
             raise UsageError(
                 "check_val_every_n_epoch=None counts val_check_interval across epochs: give it an int"
@@ -158,8 +150,8 @@ class TrainerConfig:
         for name in [f"limit_{kind}_batches" for kind in ("train", "val", "test", "predict")]:
             if getattr(self, name) is None:
                 setattr(self, name, 1.0)
-            _check_limit(name, getattr(self, name))
-        _check_limit("overfit_batches", self.overfit_batches)
+            _check_batches(name, getattr(self, name))
+        _check_batches("overfit_batches", self.overfit_batches)
         if self.overfit_batches:
             self.limit_train_batches = self.limit_val_batches = self.overfit_batches
         if self.fast_dev_run:

@@ -1,6 +1,4 @@
-"""`Callback`: Lightning's hook names and arguments. Callbacks run before the module's hook of
-the same name, in the order given to the trainer (checkpointing callbacks are moved last; at a
-train epoch's end ModelCheckpoint and EarlyStopping run after the module).
+"""`Callback`: Lightning's hook names and arguments (the order they run in: `trainer/hooks.py`).
 
 `info` is where the callbacks' ``verbose`` messages go: the ``nanolight`` logger, shown on stderr.
 Lightning prints them through a logger with its own stream handler, so ``verbose=True`` is visible

@@ -269,11 +269,6 @@ class ModelCheckpoint(Callback):
         if self.verbose and trainer.is_global_zero:
             info(f"Epoch {candidates['epoch']:d}, global step {candidates['step']:d}: {message}")
 
-    def _warn_once(self, message: str) -> None:
-        if message not in self._warned:
-            self._warned.add(message)
-            rank_zero_warn(message)
-
     # ---------------------------------------------------------------------- names, top-k, pruning
     def format_checkpoint_name(
         self,
@@ -318,7 +313,9 @@ class ModelCheckpoint(Callback):
             )
             if self._val_has_run:  # validation ran and still did not log it: a misconfiguration
                 raise UsageError(message)
-            self._warn_once(message)
+            if message not in self._warned:  # once
+                self._warned.add(message)
+                rank_zero_warn(message)
         self._save_monitor_checkpoint(trainer, candidates)
 
     def check_monitor_top_k(self, trainer: Any, current: Tensor | None = None) -> bool:

@@ -3,7 +3,7 @@
 
 On a terminal the bar is a rich progress bar; otherwise (CI logs, pipes, ``nohup``) a live bar
 would spam or vanish, so it prints one plain line every ``log_every_n_steps`` steps instead.
-Only global rank zero draws.
+Only global rank zero draws; its time is `StepTimer`'s (validation excluded).
 
 Numbers say a run learns; a sample shows what it learned ("the the the" after 200 steps is a
 different run from one that writes plausible code). Sampling works at every layout: each step runs
@@ -15,43 +15,29 @@ Printed on rank 0 and sent to the loggers (``Logger.log_text``: a W&B table).
 from __future__ import annotations
 
 import sys
-import time
 from typing import Any
 
 import torch
 
 from nanolight.callbacks.base import Callback
+from nanolight.callbacks.throughput import StepTimer
 
 
-class RichProgressBar(Callback):
+class RichProgressBar(StepTimer):
     """Progress over optimizer steps (``max_steps``, or open-ended when it is unset). The step
-    count moves every step; loss and tokens/s refresh on logging steps (reading them syncs the
-    device)."""
+    count moves every step; loss and tokens/s (over the training time since the previous logging
+    step, as `ThroughputMonitor`'s) refresh on logging steps (reading them syncs the device)."""
 
     def __init__(self, force_plain: bool = False) -> None:
+        super().__init__()
         self.force_plain = force_plain
         self._progress: Any = None
         self._task: Any = None
-        self._t0 = 0.0
         self._tokens0 = 0
-        self._step = 0  # the global step last shown
-
-    def _fields(self, trainer: Any) -> dict[str, str]:
-        m = {k: float(v) for k, v in trainer.progress_bar_metrics.items()}  # syncs: logging steps only
-        loss = m.get("train/loss")
-        dt = max(time.perf_counter() - self._t0, 1e-9)
-        tps = (trainer.progress["tokens"] - self._tokens0) / dt
-        out = {"loss": f"{loss:.4f}" if loss is not None else "-", "tps": f"{tps:,.0f}" if tps else "-"}
-        extra = {k: v for k, v in m.items() if k != "train/loss"}
-        out["extra"] = "  ".join(f"{k}={v:.4g}" for k, v in extra.items())
-        return out
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._step = trainer.global_step
-        if not trainer.is_global_zero:
-            return
-        self._t0, self._tokens0 = time.perf_counter(), trainer.progress["tokens"]
-        if self.force_plain or not sys.stdout.isatty():
+        super().on_train_start(trainer, pl_module)
+        if not trainer.is_global_zero or self.force_plain or not sys.stdout.isatty():
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -68,22 +54,33 @@ class RichProgressBar(Callback):
         )
         self._progress.start()
 
+    def _mark(self, trainer: Any) -> None:
+        super()._mark(trainer)
+        self._tokens0 = trainer.progress["tokens"]
+
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not trainer.is_global_zero or trainer.global_step == self._step:
-            return  # another rank, or a micro-batch before this step's update
-        self._step = trainer.global_step
         if self._progress is not None:
-            fields = self._fields(trainer) if trainer.should_log else {}
-            self._progress.update(self._task, completed=trainer.global_step, **fields)
-        elif trainer.should_log:
-            f = self._fields(trainer)
-            total = f"/{trainer.max_steps}" if trainer.max_steps > 0 else ""
-            print(
-                f"step {trainer.global_step}{total}  loss {f['loss']}  tok/s {f['tps']}  {f['extra']}".rstrip(),
-                flush=True,
-            )
+            self._progress.update(self._task, completed=trainer.global_step)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)  # `on_timed` when due
+
+    def on_timed(self, trainer: Any, seconds: float, steps: int) -> None:
+        if not trainer.is_global_zero:
+            return
+        m = {k: float(v) for k, v in trainer.progress_bar_metrics.items()}  # syncs: logging steps only
+        loss, tps = m.pop("train/loss", None), (trainer.progress["tokens"] - self._tokens0) / seconds
+        fields = {
+            "loss": f"{loss:.4f}" if loss is not None else "-",
+            "tps": f"{tps:,.0f}" if tps else "-",
+            "extra": "  ".join(f"{k}={v:.4g}" for k, v in m.items()),
+        }
+        if self._progress is not None:
+            self._progress.update(self._task, **fields)
+            return
+        total = f"/{trainer.max_steps}" if trainer.max_steps > 0 else ""
+        line = f"step {trainer.global_step}{total}  loss {fields['loss']}  tok/s {fields['tps']}  {fields['extra']}"
+        print(line.rstrip(), flush=True)
 
     def _stop(self) -> None:
         if self._progress is not None:
@@ -126,7 +123,7 @@ class GreedySamples(Callback):
         return self.tokenizer.decode(ids[0].tolist())
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        if getattr(trainer, "sanity_checking", False):
+        if trainer.sanity_checking:
             return
         was_training = pl_module.training
         pl_module.eval()

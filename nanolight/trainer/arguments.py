@@ -44,20 +44,12 @@ UNSUPPORTED = {
 }
 
 
-# Lightning's default for each: a program that spells the default out asks for nothing missing
-UNSUPPORTED_DEFAULTS: dict[str, Any] = {
-    "profiler": None,
-    "plugins": None,
-    "sync_batchnorm": False,
-    "model_registry": None,
-}
-
-
 def unsupported_args(kwargs: dict[str, Any]) -> None:
     """Raise for a Lightning argument nanolight does not take (unless at Lightning's default:
     ``sync_batchnorm=False`` asks for nothing), or an unknown one."""
     for key, value in kwargs.items():
-        if key in UNSUPPORTED and value is not UNSUPPORTED_DEFAULTS[key]:
+        default = False if key == "sync_batchnorm" else None  # Lightning's: it asks for nothing
+        if key in UNSUPPORTED and value is not default:
             raise UsageError(
                 f"NanoTrainer({key}=...) is a Lightning argument nanolight does not support: {UNSUPPORTED[key]}"
             )
@@ -82,15 +74,35 @@ def parse_max_time(value: Any) -> float | None:
     )
 
 
-def _check_limit(name: str, value: int | float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise UsageError(
-            f"{name} must be an int >= 0 (batches) or a float in [0, 1] (a fraction), got {value!r}"
-        )
+def _check_batches(name: str, value: Any, positive: bool = False) -> None:
+    """An int count of batches (>= 1 if `positive`, else >= 0) or a float fraction of the loader."""
+    least, span = (1, "(0, 1]") if positive else (0, "[0, 1]")
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or value < 0 or (positive and value == 0):
+        raise UsageError(f"{name} must be an int >= {least} (batches) or a float in {span}, got {value!r}")
     if isinstance(value, float) and value > 1.0:
         raise UsageError(
-            f"{name}={value}: a float is a fraction of the loader in [0, 1]; use an int for a count"
+            f"{name}={value}: a float is a fraction of the loader in {span}; use an int for a count"
         )
+
+
+def clip_algorithm(name: str) -> str:
+    """``gradient_clip_algorithm``, checked: "norm" or "value" (any case)."""
+    if name.lower() not in ("norm", "value"):
+        raise UsageError(f'gradient_clip_algorithm must be "norm" or "value", got {name!r}')
+    return name.lower()
+
+
+# the least value of each count (None is Lightning's default where the type allows it)
+LEAST = {
+    "accumulate_grad_batches": (1, ""),
+    "gradient_clip_val": (0, " or None"),
+    "check_val_every_n_epoch": (1, " or None"),
+    "num_sanity_val_steps": (-1, " (-1: the whole loader)"),
+    "log_every_n_steps": (0, " (0: no step rows)"),
+    "max_steps": (-1, " (-1: no limit)"),
+    "max_epochs": (-1, " (-1: no limit)"),
+}
 
 
 @dataclass
@@ -120,51 +132,26 @@ class TrainerConfig:
     reload_dataloaders_every_n_epochs: int = 0
 
     def __post_init__(self) -> None:
-        if self.accumulate_grad_batches < 1:
-            raise UsageError(f"accumulate_grad_batches must be >= 1, got {self.accumulate_grad_batches}")
-        if self.gradient_clip_val is not None and self.gradient_clip_val < 0:
-            raise UsageError(f"gradient_clip_val must be >= 0 or None, got {self.gradient_clip_val}")
+        for name, (least, note) in LEAST.items():
+            value = getattr(self, name)
+            if value is not None and value < least:
+                raise UsageError(f"{name} must be >= {least}{note}, got {value}")
         if self.gradient_clip_algorithm is not None:
-            self.gradient_clip_algorithm = self.gradient_clip_algorithm.lower()
-            if self.gradient_clip_algorithm not in ("norm", "value"):
-                raise UsageError(
-                    f'gradient_clip_algorithm must be "norm" or "value", got {self.gradient_clip_algorithm!r}'
-                )
+            self.gradient_clip_algorithm = clip_algorithm(self.gradient_clip_algorithm)
         self.max_time_s = parse_max_time(self.max_time)
-        vci = self.val_check_interval
-        if vci is None:
-            self.val_check_interval = 1.0
-        elif isinstance(vci, bool) or not isinstance(vci, (int, float)) or vci <= 0:
-            raise UsageError(
-                f"val_check_interval: an int >= 1 (training batches) or a float in (0, 1], got {vci!r}"
-            )
-        elif isinstance(vci, float) and vci > 1.0:
-            raise UsageError(
-                f"val_check_interval={vci}: a float is a fraction of the epoch; use an int for batches"
-            )
-        if self.check_val_every_n_epoch is not None and self.check_val_every_n_epoch < 1:
-            raise UsageError(
-                f"check_val_every_n_epoch must be >= 1 or None, got {self.check_val_every_n_epoch}"
-            )
+        self.val_check_interval = 1.0 if self.val_check_interval is None else self.val_check_interval
+        _check_batches("val_check_interval", self.val_check_interval, positive=True)
         if self.check_val_every_n_epoch is None and not isinstance(self.val_check_interval, int):
             raise UsageError(
                 "check_val_every_n_epoch=None counts val_check_interval across epochs: give it an int"
             )
         self.num_sanity_val_steps = 2 if self.num_sanity_val_steps is None else self.num_sanity_val_steps
-        if self.num_sanity_val_steps < -1:
-            raise UsageError(
-                f"num_sanity_val_steps must be >= -1 (-1: the whole loader), got {self.num_sanity_val_steps}"
-            )
         self.log_every_n_steps = 50 if self.log_every_n_steps is None else self.log_every_n_steps
-        if self.log_every_n_steps < 0:
-            raise UsageError(
-                f"log_every_n_steps must be >= 0 (0: no step rows), got {self.log_every_n_steps}"
-            )
         for name in [f"limit_{kind}_batches" for kind in ("train", "val", "test", "predict")]:
             if getattr(self, name) is None:
                 setattr(self, name, 1.0)
-            _check_limit(name, getattr(self, name))
-        _check_limit("overfit_batches", self.overfit_batches)
+            _check_batches(name, getattr(self, name))
+        _check_batches("overfit_batches", self.overfit_batches)
         if self.overfit_batches:
             self.limit_train_batches = self.limit_val_batches = self.overfit_batches
         if self.fast_dev_run:
@@ -178,12 +165,8 @@ class TrainerConfig:
             self.val_check_interval, self.check_val_every_n_epoch, self.log_every_n_steps = 1.0, 1, 1
         else:
             self.fast_dev_run = 0
-        if self.max_steps < -1:
-            raise UsageError(f"max_steps must be -1 (no limit) or >= 0, got {self.max_steps}")
         if self.max_epochs is None:  # Lightning's default: 1000 epochs unless another limit is set
             self.max_epochs = 1000 if self.max_steps == -1 and self.max_time_s is None else -1
-        if self.max_epochs is not None and self.max_epochs < -1:
-            raise UsageError(f"max_epochs must be -1 (no limit), None or >= 0, got {self.max_epochs}")
 
 
 # ---- the strategy ----------------------------------------------------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -43,22 +43,23 @@ def worker_init(worker_id: int, rank: int = 0) -> None:
     torch.manual_seed(seed)
 
 
-def parse_num_batches(kind: str, length: int | None, limit: int | float) -> float:
-    """Batches a loop runs for a loader of `length` (None: unsized) under `limit`."""
+def parse_num_batches(kind: str, length: int | None, limit: int | float) -> int | float:
+    """Batches a loop runs for a loader of `length` (None: unsized) under `limit`: an int, or
+    ``math.inf`` for an unsized loader without an int limit (Lightning's ``num_*_batches``)."""
     if isinstance(limit, int):
-        return float(limit) if length is None else float(min(length, limit))
+        return limit if length is None else min(length, limit)
     if length is None:
         if limit not in (0.0, 1.0):
             raise UsageError(
                 f"limit_{kind}_batches={limit}: a fraction needs a loader with a length; give an int"
             )
-        return 0.0 if limit == 0.0 else math.inf
+        return 0 if limit == 0.0 else math.inf
     n = int(length * limit)
     if n == 0 and limit > 0.0 and length > 0:
         raise UsageError(
             f"limit_{kind}_batches={limit} x {length} batches = 0 batches: use at least {1 / length:.3g} or an int"
         )
-    return float(n)
+    return n
 
 
 class DataConnector:
@@ -79,31 +80,29 @@ class DataConnector:
         if datamodule is not None:
             datamodule.trainer = self.trainer
 
-    def has_source(self, kind: str) -> bool:
+    def _source(self, kind: str) -> Callable[[], Any] | None:
+        """Where `kind`'s loaders come from, in Lightning's precedence (None: nowhere)."""
+        hook, dm, hooks = f"{kind}_dataloader", self.datamodule, self.trainer.hooks
         if kind in self._given:
-            return True
-        hook = f"{kind}_dataloader"
-        dm = self.datamodule
-        return (dm is not None and is_overridden(hook, dm, NanoDataModule)) or _module_overrides(
-            self.module, hook
-        )
+            return lambda: self._given[kind]
+        if dm is not None and is_overridden(hook, dm, NanoDataModule):
+            return lambda: hooks.datamodule(hook)
+        if self.module is not None and is_overridden(hook, self.module, NanoModule):
+            return lambda: hooks.module(hook)
+        return None
+
+    def has_source(self, kind: str) -> bool:
+        return self._source(kind) is not None
 
     def request(self, kind: str) -> list[Any]:
         """The loaders of `kind` (one per dataloader), processed for this run."""
-        trainer = self.trainer
-        if kind in self._given:
-            raw = self._given[kind]
-        elif self.datamodule is not None and is_overridden(
-            f"{kind}_dataloader", self.datamodule, NanoDataModule
-        ):
-            raw = trainer.hooks.datamodule(f"{kind}_dataloader")
-        elif _module_overrides(self.module, f"{kind}_dataloader"):
-            raw = trainer.hooks.module(f"{kind}_dataloader")
-        else:
+        source = self._source(kind)
+        if source is None:
             raise UsageError(
                 f"no {kind} data: pass {kind}_dataloaders=... (or a datamodule), or implement {kind}_dataloader()"
             )
-        trainer.strategy.barrier(f"{kind}_dataloader()")  # every rank: all have built their loaders
+        raw = source()
+        self.trainer.strategy.barrier(f"{kind}_dataloader()")  # every rank: all have built their loaders
         if isinstance(raw, dict):
             raise UsageError(f"a dict of {kind} dataloaders is not supported: pass one loader or a list")
         loaders = list(raw) if _is_loader_list(raw) else [raw]
@@ -111,12 +110,10 @@ class DataConnector:
             raise UsageError(f"training takes one dataloader, got {len(loaders)}: combine them into one")
         return [self._process(loader, kind) for loader in loaders]
 
-    def num_batches(self, loader: Any, kind: str) -> float:
-        cfg = self.trainer.config
-        limit = {"train": cfg.limit_train_batches, "val": cfg.limit_val_batches}.get(kind)
-        if limit is None:
-            limit = cfg.limit_test_batches if kind == "test" else cfg.limit_predict_batches
-        return parse_num_batches(kind, loader_len(loader), limit)
+    def num_batches(self, loader: Any, kind: str) -> int | float:
+        return parse_num_batches(
+            kind, loader_len(loader), getattr(self.trainer.config, f"limit_{kind}_batches")
+        )
 
     def _process(self, loader: Any, kind: str) -> Any:
         trainer = self.trainer
@@ -172,10 +169,6 @@ def _is_loader_list(raw: Any) -> bool:
     )
 
 
-def _module_overrides(module: Any, hook: str) -> bool:
-    return module is not None and is_overridden(hook, module, NanoModule)
-
-
 def _rebuild(loader: DataLoader, sampler: Any) -> DataLoader:
     """The same loader with another sampler."""
     names = ["batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout"]
@@ -192,25 +185,19 @@ def set_epoch(loader: Any, epoch: int) -> None:
             obj.set_epoch(epoch)
 
 
-def count_samples_tokens(batch: Any) -> tuple[int, int]:
-    """(samples, tokens) of a micro-batch: tokens = numel of ``input_ids`` when present."""
-    if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
-        ids = batch["input_ids"]
-        return int(ids.shape[0]), int(ids.numel())
-    first = batch
-    while isinstance(first, (list, tuple, dict)) and len(first) > 0:
-        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
-    if isinstance(first, torch.Tensor) and first.ndim > 0:
-        return int(first.shape[0]), 0
-    return 0, 0
-
-
 def count_consumed(progress: dict[str, int], batches: list[Any], dp_size: int) -> None:
-    """Add one step's samples/tokens, global over data-parallel replicas, to ``progress``."""
-    for b in batches:
-        samples, tokens = count_samples_tokens(b)
-        progress["samples"] += samples * dp_size
-        progress["tokens"] += tokens * dp_size
+    """Add one step's samples and tokens (``input_ids.numel()`` when there are ``input_ids``),
+    global over data-parallel replicas, to ``progress``."""
+    for batch in batches:
+        if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
+            progress["samples"] += batch["input_ids"].shape[0] * dp_size
+            progress["tokens"] += batch["input_ids"].numel() * dp_size
+            continue
+        first = batch
+        while isinstance(first, (list, tuple, dict)) and len(first) > 0:
+            first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+        if isinstance(first, torch.Tensor) and first.ndim > 0:
+            progress["samples"] += first.shape[0] * dp_size
 
 
 def loader_len(loader: Iterable) -> int | None:

@@ -52,7 +52,7 @@ class FitLoop:
         self.trainer = trainer
         self.train_loader: Any = None
         self.val_loaders: list[Any] | None = None
-        self.max_batches = math.inf  # training batches per epoch
+        self.max_batches: int | float = math.inf  # training batches per epoch
         self.val_check_batch = math.inf
         self._epoch_start: dict[str, Any] | None = None  # RNG that ordered this epoch's samples
         self._resume: dict[str, Any] | None = None  # loop position read from a checkpoint
@@ -87,13 +87,14 @@ class FitLoop:
         return resume is not None and (self.trainer.config.max_steps != -1 or bool(resume.get("batch_idx")))
 
     # ---- data ------------------------------------------------------------------------------
-    def ensure_train_data(self) -> float:
+    def ensure_train_data(self) -> int | float:
         """The train loader (requested once per fit) and its number of batches per epoch."""
         trainer = self.trainer
         if self.train_loader is None:
             self.train_loader = trainer.data.request("train")[0]
-            self.max_batches = trainer.data.num_batches(self.train_loader, "train")
-            trainer.num_training_batches = int(self.max_batches) if self.max_batches != math.inf else math.inf
+            self.max_batches = trainer.num_training_batches = trainer.data.num_batches(
+                self.train_loader, "train"
+            )
             self._val_check_batch()
         return self.max_batches
 
@@ -148,14 +149,16 @@ class FitLoop:
 
     @property
     def done(self) -> bool:
-        trainer, cfg = self.trainer, self.trainer.config
-        if self.max_batches == 0:
+        cfg = self.trainer.config
+        if self.max_batches == 0 or (cfg.max_epochs != -1 and self.trainer.current_epoch >= cfg.max_epochs):
             return True
-        if cfg.max_steps != -1 and trainer.global_step >= cfg.max_steps:
-            return True
-        if cfg.max_epochs != -1 and trainer.current_epoch >= cfg.max_epochs:
-            return True
-        return self._stop_requested()
+        return self._steps_done
+
+    @property
+    def _steps_done(self) -> bool:
+        """``max_steps`` reached, or a stop requested that ``min_steps`` / ``min_epochs`` allow."""
+        cfg = self.trainer.config
+        return (cfg.max_steps != -1 and self.trainer.global_step >= cfg.max_steps) or self._stop_requested()
 
     # ---- the loop --------------------------------------------------------------------------
     def run(self) -> None:
@@ -167,7 +170,7 @@ class FitLoop:
             )
         if self.done or trainer.config.limit_train_batches == 0:
             return
-        if trainer.enable_validation and self._validates_epoch():
+        if self._validates_epoch():
             self.ensure_val_data()
         self._t0 = time.monotonic()
         trainer.lightning_module.train()
@@ -178,8 +181,10 @@ class FitLoop:
         trainer.hooks.call("on_train_end")
 
     def _validates_epoch(self) -> bool:
+        """Fit validates, and in this epoch (``check_val_every_n_epoch``)."""
         every = self.trainer.config.check_val_every_n_epoch
-        return every is None or (self.trainer.current_epoch + 1) % every == 0
+        epoch_due = every is None or (self.trainer.current_epoch + 1) % every == 0
+        return epoch_due and self.trainer.enable_validation
 
     def _iterator(self) -> Iterator:
         """Iterator for the current epoch, positioned after the batches a checkpoint consumed."""
@@ -194,7 +199,8 @@ class FitLoop:
         self._epoch_start = capture_epoch_start(loader)
         iterator = iter(loader)
         if resume is not None and not stateful:
-            skip(iterator, resume["batch_idx"])
+            for _ in range(resume["batch_idx"]):  # the batches the checkpoint consumed
+                next(iterator)
         if self._resume_rng is not None:
             restore_rng_state(self._resume_rng)
             self._resume_rng = None
@@ -215,9 +221,7 @@ class FitLoop:
         step = ManualStep(trainer) if manual else AutomaticStep(trainer)
         window = 1 if manual else cfg.accumulate_grad_batches
         complete = False
-        while (
-            not (cfg.max_steps != -1 and trainer.global_step >= cfg.max_steps) and not self._stop_requested()
-        ):
+        while not self._steps_done:
             first = trainer.progress["batch_idx"]
             left = self.max_batches - first
             batches = list(islice(iterator, int(min(window, left)))) if left > 0 else []
@@ -239,12 +243,9 @@ class FitLoop:
             if last:
                 complete = True
                 break
-        if complete and self.val_check_batch == math.inf and self._should_validate_now():
+        if complete and self.val_check_batch == math.inf and self._validates_epoch():
             self._validate()  # an unsized loader: its last batch is known only now
         self._epoch_end(complete)
-
-    def _should_validate_now(self) -> bool:
-        return self.trainer.enable_validation and self._validates_epoch()
 
     def _after_window(self, first: int, n: int, last: bool) -> None:
         trainer = self.trainer
@@ -261,7 +262,7 @@ class FitLoop:
         trainer.preemption.check()
 
     def _validation_due(self, first: int, n: int, last: bool) -> bool:
-        if not self._should_validate_now():
+        if not self._validates_epoch():
             return False
         if self.trainer.should_stop and self.can_stop_early:
             return True
@@ -323,37 +324,28 @@ def restore_epoch_start(loader: Any, state: dict[str, Any]) -> None:
             gen.set_state(saved)
 
 
-def skip(iterator: Iterator, n: int) -> None:
-    for _ in range(n):
-        next(iterator)
-
-
-# ---- pre-emption: SIGTERM/SIGUSR1 -> save, stop at a step every rank agrees on -------------------
-#
-# Pre-emption: on SIGTERM or SIGUSR1, finish the optimizer step, save, and stop cleanly.
+# ---- pre-emption: SIGTERM/SIGUSR1 -> finish the step, save, stop at a step every rank agrees on --
 #
 # Why: clusters announce the end of a job with a signal some seconds before they kill it (SLURM
 # ``--signal=USR1@90``, Kubernetes and spot/pre-emptible VMs send SIGTERM and wait a grace period).
-# Python's default action for both signals ends the process at once, losing every step since the
-# last periodic checkpoint. Instead the handler only records the signal; the trainer looks at it
-# at the end of each optimizer step, a safe point (the update is applied, no collective is in
-# flight). With several ranks they must agree, so a signal that reached only one rank (``kill`` of
-# one pid, a scheduler signalling one task) still stops every rank at the same step: a rank that
-# stopped alone would leave its peers blocked in their next collective. Then every rank takes part
-# in one checkpoint save, the fit returns normally and the script exits 0; the next launch with
+# Python's default action for both ends the process at once, losing every step since the last
+# periodic checkpoint. Instead the handler only records the signal; the trainer looks at it at the
+# end of each optimizer step, a safe point (the update is applied, no collective is in flight).
+# With several ranks they must agree, so a signal that reached only one rank (``kill`` of one pid,
+# a scheduler signalling one task) still stops every rank at the same step: a rank that stopped
+# alone would leave its peers blocked in their next collective. Then every rank takes part in one
+# checkpoint save, the fit returns normally and the script exits 0; the next launch with
 # ``ckpt_path="last"`` (recipe: ``checkpoint.resume=last``) continues exactly.
 #
-# The agreement must not cost a device sync every step, so it is one host-side maximum of one
-# integer per step, a host-side all-reduce over gloo (`parallel/context.py`) -- 0 nothing, 1 SIGUSR1, 2 SIGTERM, the maximum wins -- started at the end of
-# step k without waiting (`Strategy.start_max`) and read at the end of step k+1, when it has long
-# arrived. Every rank reads the same value at the same step, so with several ranks the
-# run stops (and saves) one step after the signal's step; one process exchanges nothing and stops
-# at the signal's step. When the fit loop ends, the request still in flight is waited for
-# (`finish`): no collective is left behind, and a signal it carries still gets its save.
+# The agreement must not cost a device sync every step: it is one host-side maximum of one integer
+# (0 nothing, 1 SIGUSR1, 2 SIGTERM), a gloo all-reduce (`parallel/context.py`) started at the end
+# of step k without waiting (`Strategy.start_max`) and read at the end of step k+1, when it has
+# long arrived. So with several ranks the run stops (and saves) one step after the signal's step;
+# one process exchanges nothing and stops at the signal's step. When the fit loop ends, the
+# request still in flight is waited for (`finish`): no collective is left behind.
 #
 # Handlers are installed only from the main thread (Python allows no other) and only for the
-# duration of ``fit``; the previous handlers are restored afterwards, so the process handles
-# signals after ``fit`` as it did before.
+# duration of ``fit``; the previous handlers are restored afterwards.
 
 
 SIGNALS = ("SIGTERM", "SIGUSR1")  # SIGUSR1: SLURM's usual `--signal=USR1@<seconds>`; absent on Windows
@@ -391,36 +383,44 @@ class Preemption:
 
     def check(self) -> None:
         """End of an optimizer step, on every rank: if the ranks agreed that one got a signal,
-        save and stop (see the module docstring for which step)."""
+        save and stop (see above for which step)."""
         code = CODES[self.received]
         if self.trainer.strategy.world_size == 1:
-            agreed = code  # one process: nothing to agree on, no collective
-        else:
-            pending, self._pending = self._pending, None
-            agreed = pending.wait() if pending is not None else 0  # started at the previous step
-            if not agreed:
-                # every rank sends its signal code, the world's maximum is read at the next check
-                self._pending = self.trainer.strategy.start_max(code)
-        if agreed:
-            self._stop(NAMES[agreed])
+            self._stop(code)  # one process: nothing to agree on, no collective
+            return
+        agreed = self._read()  # started at the previous step
+        if not agreed:
+            # every rank sends its signal code, the world's maximum is read at the next check
+            self._pending = self.trainer.strategy.start_max(code)
+        self._stop(agreed)
 
     def finish(self) -> None:
         """The fit loop ended: wait for the agreement in flight (every rank started it at the
         same last step); a signal it carries is acted on as at a step's end."""
-        pending, self._pending = self._pending, None
-        agreed = pending.wait() if pending is not None else 0
-        if agreed:
-            self._stop(NAMES[agreed])
+        self._stop(self._read())
 
-    def _stop(self, name: str) -> None:
+    def _read(self) -> int:
+        pending, self._pending = self._pending, None
+        return pending.wait() if pending is not None else 0
+
+    def _stop(self, agreed: int) -> None:
+        """Save and stop when `agreed` names a signal (0: none)."""
+        if not agreed:
+            return
         trainer = self.trainer
-        trainer.preempted_by = name  # agreed, so the same on every rank (once per run)
-        path = save_now(trainer)
+        trainer.preempted_by = NAMES[agreed]  # agreed, so the same on every rank (once per run)
+        # through the first ModelCheckpoint, so `last` and its pruning stay consistent (a no-op if
+        # it saved this step already); without one, to <root>/checkpoints/step-N
+        cb = trainer.checkpoint_callback
+        path = Path(trainer.default_root_dir) / "checkpoints" / f"step-{trainer.global_step}"
+        if cb is not None:
+            path = Path(cb.save_now(trainer))
+        else:
+            trainer.save_checkpoint(path)
         trainer.should_stop = True
-        cbs = trainer.checkpoint_callbacks
         hint = (
             "ckpt_path='last' / checkpoint.resume=last"
-            if not cbs or cbs[0].save_last
+            if cb is None or cb.save_last
             else f"ckpt_path='{path}'"
         )
         if trainer.is_global_zero:
@@ -430,14 +430,3 @@ class Preemption:
                 file=sys.stderr,
                 flush=True,
             )
-
-
-def save_now(trainer: NanoTrainer) -> Path:
-    """Save the current step through the first `ModelCheckpoint` (so ``last`` and its pruning stay
-    consistent; a no-op if it already saved this step), else to ``<root>/checkpoints/step-N``."""
-    callbacks = trainer.checkpoint_callbacks
-    if callbacks:
-        return Path(callbacks[0].save_now(trainer))
-    path = Path(trainer.default_root_dir) / "checkpoints" / f"step-{trainer.global_step}"
-    trainer.save_checkpoint(path)
-    return path

@@ -24,7 +24,7 @@ Converting values to floats syncs the device, so it happens only for rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -81,10 +81,7 @@ class MetricStore:
         self.hook: str | None = None  # the hook running now (sets the defaults)
         self.batch: Any = None  # the batch being processed (for its size)
         self.dataloader_idx: int | None = None  # evaluation with several dataloaders
-        self.callback_metrics: dict[str, torch.Tensor] = {}
-        self.logged_metrics: dict[str, torch.Tensor] = {}
-        self.progress_bar_metrics: dict[str, torch.Tensor] = {}
-        self._eval_rows: dict[int, int] = {}  # per-batch evaluation rows written, per dataloader
+        self.reset()
 
     def reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         # a collective: every rank of the strategy's dp group exchanges these values (under
@@ -161,8 +158,10 @@ class MetricStore:
         """A new trainer call: Lightning's dicts start empty for fit, validate, test, predict."""
         self.train.reset()
         self.eval.reset()
-        self.callback_metrics, self.logged_metrics, self.progress_bar_metrics = {}, {}, {}
-        self._eval_rows = {}
+        self.callback_metrics: dict[str, torch.Tensor] = {}
+        self.logged_metrics: dict[str, torch.Tensor] = {}
+        self.progress_bar_metrics: dict[str, torch.Tensor] = {}
+        self._eval_rows: dict[int, int] = {}  # per-batch evaluation rows written, per dataloader
 
     # ---- rows for the loggers ------------------------------------------------------------
     def log_row(self, metrics: dict[str, Any], step: int | None = None) -> None:
@@ -298,12 +297,8 @@ class Results:
     def sync_step(self, reduce: Reduce) -> None:
         """Reduce the unsynced ``sync_dist`` step values over ranks, in one collective."""
         todo = [m for m in self.metrics.values() if m.meta.sync and m.meta.on_step and not m.last_synced]
-        for op in REDUCE_FX:
-            group = [m for m in todo if m.meta.reduce_fx == op]
-            if group:
-                out = reduce(torch.stack([m.last.float() for m in group]), op)  # type: ignore[union-attr]
-                for m, v in zip(group, out.unbind(), strict=True):
-                    m.last, m.last_synced = v, True
+        for m, value in _reduced(reduce, todo, REDUCE_FX, "last"):
+            m.last, m.last_synced = value, True
 
     def compute_epoch(self, reduce: Reduce) -> None:
         """Epoch values of the on_epoch metrics not computed yet (``sync_dist`` ones in one
@@ -318,12 +313,8 @@ class Results:
             flat = reduce(torch.stack([t for m in means for t in (m.acc, m.weight)]).float(), "sum")
             for k, m in enumerate(means):
                 m.epoch = flat[2 * k] / flat[2 * k + 1]
-        for op in ("sum", "max", "min"):
-            group = [m for m in synced if m.meta.reduce_fx == op]
-            if group:
-                out = reduce(torch.stack([m.acc.float() for m in group]), op)  # type: ignore[union-attr]
-                for m, v in zip(group, out.unbind(), strict=True):
-                    m.epoch = v
+        for m, value in _reduced(reduce, synced, ("sum", "max", "min"), "acc"):
+            m.epoch = value
 
     def values(
         self, on_step: bool, dataloader_idx: int | None = None
@@ -356,6 +347,17 @@ class Results:
 
     def reset(self) -> None:
         self.metrics = {}
+
+
+def _reduced(
+    reduce: Reduce, metrics: list[_Metric], ops: tuple[str, ...], field: str
+) -> Iterator[tuple[_Metric, torch.Tensor]]:
+    """Each metric's `field` reduced over ranks: one collective per reduction kind in `ops`."""
+    for op in ops:
+        group = [m for m in metrics if m.meta.reduce_fx == op]
+        if group:
+            out = reduce(torch.stack([getattr(m, field).float() for m in group]), op)
+            yield from zip(group, out.unbind(), strict=True)
 
 
 def _args(meta: Meta) -> str:

@@ -1,11 +1,7 @@
-"""The trainer's optimization duties (its ``optimization`` part), for both kinds of optimization:
-the optimizers, backward with its hooks, the optimizer step behind ``NanoOptimizer.step``,
-clipping, and the LR schedulers.
-
-Automatic optimization (`step.py`) steps once per accumulation window through the module's
-``optimizer_step``; manual optimization lets ``training_step`` call ``opt.step()``. Either way
-`global_step` counts optimizer steps, as in Lightning. The state callbacks read stays on the
-trainer: ``lr_scheduler_configs``, ``nano_optimizers``, ``skip_optimizer_step``, ``grad_norm``.
+"""The trainer's optimization duties (its ``optimization`` part), for both kinds of optimization
+(`step.py` says how each steps): the optimizers, backward with its hooks, the optimizer step
+behind ``NanoOptimizer.step``, clipping, and the LR schedulers. The state callbacks read stays on
+the trainer: ``lr_scheduler_configs``, ``nano_optimizers``, ``skip_optimizer_step``, ``grad_norm``.
 """
 
 from __future__ import annotations
@@ -18,6 +14,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from nanolight.errors import UsageError
 from nanolight.module.optimizers import NanoOptimizer, parse_optimizers
+from nanolight.trainer.arguments import clip_algorithm
 from nanolight.trainer.step import refuse_under_pipeline
 
 if TYPE_CHECKING:
@@ -133,9 +130,7 @@ class Optimization:
                 f"gradient_clip_val={value} passed to clip_gradients, but NanoTrainer(gradient_clip_val="
                 f"{cfg.gradient_clip_val}) too: use one of them"
             )
-        algorithm = (algorithm or cfg.gradient_clip_algorithm or "norm").lower()
-        if algorithm not in ("norm", "value"):
-            raise UsageError(f'gradient_clip_algorithm must be "norm" or "value", got {algorithm!r}')
+        algorithm = clip_algorithm(algorithm or cfg.gradient_clip_algorithm or "norm")
         if value <= 0:
             return None
         if algorithm == "value":

@@ -50,7 +50,7 @@ def _from(part: str, name: str) -> property:
 
 
 class TrainerProperties:
-    """Mixed into `NanoTrainer` (its only mixin): Lightning's read-only surface."""
+    """`NanoTrainer`'s only mixin (see the module docstring)."""
 
     is_global_zero = _from("strategy", "is_global_zero")
     world_size = _from("strategy", "world_size")

@@ -56,9 +56,9 @@ def build_state(trainer: NanoTrainer, weights_only: bool = False) -> dict[str, A
         )
         if dm is not None:
             state["datamodule"] = {type(dm).__qualname__: dm.state_dict()}
-        for cb in trainer.callbacks:
-            cb.on_save_checkpoint(trainer, module, state)
-    module.on_save_checkpoint(state)
+        trainer.hooks.call("on_save_checkpoint", state)  # callbacks, then the module
+    else:
+        trainer.hooks.module("on_save_checkpoint", state)
     return state
 
 

@@ -117,9 +117,8 @@ class AutomaticStep:
             if kind != FORWARD:
                 self._backward(i, n, first)
                 continue
-            self.batches[i] = batch = hooks.transfer_batch(batches[i])
-            trainer.metrics.batch, trainer.fit_loop.batch_idx = batch, first + i
-            if hooks.call("on_train_batch_start", batch, first + i, returns=True) == END_EPOCH:
+            self.batches[i] = batch = start_batch(trainer, batches[i], first + i)
+            if batch is None:
                 refuse_under_pipeline(
                     trainer.strategy,
                     "on_train_batch_start returned -1 under pipeline parallelism: stop with trainer.should_stop",
@@ -203,6 +202,14 @@ class _Closure:
         return self.loss
 
 
+def start_batch(trainer: NanoTrainer, raw: Any, batch_idx: int) -> Any:
+    """Batch transfer, then ``on_train_batch_start``; None when that hook ended the epoch."""
+    batch = trainer.hooks.transfer_batch(raw)
+    trainer.metrics.batch, trainer.fit_loop.batch_idx = batch, batch_idx
+    ended = trainer.hooks.call("on_train_batch_start", batch, batch_idx, returns=True) == END_EPOCH
+    return None if ended else batch
+
+
 class ManualStep:
     """Runs one batch under manual optimization (see the module docstring)."""
 
@@ -212,9 +219,8 @@ class ManualStep:
     def run(self, batches: list[Any], first: int, last_of_epoch: bool) -> bool:
         trainer, hooks = self.trainer, self.trainer.hooks
         (raw,) = batches
-        batch = hooks.transfer_batch(raw)
-        trainer.metrics.batch, trainer.fit_loop.batch_idx = batch, first
-        if hooks.call("on_train_batch_start", batch, first, returns=True) == END_EPOCH:
+        batch = start_batch(trainer, raw, first)
+        if batch is None:
             return False
         with trainer.strategy.autocast():
             output = hooks.step("training_step", batch, first)

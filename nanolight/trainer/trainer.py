@@ -1,22 +1,16 @@
 """`NanoTrainer`: Lightning's ``Trainer`` -- the same arguments, entry points and hook order --
 over a `Strategy` that owns every question of parallel layout (the trainer has no parallel code).
 
-The trainer holds its parts as objects, each with its own state (Lightning's connectors):
-``hooks`` (`hooks.py`: calling hooks), ``data`` (`data.py`: where loaders come from),
-``metrics`` (`metrics.py`: ``self.log``, the metric dicts, logger rows), ``optimization``
-(`optimization.py`: optimizers, backward, clipping, schedulers), ``fit_loop`` (`loops.py`, with
-one step in `step.py`) and ``preemption`` (`loops.py`); `evaluation.py` runs validate /
-test / predict, `state.py` is the trainer's part of a checkpoint, `arguments.py` what the
-constructor's arguments become, `properties.py` what users read. This file is one call from
-start to end: the environment, ``prepare_data`` / ``setup``, the model set up on the strategy,
-the optimizers, the checkpoint restored, hparams logged; then the stage (fit: the sanity check
-and the fit loop); then teardown, loggers finalised, or ``on_exception``.
+The trainer holds its parts as objects, each with its own state (Lightning's connectors; the
+package docstring names them). This file is one call from start to end: the environment,
+``prepare_data`` / ``setup``, the model set up on the strategy, the optimizers, the checkpoint
+restored, hparams logged; then the stage (fit: the sanity check and the fit loop); then teardown,
+loggers finalised, or ``on_exception``.
 """
 
 from __future__ import annotations
 
 import os
-from contextlib import ExitStack
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -189,7 +183,7 @@ class NanoTrainer(TrainerProperties):
         datamodule: NanoDataModule | None = None,
     ) -> list[dict[str, float]]:
         """One validation pass; returns its metrics, one dict per dataloader."""
-        return self._evaluate("validate", "val", model, dataloaders, ckpt_path, verbose, datamodule)
+        return self._non_fit_call("validate", model, dataloaders, datamodule, ckpt_path, verbose)
 
     def test(
         self,
@@ -200,7 +194,7 @@ class NanoTrainer(TrainerProperties):
         datamodule: NanoDataModule | None = None,
     ) -> list[dict[str, float]]:
         """One test pass (``test_step``); returns its metrics, one dict per dataloader."""
-        return self._evaluate("test", "test", model, dataloaders, ckpt_path, verbose, datamodule)
+        return self._non_fit_call("test", model, dataloaders, datamodule, ckpt_path, verbose)
 
     def predict(
         self,
@@ -212,26 +206,17 @@ class NanoTrainer(TrainerProperties):
     ) -> Any:
         """What ``predict_step`` returns, per batch (a list per dataloader when there are several)."""
         keep = True if return_predictions is None else return_predictions
-
-        def stage() -> Any:
-            return run_predict(self, self.data.request("predict"), keep)
-
-        return self._non_fit_call("predict", "predict", model, dataloaders, datamodule, ckpt_path, stage)
-
-    def _evaluate(
-        self, fn: str, kind: str, model: Any, dataloaders: Any, ckpt_path: Any, verbose: bool, datamodule: Any
-    ) -> list[dict[str, float]]:
-        def stage() -> list[dict[str, float]]:
-            self.state.stage = fn
-            results = run_evaluation(self, kind, self.data.request(kind))
-            if verbose and self.is_global_zero:
-                print_results(fn, results)
-            return results
-
-        return self._non_fit_call(fn, kind, model, dataloaders, datamodule, ckpt_path, stage)
+        return self._non_fit_call("predict", model, dataloaders, datamodule, ckpt_path, keep=keep)
 
     def _non_fit_call(
-        self, fn: str, kind: str, model: Any, dataloaders: Any, datamodule: Any, ckpt_path: Any, stage: Any
+        self,
+        fn: str,
+        model: Any,
+        dataloaders: Any,
+        datamodule: Any,
+        ckpt_path: Any,
+        verbose: bool = False,
+        keep: bool = True,
     ) -> Any:
         """validate / test / predict: the module (else the one fit ran), its loaders, one `_run`."""
         if isinstance(dataloaders, NanoDataModule):
@@ -241,13 +226,23 @@ class NanoTrainer(TrainerProperties):
             model = self.lightning_module
             if model is None:
                 raise UsageError(f"{fn}() needs a model: pass {fn}(model, ...) or call fit(model) first")
+        kind = "val" if fn == "validate" else fn
         self.data.attach(model, datamodule, **{kind: dataloaders})
-        out: list[Any] = []
-        self._run(fn, model, ckpt_path, lambda: out.append(stage()), model_given=model_given)
-        return out[0]
+
+        def stage() -> Any:
+            if fn == "predict":
+                return run_predict(self, self.data.request(kind), keep)
+            self.state.stage = fn
+            results = run_evaluation(self, kind, self.data.request(kind))
+            if verbose and self.is_global_zero:
+                print_results(fn, results)
+            return results
+
+        return self._run(fn, model, ckpt_path, stage, model_given=model_given)
 
     # ---- one call, start to end ----------------------------------------------------------
-    def _run(self, fn: str, module: NanoModule, ckpt_path: Any, stage: Any, model_given: bool = True) -> None:
+    def _run(self, fn: str, module: NanoModule, ckpt_path: Any, stage: Any, model_given: bool = True) -> Any:
+        """`stage` inside one call's setup and teardown; returns what it returns."""
         check_module(module, fn)
         self.state.fn, self.state.stage, self.state.status = fn, None, "running"
         self.lightning_module, module.trainer, self.datamodule = module, self, self.data.datamodule
@@ -263,11 +258,12 @@ class NanoTrainer(TrainerProperties):
                 with self.strategy.watch(f"{fn} (a collective outside the watched training step)"):
                     if fn != "fit":  # Lightning zeroes the module's gradients before every stage
                         module.zero_grad()
-                    stage()
+                    result = stage()
                 self.state.status = "finished"
                 for lg in self.loggers if self.is_global_zero else []:
                     lg.finalize("success")
                 self.hooks.setup("teardown", fn)
+                return result
             except BaseException as exc:
                 self.state.status = "interrupted"
                 self.hooks.call("on_exception", exc)
@@ -338,9 +334,7 @@ class NanoTrainer(TrainerProperties):
             lg.save()
 
     def _fit_stage(self) -> None:
-        with ExitStack() as stack:
-            if self.detect_anomaly:
-                stack.enter_context(torch.autograd.set_detect_anomaly(True))
+        with torch.autograd.set_detect_anomaly(self.detect_anomaly):  # as Lightning (False: off)
             self.hooks.call("on_fit_start")
             self.lightning_module.zero_grad()  # before the stage, as for validate/test/predict
             if (

@@ -104,7 +104,7 @@ def test_tp2_pp2_dp2_zero1_resumes_at_one_process(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     index = json.loads((ckpt / "index.json").read_text())
     assert index["topology"] == {
-        "tp": 2, "pp": 2, "dp": 2, "world_size": 8, "zero_stage": 1, "sequence_parallel": False,
+        "tp": 2, "pp": 2, "cp": 1, "dp": 2, "world_size": 8, "zero_stage": 1, "sequence_parallel": False,
     }  # fmt: skip
     # each rank wrote what it owns: weights per (pp, tp), optimizer state per rank (ZeRO: 1/dp)
     assert sorted(p.name for p in ckpt.glob("model-*")) == [

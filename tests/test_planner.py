@@ -155,7 +155,8 @@ def test_step_time_carries_the_schedule_bubble() -> None:
 
 def test_cpu_host_costs_block_overhead_and_shared_cores() -> None:
     """The two costs a CPU adds to the FLOPs: a fixed host cost per block forward + backward (paid
-    again by a recomputed forward), and ranks sharing cores keeping `concurrency` of the rate."""
+    again by a recomputed forward), and ranks sharing cores keeping `concurrency` of the rate
+    (but for the pipeline's bubble, where fewer ranks work)."""
     work = Workload(LlamaConfig.preset("smollm-tiny"), 128, "cpu")
     cpu = dataclasses.replace(H100, device="cpu", shared_cores=2, efficiency=1.0, concurrency=0.5)
     slow = dataclasses.replace(cpu, block_overhead=0.01)
@@ -166,6 +167,11 @@ def test_cpu_host_costs_block_overhead_and_shared_cores() -> None:
         assert added == pytest.approx(m * layers * 0.01 * factor)
     one, dp2 = Layout(), Layout(dp=2)  # the same work per rank: two busy cores keep half the rate each
     assert micro_batch_work(work, dp2, cpu, 0) == pytest.approx(2 * micro_batch_work(work, one, cpu, 0))
+    # in a pipeline's fill and drain one stage works, alone on the cores: at the rate it has alone
+    pp2 = Layout(pp=2, accumulate_grad_batches=m)
+    busiest = max(micro_batch_work(work, pp2, cpu, s) for s in range(2))
+    idle = bubble_fraction(m, 2, 1)
+    assert step_time(work, pp2, cpu)["bubble"] == pytest.approx(m * busiest * idle / (1 - idle) * 0.5)
 
 
 def test_context_parallel_terms() -> None:

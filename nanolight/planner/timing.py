@@ -6,7 +6,9 @@ pipeline bubble from the schedule.
                                               (its chunks' FLOPs at the hardware's rate, its host
                                               cost, its tp collectives, the ring's exposed
                                               exchanges, its pipeline messages), stretched by
-                                              `bubble_fraction`
+                                              `bubble_fraction`; on shared CPU cores the stages
+                                              that work in the fill and drain have the cores the
+                                              idle ones left (one stage's ranks at a time)
          + pipeline fill                      (p-1) activation hops nothing overlaps
          + step collectives                   once per step: the tied embedding's gradient between
                                               the end stages, sequence parallelism's norm weights
@@ -51,12 +53,14 @@ def _ring(n: int, nbytes: float, bandwidth: float, latency: float, all_reduce: b
     return latency + (2 if all_reduce else 1) * (n - 1) / n * nbytes / bandwidth
 
 
-def core_share(hw: Hardware, layout: Layout) -> float:
-    """What of a core one rank gets: 1 on a GPU; on a CPU whose cores the ranks share, its share
-    of them, each busy core keeping `concurrency` of the rate it has alone."""
-    if not hw.shared_cores or layout.world_size == 1:
+def core_share(hw: Hardware, layout: Layout, busy: int | None = None) -> float:
+    """What of a core one rank gets while `busy` ranks (all of them unless told) compute: 1 on a
+    GPU; on a CPU whose cores the ranks share, its share of them, each busy core keeping
+    `concurrency` of the rate it has alone."""
+    busy = layout.world_size if busy is None else busy
+    if not hw.shared_cores or busy == 1:
         return 1.0
-    return min(1.0, hw.shared_cores / layout.world_size) * hw.concurrency
+    return min(1.0, hw.shared_cores / busy) * hw.concurrency
 
 
 def overlaps(hw: Hardware, layout: Layout) -> bool:
@@ -195,7 +199,8 @@ def step_time(work: Workload, layout: Layout, hw: Hardware) -> dict[str, float]:
     replicas = layout.dp * layout.cp  # the ranks holding the same weights: gradients reduce here
     w_bytes, g_bytes, _, r = PRECISION_BYTES[layout.precision]
     busiest = max(micro_batch_work(work, layout, hw, s) for s in range(p))
-    pipeline = m * busiest / (1 - bubble_fraction(m, p, v))
+    bubble = m * busiest * bubble_fraction(m, p, v) / (1 - bubble_fraction(m, p, v))
+    bubble *= core_share(hw, layout) / core_share(hw, layout, busy=layout.world_size // p)
     tokens = _local_tokens(work, layout)
     boundary = tokens * work.config.hidden_size * r / (layout.tp if layout.sequence_parallel else 1)
     fill = (p - 1) * boundary / hw.link(layout.tp * p) if p > 1 else 0.0
@@ -216,7 +221,7 @@ def step_time(work: Workload, layout: Layout, hw: Hardware) -> dict[str, float]:
     optimizer = (ADAMW_BYTES_PER_ELEMENT * stepped + n * g_bytes) / hw.memory_bandwidth  # + the norm's read
     parts = {
         "compute": m * busiest,
-        "bubble": pipeline - m * busiest,
+        "bubble": bubble,
         "pipeline_fill": fill,
         "step_collectives": step_collectives(work, layout, hw),
         "dp_reduce_exposed": exposed,

@@ -261,7 +261,10 @@ def _allreduce_rank(rank: int, megabytes: int, port: int, repeats: int = 5) -> t
     # the two ranks all-reduce one buffer a few times: the measured rate stands for every gloo link
     seconds = _rate(lambda: dist.all_reduce(x), 3, batches=3)
     a, b = torch.randn(256, 256), torch.randn(256, 256)
-    matmuls = max(1, round(BUSY_WORK_S / _rate(lambda: a @ b, 20)))
+    count = torch.tensor([max(1, round(BUSY_WORK_S / _rate(lambda: a @ b, 20)))])
+    # the pair agrees on the work between collectives (the larger count), so neither waits for more work
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    matmuls = int(count)
 
     def compute() -> None:
         for _ in range(matmuls):

@@ -70,13 +70,13 @@ def parse(argv: list[str]) -> tuple[Workload, int, int, str, dict[str, Any], int
 
 
 def table(rows: list[Prediction]) -> str:
-    head = f"{'tp':>3} {'pp':>3} {'schedule':>16} {'v':>2} {'dp':>4} {'zero':>4} {'sp':>3} {'recompute':>9} "
+    head = f"{'tp':>3} {'cp':>3} {'pp':>3} {'schedule':>16} {'v':>2} {'dp':>4} {'zero':>4} {'sp':>3} {'recompute':>9} "
     head += f"{'mbs':>4} {'accum':>5} {'precision':>11} | {'mem GB':>7} {'step s':>8} {'tokens/s':>10} {'MFU':>5} fits"
     lines = [head, "-" * len(head)]
     for p in rows:
         lay = p.layout
         lines.append(
-            f"{lay.tp:>3} {lay.pp:>3} {lay.pp_schedule if lay.pp > 1 else '-':>16} {lay.pp_virtual:>2} {lay.dp:>4} "
+            f"{lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.pp_schedule if lay.pp > 1 else '-':>16} {lay.pp_virtual:>2} {lay.dp:>4} "
             f"{lay.zero_stage:>4} {'y' if lay.sequence_parallel else '-':>3} {lay.activation_checkpointing:>9} "
             f"{lay.micro_batch_size:>4} {lay.accumulate_grad_batches:>5} {lay.precision:>11} | "
             f"{p.memory_bytes['total'] / GB:>7.1f} {p.step_time_s:>8.3f} {p.tokens_per_s:>10,.0f} "

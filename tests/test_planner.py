@@ -25,12 +25,15 @@ from nanolight.planner.layout import Layout
 from nanolight.planner.memory import (
     SEND_BOUND_GRADIENTS,
     Workload,
+    block_activation_bytes,
     chunk_activation_bytes,
     rank_memory,
+    rank_parameters,
+    ring_transient_bytes,
     schedule_peaks,
 )
 from nanolight.planner.search import candidate_layouts, plan
-from nanolight.planner.timing import micro_batch_work, step_time
+from nanolight.planner.timing import micro_batch_work, ring_exchanges, step_time
 
 ROOT = Path(__file__).resolve().parents[1]
 H100 = HARDWARE["h100-sxm"]
@@ -46,21 +49,22 @@ def _plan_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_plan_script_json_rows_best_first() -> None:
+    args = "model=smollm-360m trainer.seq_len=4096 +cluster.gpus=8 +cluster.gpu=h100-sxm"
     out = _plan_cli(
-        "model=smollm-360m", "trainer.seq_len=4096", "+cluster.gpus=8", "+cluster.gpu=h100-sxm",
-        "+plan.global_batch_tokens=524288", "trainer.precision=bf16-mixed", "--json",
-    )  # fmt: skip
+        *args.split(), "+plan.global_batch_tokens=524288", "trainer.precision=bf16-mixed", "--json"
+    )
     assert out.returncode == 0, out.stderr
     assert "max_position_embeddings=4096" in out.stderr  # beyond the preset's 2048: said, off stdout
     rows = json.loads(out.stdout)
     assert rows and all(r["precision"] == "bf16-mixed" for r in rows)  # the pinned knob is not varied
-    for key in ("tp", "pp", "pp_schedule", "pp_virtual", "cp", "dp", "zero_stage", "activation_checkpointing",
-                "micro_batch_size", "accumulate_grad_batches", "precision", "step_time_s", "mfu", "fits"):  # fmt: skip
+    keys = "tp pp pp_schedule pp_virtual cp dp zero_stage activation_checkpointing micro_batch_size"
+    keys += " accumulate_grad_batches precision step_time_s mfu fits"
+    for key in keys.split():
         assert key in rows[0], key
     for r in rows:
         parts = r["memory_bytes"]
         assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
-        assert r["tp"] * r["pp"] * r["dp"] == 8
+        assert r["tp"] * r["pp"] * r["dp"] * r["cp"] == 8
         assert r["micro_batch_size"] * r["accumulate_grad_batches"] * r["dp"] * 4096 == 524288
         assert r["fits"] == (parts["total"] <= H100.memory_bytes)
     fits = [r["fits"] for r in rows]
@@ -70,10 +74,13 @@ def test_plan_script_json_rows_best_first() -> None:
 
 
 def test_plan_script_table_and_no_fit_line() -> None:
+    args = "model=smollm-1.7b +cluster.gpus=1 +cluster.gpu=a100-40gb +plan.global_batch_tokens=65536"
     out = _plan_cli(
-        "model=smollm-1.7b", "+cluster.gpus=1", "+cluster.gpu=a100-40gb", "+plan.global_batch_tokens=65536",
-        "trainer.seq_len=2048", "trainer.micro_batch_size=16", "trainer.activation_checkpointing=none",
-    )  # fmt: skip
+        *args.split(),
+        "trainer.seq_len=2048",
+        "trainer.micro_batch_size=16",
+        "trainer.activation_checkpointing=none",
+    )
     assert out.returncode != 0 and out.stdout == ""
     line = out.stderr.strip()
     assert "\n" not in line and "Traceback" not in line
@@ -94,7 +101,7 @@ def test_enumeration_lists_what_the_trainer_accepts() -> None:
     layouts = candidate_layouts(work, 8, 64, H100, {})
     assert layouts and all(lay.tp in (1,) for lay in layouts)  # tp must divide 3 kv heads and 9 heads: 1 only
     for lay in layouts:
-        assert lay.tp * lay.pp * lay.dp == 8 and lay.sequences_per_step == 64
+        assert lay.tp * lay.pp * lay.dp * lay.cp == 8 and lay.sequences_per_step == 64
         if lay.pp > 1:
             check_micro_batches(lay.pp, lay.pp_schedule, lay.accumulate_grad_batches)  # the trainer's rule
     interleaved = {
@@ -148,7 +155,8 @@ def test_step_time_carries_the_schedule_bubble() -> None:
 
 def test_cpu_host_costs_block_overhead_and_shared_cores() -> None:
     """The two costs a CPU adds to the FLOPs: a fixed host cost per block forward + backward (paid
-    again by a recomputed forward), and ranks sharing cores keeping `concurrency` of the rate."""
+    again by a recomputed forward), and ranks sharing cores keeping `concurrency` of the rate
+    (but for the pipeline's bubble, where fewer ranks work)."""
     work = Workload(LlamaConfig.preset("smollm-tiny"), 128, "cpu")
     cpu = dataclasses.replace(H100, device="cpu", shared_cores=2, efficiency=1.0, concurrency=0.5)
     slow = dataclasses.replace(cpu, block_overhead=0.01)
@@ -159,3 +167,55 @@ def test_cpu_host_costs_block_overhead_and_shared_cores() -> None:
         assert added == pytest.approx(m * layers * 0.01 * factor)
     one, dp2 = Layout(), Layout(dp=2)  # the same work per rank: two busy cores keep half the rate each
     assert micro_batch_work(work, dp2, cpu, 0) == pytest.approx(2 * micro_batch_work(work, one, cpu, 0))
+    # in a pipeline's fill and drain one stage works, alone on the cores: at the rate it has alone
+    pp2 = Layout(pp=2, accumulate_grad_batches=m)
+    busiest = max(micro_batch_work(work, pp2, cpu, s) for s in range(2))
+    idle = bubble_fraction(m, 2, 1)
+    assert step_time(work, pp2, cpu)["bubble"] == pytest.approx(m * busiest * idle / (1 - idle) * 0.5)
+
+
+def test_context_parallel_terms() -> None:
+    """cp splits each sequence: a rank's activations are those of T/cp tokens, plus ring
+    attention's fp32 output accumulator; ZeRO-1 shards over dp x cp; the ring passes K/V (compute
+    dtype) and dK/dV (fp32) of the rank's tokens and kv heads, and its sends cost latency +
+    bytes / link each: cp-1 forward, cp-1 + cp backward when no compute hides them."""
+    config = dataclasses.replace(LlamaConfig.preset("smollm-360m"), max_position_embeddings=16384)
+    T, q, kv = (
+        16384,
+        config.num_attention_heads * config.head_dim,
+        config.num_key_value_heads * config.head_dim,
+    )
+    long, half = Workload(config, T), Workload(config, T // 2)
+    cp2 = Layout(cp=2)
+    ring_out = 4 * (T // 2) * q  # the fp32 output accumulator the ring saves (sdpa saves the bf16 one only)
+    assert block_activation_bytes(long, cp2) == block_activation_bytes(half, Layout()) + ring_out
+    assert 0.5 < block_activation_bytes(long, cp2) / block_activation_bytes(long, Layout()) < 0.6
+    one, two = rank_memory(long, Layout(), 0), rank_memory(long, cp2, 0)
+    assert two["activations"] < 0.6 * one["activations"]
+    assert two["transient"] == ring_transient_bytes(long, cp2) > 0 == ring_transient_bytes(long, Layout())
+    zero = Layout(cp=2, dp=2, zero_stage=1)
+    assert rank_memory(long, zero, 0)["optimizer_state"] == 12 * rank_parameters(config, zero, 0) // 4
+
+    elements = 2 * (T // 4) * kv  # K and V of T/cp tokens at cp=4, bf16 under bf16-mixed
+    assert ring_exchanges(long, Layout(cp=4)) == (2 * elements, 4 * elements)
+    instant = dataclasses.replace(H100, bf16_flops=1e30, latency=1e-5)  # nothing to hide the ring behind
+    link = instant.link(4)
+    send, grads = 1e-5 + 2 * elements / link, 1e-5 + 4 * elements / link
+    per_block = 3 * send + 3 * send + 4 * grads
+    assert micro_batch_work(long, Layout(cp=4), instant, 0) == pytest.approx(
+        config.num_hidden_layers * per_block, rel=1e-3
+    )
+
+
+def test_search_proposes_cp_where_only_it_fits() -> None:
+    """A half-million-token sequence of smollm-360m fits 16 H100s only split over a cp ring (its
+    15 heads leave tp at 1; pp alone keeps a whole sequence's activations per stage)."""
+    T = 524288
+    config = dataclasses.replace(LlamaConfig.preset("smollm-360m"), max_position_embeddings=T)
+    work = Workload(config, T)
+    without = plan(work, 16, 2 * T, H100, {"precision": "bf16-mixed", "cp": 1})
+    assert not any(p.fits for p in without)
+    best = plan(work, 16, 2 * T, H100, {"precision": "bf16-mixed"})[0]
+    assert best.fits and best.layout.cp > 1 and best.layout.world_size == 16
+    assert f"+parallel.cp={best.layout.cp}" in best.layout.overrides()
+    assert not Layout(cp=3).is_valid(config, T)  # 524288 is not divisible by 2 * 3

@@ -69,17 +69,22 @@ def _optimizer_bytes(optimizer: object) -> int:
 
 def _measure(rank: int, world: int, layout: Layout, attn: str) -> tuple[int, dict, dict]:
     module = tiny.TinyLM(_config(attn), seed=3)
+    degrees = ("tp", "pp", "dp", "zero_stage", "pp_schedule", "pp_virtual", "sequence_parallel")
     strategy = Parallel3DStrategy(
-        tp=layout.tp, pp=layout.pp, dp=layout.dp, zero_stage=layout.zero_stage, pp_schedule=layout.pp_schedule,
-        pp_virtual=layout.pp_virtual, sequence_parallel=layout.sequence_parallel,
-        activation_checkpointing=layout.activation_checkpointing,
-    )  # fmt: skip
+        **{k: getattr(layout, k) for k in degrees}, activation_checkpointing=layout.activation_checkpointing
+    )
     measure = _Measure(module)
     trainer = NanoTrainer(
-        max_steps=1, accumulate_grad_batches=layout.accumulate_grad_batches, strategy=strategy, seed=3,
-        logger=False, enable_progress_bar=False, enable_checkpointing=False, limit_val_batches=0,
+        max_steps=1,
+        accumulate_grad_batches=layout.accumulate_grad_batches,
+        strategy=strategy,
+        seed=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
         callbacks=[measure],
-    )  # fmt: skip
+    )
     n = layout.accumulate_grad_batches * MICRO * layout.dp
     trainer.fit(module, train_dataloaders=tiny.token_loader(n, T, vocab=256, batch_size=MICRO))
     measured = {

@@ -39,22 +39,26 @@ from nanolight.models.llama_config import LlamaConfig
 from nanolight.planner.layout import Layout
 from nanolight.planner.memory import Workload, block_activation_bytes, rank_memory
 
-LLAMA2_7B = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096)  # fmt: skip
-LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192)  # fmt: skip
+LLAMA = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32}
+LLAMA2_7B = LlamaConfig(
+    vocab_size=32000, intermediate_size=11008, num_key_value_heads=32, max_position_embeddings=4096, **LLAMA
+)
+LLAMA3_8B = LlamaConfig(
+    vocab_size=128256, intermediate_size=14336, num_key_value_heads=8, max_position_embeddings=8192, **LLAMA
+)
 SMOLLM2_1_7B = LlamaConfig.preset("smollm-1.7b")
 
 
 def megatron_weight_and_optimizer(c: LlamaConfig, tp: int, pp: int, dp: int, distributed: bool) -> float:
     """Megatron-LM's formula (megatron/training/theoretical_memory_usage.py), SwiGLU, no MoE."""
     h, L = c.hidden_size, c.num_hidden_layers
-    transformer = 2 * L * h * h * (
+    per_h2 = (
         (1 + c.num_key_value_heads / c.num_attention_heads) * (c.head_dim * c.num_attention_heads / h)
         + (c.intermediate_size / h) * 1.5
         + 2 / h
         + 1 / (L * h)
-    )  # fmt: skip
+    )
+    transformer = 2 * L * h * h * per_h2
     embedding = h * c.vocab_size
     shard = (transformer / pp + embedding) / tp
     if not c.tie_word_embeddings and pp == 1:

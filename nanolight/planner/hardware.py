@@ -117,12 +117,18 @@ def table_name(device_name: str) -> str | None:
     return next((key for pattern, key in DEVICE_NAMES if pattern in name), None)
 
 
-def _rate(work: object, repeats: int) -> float:
+def _rate(work: Callable[[], object], repeats: int, batches: int = 5) -> float:
+    """Seconds of one `work()`: the median of `batches` timed runs of `repeats` calls each, after a
+    warm-up. The median, because the machine is shared: a run another process interrupted is an
+    outlier, not the rate (one run of many calls moved +-40% between calibrations)."""
     work()  # warm-up
-    start = time.perf_counter()
-    for _ in range(repeats):
-        work()
-    return (time.perf_counter() - start) / repeats
+    times = []
+    for _ in range(batches):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            work()
+        times.append((time.perf_counter() - start) / repeats)
+    return statistics.median(times)
 
 
 def calibrate_cpu(size: int = 256, copy_mb: int = 64) -> Hardware:
@@ -130,13 +136,11 @@ def calibrate_cpu(size: int = 256, copy_mb: int = 64) -> Hardware:
     models' sizes (as the ranks of a gloo test run: one thread each), what of it each rank keeps
     when every core is busy (`concurrency`: cores that share caches or a physical core give less),
     the fixed host cost of a decoder block's forward and backward (`block_overhead`: operator
-    dispatch, which dominates small models on a CPU), memcpy bandwidth, and the gloo all-reduce
-    rate of two local ranks (`gloo_bandwidth`)."""
+    dispatch, which dominates small models on a CPU), memcpy bandwidth, and two gloo ranks'
+    all-reduce rate and the latency of a collective between busy ranks (`gloo_bandwidth`)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        a, b = torch.randn(size, size), torch.randn(size, size)
-        flops = 2 * size**3 / _rate(lambda: a @ b, 50)
         src = torch.empty(copy_mb * 2**20, dtype=torch.uint8)
         dst = torch.empty_like(src)
         copy = 2 * src.numel() / _rate(lambda: dst.copy_(src), 5)  # read + write
@@ -145,9 +149,7 @@ def calibrate_cpu(size: int = 256, copy_mb: int = 64) -> Hardware:
     cores = os.cpu_count() or 1
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     link, latency = gloo_bandwidth()
-    concurrency = (
-        min(1.0, statistics.mean(_forked(lambda _: _matmul_rate(size), cores)) / flops) if cores > 1 else 1.0
-    )
+    flops, concurrency = _matmul_rates(size, cores)
     return Hardware(
         "cpu",
         flops,
@@ -169,9 +171,25 @@ def calibrate_cpu(size: int = 256, copy_mb: int = 64) -> Hardware:
 
 def _matmul_rate(size: int) -> float:
     """FLOP/s of one thread's fp32 (size x size) matmuls."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    return 2 * size**3 / _rate(lambda: a @ b, 50)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        return 2 * size**3 / _rate(lambda: a @ b, 50)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _matmul_rates(size: int, cores: int, pairs: int = 3) -> tuple[float, float]:
+    """(one thread's matmul rate alone, the fraction of it each of `cores` busy threads keeps):
+    medians over `pairs` alternations of the two, so that a load change on the shared machine
+    between them moves both sides of a pair, not the ratio."""
+    alone, shared = [], []
+    for _ in range(pairs):
+        alone.append(_matmul_rate(size))
+        if cores > 1:
+            shared.append(statistics.mean(_forked(lambda _: _matmul_rate(size), cores)) / alone[-1])
+    return statistics.median(alone), min(1.0, statistics.median(shared)) if shared else 1.0
 
 
 def _block_overhead(repeats: int = 20) -> float:
@@ -216,10 +234,15 @@ def _forked(fn: Callable[[int], Any], n: int) -> list[Any]:
     return [r for r in results if r is not None]
 
 
+BUSY_WORK_S = 2e-3  # the compute between two collectives of the latency probe: a small block's forward
+
+
 def gloo_bandwidth(megabytes: int = 16) -> tuple[float, float]:
-    """(bytes/s, seconds of latency) of a two-rank gloo all-reduce on this machine: a large
-    buffer's size over its time, and a one-element all-reduce's time, measured in a short-lived
-    pair of processes."""
+    """(bytes/s, seconds of latency) of two gloo ranks on this machine, measured in a short-lived
+    pair of processes: a large all-reduce's size over its time, and what a one-element all-reduce
+    adds to ranks that compute between collectives (as tp's ranks do in training). Idle, that
+    collective costs ~0.15 ms here; between busy ranks ~1-2 ms: each waits for the other, whom
+    the shared cores delay, and wakes from that wait. The busy figure is the one training pays."""
     import socket
 
     with socket.socket() as s:
@@ -229,18 +252,37 @@ def gloo_bandwidth(megabytes: int = 16) -> tuple[float, float]:
     return rate
 
 
-def _allreduce_rank(rank: int, megabytes: int, port: int) -> tuple[float, float] | None:
+def _allreduce_rank(rank: int, megabytes: int, port: int, repeats: int = 5) -> tuple[float, float] | None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     x, tiny = torch.ones(megabytes * 2**18), torch.ones(1)  # fp32
     # the two ranks all-reduce one buffer a few times: the measured rate stands for every gloo link
-    seconds = _rate(lambda: dist.all_reduce(x), 3)
-    # and a one-element buffer: what any collective or message costs before its bytes
-    latency = _rate(lambda: dist.all_reduce(tiny), 50)
+    seconds = _rate(lambda: dist.all_reduce(x), 3, batches=3)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    count = torch.tensor([max(1, round(BUSY_WORK_S / _rate(lambda: a @ b, 20)))])
+    # the pair agrees on the work between collectives (the larger count), so neither waits for more work
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    matmuls = int(count)
+
+    def compute() -> None:
+        for _ in range(matmuls):
+            a @ b
+
+    def synced() -> None:
+        compute()
+        # the two ranks sum one element: the wait for the peer and the wake-up, no bytes to speak of
+        dist.all_reduce(tiny)
+
+    added = []
+    for _ in range(repeats):  # alternated, so that the machine's load weighs on both alike
+        dist.barrier()  # the pair starts each timing together
+        plain = _rate(compute, 10, batches=1)
+        dist.barrier()
+        added.append(_rate(synced, 10, batches=1) - plain)
     dist.destroy_process_group()
-    return (x.numel() * 4 / seconds, latency) if rank == 0 else None
+    return (x.numel() * 4 / seconds, max(0.0, statistics.median(added))) if rank == 0 else None
 
 
 __all__ = ["HARDWARE", "Hardware", "calibrate_cpu", "gloo_bandwidth", "hardware", "table_name"]

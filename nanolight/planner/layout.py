@@ -3,7 +3,9 @@
 The fields are the recipe's own knobs (`+parallel.*`, `trainer.*`), so a row the planner prints
 is a command line. `is_valid` asks the code that would run the layout -- `ParallelConfig`, the
 pipeline split, the schedules' micro-batch rule -- so a layout the trainer refuses is never
-listed. `cp` (context parallelism) is a field already, fixed at 1 until it exists.
+listed. `cp` (context parallelism: each sequence split over a ring of cp ranks, ring attention)
+is checked by its own rule -- the sequence cut into 2*cp equal chunks (`ring_attention.zigzag_shard`)
+-- until `ParallelConfig` accepts cp > 1 (issue 21); the rest by `ParallelConfig` at cp = 1.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     dp: int = 1
-    cp: int = 1  # context parallelism: not implemented yet, always 1
+    cp: int = 1  # context parallelism: ranks splitting each sequence (ring attention)
     pp_schedule: str = "1f1b"
     pp_virtual: int = 1
     zero_stage: int = 0
@@ -56,16 +58,21 @@ class Layout:
             raise UsageError(
                 f"activation_checkpointing={self.activation_checkpointing!r} is not one of {MODES}"
             )
-        if self.cp != 1:
-            raise UsageError("context parallelism (cp) does not exist yet; leave cp=1")
+        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
+            raise UsageError(f"cp={self.cp!r} must be a positive integer")
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
 
     @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights (dp x cp): gradients reduce and ZeRO-1 shards over them."""
+        return self.dp * self.cp
+
+    @property
     def sequences_per_step(self) -> int:
-        """Sequences in one optimizer step's global batch."""
+        """Sequences in one optimizer step's global batch (cp ranks share theirs)."""
         return self.micro_batch_size * self.accumulate_grad_batches * self.dp
 
     def parallel_config(self) -> ParallelConfig:
@@ -86,9 +93,11 @@ class Layout:
         if self.pp > 1:
             check_pipeline_layout(self.pp, config.num_hidden_layers, self.pp_virtual)
             check_micro_batches(self.pp, self.pp_schedule, self.accumulate_grad_batches)
-        Precision(self.precision).check_layout(self.zero_stage, self.dp)  # the strategy's own rule
-        if self.sequence_parallel and (self.tp == 1 or seq_len % self.tp):
-            raise UsageError(f"sequence_parallel needs tp > 1 dividing seq_len={seq_len}")
+        Precision(self.precision).check_layout(self.zero_stage, self.replicas)  # the strategy's own rule
+        if self.sequence_parallel and (self.tp == 1 or (seq_len // self.cp) % self.tp):
+            raise UsageError(f"sequence_parallel needs tp > 1 dividing a rank's {seq_len // self.cp} tokens")
+        if seq_len % (2 * self.cp):  # zigzag: each cp rank holds two of 2*cp equal chunks
+            raise UsageError(f"cp={self.cp} needs seq_len={seq_len} divisible by 2*cp = {2 * self.cp}")
 
     def is_valid(self, config: LlamaConfig, seq_len: int) -> bool:
         try:
@@ -103,6 +112,8 @@ class Layout:
     def overrides(self) -> str:
         """The recipe's command-line overrides that run this layout."""
         parts = [f"+parallel.tp={self.tp}", f"+parallel.pp={self.pp}", f"+parallel.dp={self.dp}"]
+        if self.cp > 1:
+            parts.append(f"+parallel.cp={self.cp}")
         if self.pp > 1:
             parts.append(f"+parallel.pp_schedule={self.pp_schedule}")
         if self.pp_virtual > 1:

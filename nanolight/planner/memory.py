@@ -7,9 +7,10 @@ parameters      this rank's slice: decoder blocks split by the pipeline (`pipeli
                 busiest rank), matrices split by tp (norm weights are replicated), the embedding on
                 the first stage and the head on the last (a tied embedding is kept on both ends).
 gradients       one per parameter, in the gradient dtype (`data_parallel.py` buckets under dp: the
-                padding to dp slices is a few elements); ZeRO-1 adds this rank's reduced 1/dp shard
-                (at dp=1 the shard is the buckets themselves: nothing added).
-optimizer_state AdamW's two moments per parameter; ZeRO-1 (`zero.py`) keeps 1/dp of them and of
+                padding to dp slices is a few elements); ZeRO-1 adds this rank's reduced shard,
+                1/(dp*cp) (the replicas: cp ranks hold the same weights; at one replica the shard
+                is the buckets themselves: nothing added).
+optimizer_state AdamW's two moments per parameter; ZeRO-1 (`zero.py`) keeps 1/(dp*cp) of them and of
                 the fp32 master weights (fp32 whatever the parameter dtype); bf16-master keeps the
                 fp32 master copy on every rank without ZeRO.
 activations     what autograd saves per decoder block (`block_activation_bytes`, op by op below),
@@ -21,8 +22,9 @@ communication   pipeline sends: a sent activation is the chunk's output, alive u
                 dropped as its send completes (`parallel/p2p.SendsInFlight`): at most two, a
                 bound (how many are held at once depends on the peer's timing).
 transient       what lives only for a moment at the peak: under recompute, one block's full
-                activations rebuilt in backward; after backward, ZeRO-1's all-gather buffers (a
-                full bucket per bucket, in the parameter dtype) while activations are gone.
+                activations rebuilt in backward; ring attention's (cp > 1) buffers of one block's
+                backward (`ring_transient_bytes`); after backward, ZeRO-1's all-gather buffers
+                (a full bucket per bucket, in the parameter dtype) while activations are gone.
 allocator       CUDA caching-allocator slack (fragmentation, rounding): a fixed allowance on GPUs,
                 to be checked against `torch.cuda.max_memory_allocated` when a GPU is at hand.
 
@@ -36,6 +38,11 @@ is saved too. The head: one process runs the fused head + loss (`fused_loss.py`:
 fp32 d weight kept); a sharded model (tp or pp) the vocab-parallel loss (fp32 softmax over its
 vocabulary shard). `full` recompute keeps the block input only; `selective` keeps the input, the
 matmul outputs and the attention kernel's outputs (`recompute._keep`).
+
+Context parallelism (cp > 1) gives each rank T/cp tokens of every sequence (zigzag chunks), so
+every per-token term above scales by 1/cp; ring attention (`parallel/ring_attention.py`, whatever
+`attn_implementation`) saves q, k, v, its fp32 output accumulator and fp32 log-sum-exp, and
+returns the output cast to the compute dtype (the same tensor in fp32).
 """
 
 from __future__ import annotations
@@ -111,7 +118,7 @@ def rank_parameters(config: LlamaConfig, layout: Layout, stage: int) -> int:
 
 def block_activation_bytes(work: Workload, layout: Layout, mode: str | None = None) -> int:
     """Bytes autograd saves for one decoder block and one micro-batch (see the module docstring)."""
-    c, tp, b, T = work.config, layout.tp, layout.micro_batch_size, work.seq_len
+    c, tp, b, T = work.config, layout.tp, layout.micro_batch_size, work.seq_len // layout.cp
     w_bytes, _, a, r = PRECISION_BYTES[layout.precision]
     N, h = b * T, c.hidden_size
     x = N // tp if layout.sequence_parallel else N  # tokens between tp regions
@@ -124,7 +131,11 @@ def block_activation_bytes(work: Workload, layout: Layout, mode: str | None = No
     cpu_weight = (
         2 * inter * h * (w_bytes if layout.precision == "32-true" else a) if work.device == "cpu" else 0
     )
-    if c.attn_implementation == "eager":
+    if layout.cp > 1:  # ring attention: q, k, v, the fp32 output and lse, the output's cast
+        attn_out = a * N * q if a != 4 else 0
+        kernel_outputs = 4 * N * q + 4 * b * heads * T + attn_out
+        attention = a * N * q + a * N * kv + a * N * (q + 2 * kv) + kernel_outputs
+    elif c.attn_implementation == "eager":
         attn_out = a * N * q
         attention = a * N * q * 3 + T * T + a * b * heads * T * T + attn_out
         kernel_outputs = 0  # eager's matmuls are bmm: recomputed under `selective`
@@ -140,17 +151,34 @@ def block_activation_bytes(work: Workload, layout: Layout, mode: str | None = No
     return norms + linear_inputs + attention + mlp + cpu_weight
 
 
+def ring_transient_bytes(work: Workload, layout: Layout) -> int:
+    """Bytes ring attention (cp > 1) holds beyond the saved activations during one block's
+    backward, its busiest moment (`_RingAttention.backward`): dq and the expanded dk, dv (fp32,
+    q's heads), the travelling dK/dV accumulator and the one arriving (fp32, kv heads), the
+    stacked K/V and the block arriving (compute dtype), and K/V expanded to q's heads under GQA.
+    The forward holds less: its output and lse accumulators are saved activations."""
+    if layout.cp == 1:
+        return 0
+    c, tp = work.config, layout.tp
+    _, _, a, _ = PRECISION_BYTES[layout.precision]
+    N = layout.micro_batch_size * work.seq_len // layout.cp
+    q, kv = c.num_attention_heads * c.head_dim // tp, c.num_key_value_heads * c.head_dim // tp
+    expanded = 2 * a * N * q if q != kv else 0
+    return 3 * 4 * N * q + 2 * (2 * 4 * N * kv) + 2 * (2 * a * N * kv) + expanded
+
+
 def chunk_activation_bytes(work: Workload, layout: Layout, stage: int) -> list[int]:
     """Bytes saved by one micro-batch's forward through each of this rank's chunks."""
     c, p, v = work.config, layout.pp, layout.pp_virtual
     _, _, a, r = PRECISION_BYTES[layout.precision]
-    N, h, tp = layout.micro_batch_size * work.seq_len, c.hidden_size, layout.tp
+    T = work.seq_len // layout.cp  # this rank's tokens of each sequence
+    N, h, tp = layout.micro_batch_size * T, c.hidden_size, layout.tp
     x = N // tp if layout.sequence_parallel else N
     block = block_activation_bytes(work, layout)
     out = []
     for ci, layers in enumerate(chunk_layers(c, layout)[stage]):
         g = stage + ci * p  # global virtual stage
-        n = len(layers) * block + 2 * r * work.seq_len * c.head_dim  # + this forward's rope cos, sin tables
+        n = len(layers) * block + 2 * r * T * c.head_dim  # + this forward's rope cos, sin tables
         if g == 0:
             n += 8 * N  # token ids (int64), saved by the embedding
         if g == p * v - 1:
@@ -171,7 +199,7 @@ def schedule_peaks(work: Workload, layout: Layout, stage: int) -> tuple[int, int
     if p == 1:
         return chunks[0], 0
     _, _, _, r = PRECISION_BYTES[layout.precision]
-    tokens = layout.micro_batch_size * work.seq_len
+    tokens = layout.micro_batch_size * work.seq_len // layout.cp
     boundary = r * (tokens // layout.tp if layout.sequence_parallel else tokens) * work.config.hidden_size
     live = peak = outputs = sent = 0
     sends_back = any(stage + c * p != 0 for c in range(v))  # some chunk's input came from a stage
@@ -198,18 +226,19 @@ def rank_memory(work: Workload, layout: Layout, stage: int) -> dict[str, int]:
     """The parts (bytes) of pipeline stage `stage`'s ranks, and their `total`."""
     w_bytes, g_bytes, _, _ = PRECISION_BYTES[layout.precision]
     n = rank_parameters(work.config, layout, stage)
-    dp, zero = layout.dp, layout.zero_stage == 1
+    dp, zero = layout.replicas, layout.zero_stage == 1  # ZeRO-1 shards over the replicas, dp x cp
     grads = n * g_bytes + (n // dp * g_bytes if zero and dp > 1 else 0)  # dp=1: the shard is the buckets
     if zero:
-        optimizer = 12 * n // dp  # fp32 master + two fp32 moments, 1/dp of each
+        optimizer = 12 * n // dp  # fp32 master + two fp32 moments, 1/(dp*cp) of each
     elif layout.precision == "bf16-master":
         optimizer = 12 * n
     else:
         optimizer = 2 * n * w_bytes
     activations, sent = schedule_peaks(work, layout, stage)
-    recompute = (
+    # one block's backward: its activations rebuilt under recompute, and the ring's buffers
+    backward = (
         block_activation_bytes(work, layout, "none") if layout.activation_checkpointing != "none" else 0
-    )
+    ) + ring_transient_bytes(work, layout)
     gather = n * w_bytes if zero else 0  # after backward: no activations then
     parts = {
         "parameters": n * w_bytes,
@@ -217,7 +246,7 @@ def rank_memory(work: Workload, layout: Layout, stage: int) -> dict[str, int]:
         "optimizer_state": optimizer,
         "activations": activations,
         "communication": sent,
-        "transient": max(recompute, gather - activations - sent),
+        "transient": max(backward, gather - activations - sent),
     }
     parts["allocator"] = int(ALLOCATOR_MARGIN.get(work.device, 0.0) * sum(parts.values()))
     parts["total"] = sum(parts.values())
@@ -225,5 +254,5 @@ def rank_memory(work: Workload, layout: Layout, stage: int) -> dict[str, int]:
 
 
 def peak_memory(work: Workload, layout: Layout) -> dict[str, int]:
-    """The most loaded rank's parts (pipeline stages differ; tp and dp ranks are alike)."""
+    """The most loaded rank's parts (pipeline stages differ; tp, cp and dp ranks are alike)."""
     return max((rank_memory(work, layout, s) for s in range(layout.pp)), key=lambda parts: parts["total"])

@@ -1,6 +1,6 @@
 """Every valid layout of a model on a cluster, predicted and ranked: the planner's front door.
 
-`plan` enumerates tp x pp (schedule, virtual stages) x dp x ZeRO x recompute x micro-batch x
+`plan` enumerates tp x cp x pp (schedule, virtual stages) x dp x ZeRO x recompute x micro-batch x
 precision for a world of `gpus` ranks and a global batch of `global_batch_tokens`, keeps the
 layouts the trainer would accept (`Layout.check`), predicts each one's peak memory per rank
 (`memory.py`) and step time (`timing.py`), and sorts them: layouts that fit first, fastest first,
@@ -8,7 +8,8 @@ the smaller peak memory first among equally fast ones (the time model gives micr
 speed of its own: a matmul's efficiency is one calibrated figure).
 Knobs the user pinned (`fixed`) are not varied. tp stays inside a node (its collectives are in
 the critical path of every block); sequence parallelism is always on with tp > 1 (the same bytes
-moved as plain tp, 1/tp of the norms' activations). cp is 1 until context parallelism exists.
+moved as plain tp, 1/tp of the norms' activations). cp is tried where the sequence splits into
+2*cp equal chunks (zigzag); its ranks share their sequences, so dp alone divides the batch.
 """
 
 from __future__ import annotations
@@ -86,38 +87,44 @@ def candidate_layouts(
     precisions = options("precision", GPU_PRECISIONS if hw.device == "cuda" else ("32-true",))
     derived = ("dp", "pp_schedule", "pp_virtual", "accumulate_grad_batches")  # pinned: filtered below
     out = []
-    for tp in options("tp", [d for d in _divisors(gpus) if d <= hw.gpus_per_node]):
-        for pp in options("pp", _divisors(gpus // tp) if gpus % tp == 0 else []):
-            if gpus % (tp * pp) or sequences % (gpus // (tp * pp)):
-                continue
-            dp = gpus // (tp * pp)
-            schedules = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("afab", 1)]
-            schedules += [("interleaved_1f1b", v) for v in VIRTUAL_STAGES] if pp > 1 else []
-            per_replica = sequences // dp
-            knobs = itertools.product(
-                schedules,
-                options("zero_stage", (0, 1) if dp > 1 else (0,)),
-                options("activation_checkpointing", ("none", "selective", "full")),
-                [m for m in options("micro_batch_size", MICRO_BATCH_SIZES) if per_replica % m == 0],
-                precisions,
+    degrees = [
+        (tp, cp, pp)
+        for tp in options("tp", [d for d in _divisors(gpus) if d <= hw.gpus_per_node])
+        for cp in options("cp", [d for d in _divisors(gpus) if d == 1 or work.seq_len % (2 * d) == 0])
+        for pp in options("pp", _divisors(gpus))
+    ]
+    for tp, cp, pp in degrees:
+        if gpus % (tp * cp * pp) or sequences % (gpus // (tp * cp * pp)):
+            continue
+        dp = gpus // (tp * cp * pp)
+        schedules = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("afab", 1)]
+        schedules += [("interleaved_1f1b", v) for v in VIRTUAL_STAGES] if pp > 1 else []
+        per_replica = sequences // dp
+        knobs = itertools.product(
+            schedules,
+            options("zero_stage", (0, 1) if dp * cp > 1 else (0,)),
+            options("activation_checkpointing", ("none", "selective", "full")),
+            [m for m in options("micro_batch_size", MICRO_BATCH_SIZES) if per_replica % m == 0],
+            precisions,
+        )
+        for (schedule, virtual), zero, ac, micro, precision in knobs:
+            layout = Layout(
+                tp=tp,
+                pp=pp,
+                dp=dp,
+                pp_schedule=schedule,
+                pp_virtual=virtual,
+                zero_stage=zero,
+                cp=cp,
+                sequence_parallel=fixed.get("sequence_parallel", tp > 1) and tp > 1,
+                activation_checkpointing=ac,
+                micro_batch_size=micro,
+                accumulate_grad_batches=per_replica // micro,
+                precision=precision,
             )
-            for (schedule, virtual), zero, ac, micro, precision in knobs:
-                layout = Layout(
-                    tp=tp,
-                    pp=pp,
-                    dp=dp,
-                    pp_schedule=schedule,
-                    pp_virtual=virtual,
-                    zero_stage=zero,
-                    sequence_parallel=fixed.get("sequence_parallel", tp > 1) and tp > 1,
-                    activation_checkpointing=ac,
-                    micro_batch_size=micro,
-                    accumulate_grad_batches=per_replica // micro,
-                    precision=precision,
-                )
-                pinned = all(getattr(layout, k) == fixed[k] for k in derived if k in fixed)
-                if pinned and layout.is_valid(work.config, work.seq_len):
-                    out.append(layout)
+            pinned = all(getattr(layout, k) == fixed[k] for k in derived if k in fixed)
+            if pinned and layout.is_valid(work.config, work.seq_len):
+                out.append(layout)
     return out
 
 
@@ -153,14 +160,14 @@ def no_fit_message(predictions: list[Prediction], hw: Hardware, gpus: int, seq_l
     held = parts["activations"] + parts["communication"] + parts["transient"]
     knobs = []
     if states > held:
-        knobs.append("more GPUs (model states shard over pp, tp and, under ZeRO-1, dp)")
-        if layout.zero_stage == 0 and layout.dp > 1:
+        knobs.append("more GPUs (model states shard over pp, tp and, under ZeRO-1, dp x cp)")
+        if layout.zero_stage == 0 and layout.replicas > 1:
             knobs.append("+parallel.zero_stage=1")
     else:
         if layout.activation_checkpointing != "full":
             knobs.append("trainer.activation_checkpointing=full")
         knobs.append(f"a shorter sequence than trainer.seq_len={seq_len}")
-        knobs.append("more GPUs for tp/pp")
+        knobs.append("more GPUs for tp/cp/pp")
     gb = 1e9
     return (
         f"no layout fits {gpus} x {hw.name} ({hw.memory_bytes / gb:.1f} GB each): the smallest needs "

@@ -1,10 +1,17 @@
-"""Step time of a `Layout`: compute at a calibrated rate, communication from message sizes and
-link bandwidths, overlapped where the code overlaps it, the pipeline bubble from the schedule.
+"""Step time of a `Layout`: compute at a calibrated rate, communication counted from the code --
+every collective and message with its bytes -- overlapped where the code overlaps it, the
+pipeline bubble from the schedule.
 
     step = m * W_busiest / (1 - bubble)       the pipeline: the busiest rank's micro-batch work W
-                                              (its chunks' FLOPs at the hardware's rate, plus its
-                                              tp collectives), stretched by `bubble_fraction`
+                                              (its chunks' FLOPs at the hardware's rate, its host
+                                              cost, its tp collectives, the ring's exposed
+                                              exchanges, its pipeline messages), stretched by
+                                              `bubble_fraction`; on shared CPU cores the stages
+                                              that work in the fill and drain have the cores the
+                                              idle ones left (one stage's ranks at a time)
          + pipeline fill                      (p-1) activation hops nothing overlaps
+         + step collectives                   once per step: the tied embedding's gradient between
+                                              the end stages, sequence parallelism's norm weights
          + exposed dp reduction               buckets go out during the last micro-batch's
                                               backward (`data_parallel.py`); what exceeds it shows,
                                               and the last bucket (25 MB) always does
@@ -12,16 +19,23 @@ link bandwidths, overlapped where the code overlaps it, the pipeline bubble from
          + optimizer step                     AdamW reads p, g, m, v and writes p, m, v: memory-bound
 
 FLOPs come from `models/llama_config.py` (6 x matmul weights + the attention scores per token, the
-head on the last stage); recompute adds a block's forward again (`full`; `selective` recomputes
-only elementwise ops, and eager attention's score matmuls). tp collectives (`tensor_parallel/
-comm.py`) run inline with the compute: two all-reduces (or all-gather + reduce-scatter under
-sequence parallelism, the same bytes) per block forward, two per backward. A ring moves
-2(n-1)/n of an all-reduced buffer per rank, (n-1)/n of a reduce-scattered or all-gathered one,
-after the hardware's latency; a pipeline chunk's forward and backward each cost two messages'
-latency (a receive and a send), so interleaving pays v times as many.
+head on the last stage); a rank holds 1/cp of each sequence's tokens, and zigzag gives it 1/cp of
+the causal attention. Recompute adds a block's forward again (`full`; `selective` recomputes only
+elementwise ops, and eager attention's score matmuls) -- but either mode re-runs the forward's
+operators and collectives (`parallel/blocks.py`), so both pay the forward's host cost and tp
+collectives again.
+
+Each collective or message costs the hardware's `latency` and then its bytes (Hockney): a ring
+moves 2(n-1)/n of an all-reduced buffer per rank, (n-1)/n of a reduce-scattered or all-gathered
+one. On a CPU that latency is measured between busy ranks (`hardware.gloo_bandwidth`): training's
+ranks compute between collectives and wait for each other there. The counts (`tp_collectives`,
+`pipeline_messages`, `ring_exchanges`) are read off the code that issues them. A CPU whose cores
+the ranks already fill overlaps nothing: gloo's copies and sums run on those same cores.
 """
 
 from __future__ import annotations
+
+import math
 
 from nanolight.models.llama_config import stage_costs
 from nanolight.parallel.pipeline.schedules import bubble_fraction
@@ -39,12 +53,20 @@ def _ring(n: int, nbytes: float, bandwidth: float, latency: float, all_reduce: b
     return latency + (2 if all_reduce else 1) * (n - 1) / n * nbytes / bandwidth
 
 
-def core_share(hw: Hardware, layout: Layout) -> float:
-    """What of a core one rank gets: 1 on a GPU; on a CPU whose cores the ranks share, its share
-    of them, each busy core keeping `concurrency` of the rate it has alone."""
-    if not hw.shared_cores or layout.world_size == 1:
+def core_share(hw: Hardware, layout: Layout, busy: int | None = None) -> float:
+    """What of a core one rank gets while `busy` ranks (all of them unless told) compute: 1 on a
+    GPU; on a CPU whose cores the ranks share, its share of them, each busy core keeping
+    `concurrency` of the rate it has alone."""
+    busy = layout.world_size if busy is None else busy
+    if not hw.shared_cores or busy == 1:
         return 1.0
-    return min(1.0, hw.shared_cores / layout.world_size) * hw.concurrency
+    return min(1.0, hw.shared_cores / busy) * hw.concurrency
+
+
+def overlaps(hw: Hardware, layout: Layout) -> bool:
+    """Whether communication can run behind computation: on a GPU (copy engines, NVLink), and on
+    a CPU only with cores to spare (gloo moves and sums the bytes on the cores the ranks use)."""
+    return not hw.shared_cores or layout.world_size < hw.shared_cores
 
 
 def rank_rate(hw: Hardware, layout: Layout) -> float:
@@ -52,12 +74,87 @@ def rank_rate(hw: Hardware, layout: Layout) -> float:
     return hw.flops(layout.precision) * hw.efficiency * core_share(hw, layout)
 
 
+def _local_tokens(work: Workload, layout: Layout) -> int:
+    """Tokens of one micro-batch on one rank: cp splits each sequence."""
+    return layout.micro_batch_size * work.seq_len // layout.cp
+
+
+def tp_collectives(work: Workload, layout: Layout, stage: int) -> list[tuple[int, int, bool]]:
+    """(how many, bytes of the buffer, all-reduce or not) of the tp collectives pipeline rank
+    `stage` runs per micro-batch (`tensor_parallel/layers.py`, `cross_entropy.py`). Per block,
+    forward: plain tp all-reduces the attention's and the MLP's row-parallel outputs (2);
+    sequence parallelism all-gathers the sequence before each and reduce-scatters after (4).
+    Backward: the transposes (2 all-reduces of the column-parallel inputs' gradients; 4 under sp).
+    A recomputed forward runs its collectives again. The embedding sums its vocabulary shards
+    (forward), the head's input is gathered (sp) and its gradient summed (backward), and the
+    vocab-parallel loss exchanges each token's max logit and its (sum-exp, target logit)."""
+    if layout.tp == 1:
+        return []
+    c, sp = work.config, layout.sequence_parallel
+    tokens = _local_tokens(work, layout)
+    _, _, act, _ = PRECISION_BYTES[layout.precision]
+    stream = tokens * c.hidden_size * act  # one (B, T, H) activation: what every block collective moves
+    forward = 4 if sp else 2
+    per_block = 2 * forward + (forward if layout.activation_checkpointing != "none" else 0)
+    layers = sum(len(r) for r in chunk_layers(c, layout)[stage])
+    out = [(layers * per_block, stream, not sp)]
+    if stage == 0:
+        out.append((1, stream, not sp))  # the embedding's partial sums (reduce-scattered under sp)
+    if stage == layout.pp - 1:
+        out.append((2 if sp else 1, stream, not sp))  # the head's input: gathered, gradient summed
+        out += [(1, 4 * tokens, True), (1, 8 * tokens, True)]  # the loss: fp32 max, then 2 sums
+    return out
+
+
+def pipeline_messages(layout: Layout, stage: int) -> int:
+    """Messages pipeline rank `stage` sends or receives per micro-batch (`pipeline/p2p.py`): each
+    of its chunks receives its input and sends its input's gradient unless it is the first
+    virtual stage, and sends its output and receives that output's gradient unless the last."""
+    if layout.pp == 1:
+        return 0
+    last = layout.pp * layout.pp_virtual - 1
+    chunks = [stage + c * layout.pp for c in range(layout.pp_virtual)]
+    return sum(2 * (g > 0) + 2 * (g < last) for g in chunks)
+
+
+def ring_exchanges(work: Workload, layout: Layout) -> tuple[int, int]:
+    """(bytes of the K/V block, bytes of its dK/dV accumulator) that ring attention passes to the
+    next cp rank (`parallel/ring_attention.py`): K and V of this rank's T/cp tokens and kv heads
+    (over tp), in the compute dtype; the gradients travel in fp32. Per layer and micro-batch the
+    forward sends the K/V block cp-1 times, each posted before the step's block is computed (so
+    overlapped with it); the backward sends K/V again cp-1 times (overlapped) and the gradients
+    cp times (the last brings them home), each waited for at once."""
+    c = work.config
+    _, _, act, _ = PRECISION_BYTES[layout.precision]
+    elements = 2 * _local_tokens(work, layout) * c.num_key_value_heads // layout.tp * c.head_dim
+    return elements * act, elements * 4
+
+
+def _ring_attention(work: Workload, layout: Layout, hw: Hardware, attention_s: float) -> float:
+    """Seconds the ring adds to one block's forward + backward on one micro-batch, beyond the
+    attention compute `attention_s` (its forward + backward, this rank's share) it overlaps."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0
+    kv, dkv = ring_exchanges(work, layout)
+    link = hw.link(layout.tp * layout.pp * cp)
+    send = hw.latency + kv / link  # each rank sends one block and receives one, at once
+    # the forward's exchanges hide behind each step's blocks (a third of the attention work),
+    # the backward's K/V behind the rest; the dK/dV sends wait
+    hidden = attention_s / cp if overlaps(hw, layout) else 0.0
+    forward = (cp - 1) * max(0.0, send - hidden / 3)
+    backward = (cp - 1) * max(0.0, send - 2 * hidden / 3) + cp * (hw.latency + dkv / link)
+    recomputed = forward if layout.activation_checkpointing != "none" else 0.0
+    return forward + backward + recomputed
+
+
 def micro_batch_work(work: Workload, layout: Layout, hw: Hardware, stage: int) -> float:
     """Seconds rank `stage` spends on one micro-batch (all its chunks, forward + backward)."""
     c, tp = work.config, layout.tp
-    tokens = layout.micro_batch_size * work.seq_len
+    tokens = _local_tokens(work, layout)
     layer, _, head = stage_costs(c)  # matmul weights per block, and the head's
-    attention = 12 * work.seq_len * c.head_dim * c.num_attention_heads  # FLOPs per token per block
+    # attention FLOPs per token per block: each of the rank's tokens attends over the sequence
+    attention = 12 * work.seq_len * c.head_dim * c.num_attention_heads
     per_block = 6 * layer + attention
     mode = layout.activation_checkpointing
     if mode == "full":
@@ -66,42 +163,67 @@ def micro_batch_work(work: Workload, layout: Layout, hw: Hardware, stage: int) -
         per_block += attention / 3
     layers = sum(len(r) for r in chunk_layers(c, layout)[stage])
     flops = layers * per_block + (6 * head if stage == layout.pp - 1 else 0)
-    seconds = tokens * flops / tp / rank_rate(hw, layout)
+    rate = rank_rate(hw, layout)
+    seconds = tokens * flops / tp / rate
     # the host's fixed cost per block (operator dispatch), paid again by a recomputed forward
-    seconds += layers * hw.block_overhead * (4 / 3 if mode == "full" else 1) / core_share(hw, layout)
-    _, _, act, _ = PRECISION_BYTES[layout.precision]
-    collectives = 4 + (2 if mode == "full" else 0)  # per block and micro-batch
-    seconds += layers * collectives * _ring(tp, tokens * c.hidden_size * act, hw.link(tp), hw.latency)
-    if layout.pp > 1:  # each chunk's forward and backward posts a receive and sends: two messages each
-        seconds += 4 * layout.pp_virtual * hw.latency
+    seconds += layers * hw.block_overhead * (4 / 3 if mode != "none" else 1) / core_share(hw, layout)
+    link = hw.link(tp)
+    for count, nbytes, all_reduce in tp_collectives(work, layout, stage):
+        seconds += count * _ring(tp, nbytes, link, hw.latency, all_reduce)
+    seconds += layers * _ring_attention(work, layout, hw, tokens * attention / tp / rate)
+    _, _, _, r = PRECISION_BYTES[layout.precision]
+    boundary = r * tokens * c.hidden_size // (tp if layout.sequence_parallel else 1)
+    seconds += pipeline_messages(layout, stage) * (hw.latency + boundary / hw.link(tp * layout.pp))
+    return seconds
+
+
+def step_collectives(work: Workload, layout: Layout, hw: Hardware) -> float:
+    """Seconds of the gradient sums that run once per step besides dp's (`parallel/grads.py`):
+    the tied embedding's two copies (first and last stage) and, under sequence parallelism, the
+    norm weights' partial gradients over tp."""
+    c = work.config
+    _, g_bytes, _, _ = PRECISION_BYTES[layout.precision]
+    seconds = 0.0
+    if c.tie_word_embeddings and layout.pp > 1:
+        tied = c.vocab_size * c.hidden_size // layout.tp * g_bytes
+        seconds += _ring(2, tied, hw.link(layout.tp * layout.pp), hw.latency)
+    if layout.sequence_parallel:
+        norms = (2 * c.num_hidden_layers + 1) * c.hidden_size * g_bytes // layout.pp
+        seconds += _ring(layout.tp, norms, hw.link(layout.tp), hw.latency)
     return seconds
 
 
 def step_time(work: Workload, layout: Layout, hw: Hardware) -> dict[str, float]:
     """Seconds of one optimizer step, as parts, and their `total`."""
-    p, v, m, dp = layout.pp, layout.pp_virtual, layout.accumulate_grad_batches, layout.dp
-    w_bytes, g_bytes, act, _ = PRECISION_BYTES[layout.precision]
+    p, v, m = layout.pp, layout.pp_virtual, layout.accumulate_grad_batches
+    replicas = layout.dp * layout.cp  # the ranks holding the same weights: gradients reduce here
+    w_bytes, g_bytes, _, r = PRECISION_BYTES[layout.precision]
     busiest = max(micro_batch_work(work, layout, hw, s) for s in range(p))
-    pipeline = m * busiest / (1 - bubble_fraction(m, p, v))
-    tokens = layout.micro_batch_size * work.seq_len
-    boundary = tokens * work.config.hidden_size * act / (layout.tp if layout.sequence_parallel else 1)
+    bubble = m * busiest * bubble_fraction(m, p, v) / (1 - bubble_fraction(m, p, v))
+    bubble *= core_share(hw, layout) / core_share(hw, layout, busy=layout.world_size // p)
+    tokens = _local_tokens(work, layout)
+    boundary = tokens * work.config.hidden_size * r / (layout.tp if layout.sequence_parallel else 1)
     fill = (p - 1) * boundary / hw.link(layout.tp * p) if p > 1 else 0.0
     n = max(rank_parameters(work.config, layout, s) for s in range(p))
     dp_link = hw.link(layout.world_size)
+    buckets = max(1, math.ceil(n * g_bytes / work.bucket_bytes))
+    latencies = (buckets - 1) * hw.latency if replicas > 1 else 0.0  # _ring charges one
     if layout.zero_stage == 1:
-        reduce = _ring(dp, n * g_bytes, dp_link, hw.latency, all_reduce=False)
-        gather = _ring(dp, n * w_bytes, dp_link, hw.latency, all_reduce=False)
-        stepped = n / dp
+        reduce = _ring(replicas, n * g_bytes, dp_link, hw.latency, all_reduce=False) + latencies
+        gather = _ring(replicas, n * w_bytes, dp_link, hw.latency, all_reduce=False)
+        stepped = n / replicas
     else:
-        reduce, gather, stepped = _ring(dp, n * g_bytes, dp_link, hw.latency), 0.0, n
-    last_backward = busiest * 2 / 3  # the buckets' window: the last micro-batch's backward
+        reduce, gather, stepped = _ring(replicas, n * g_bytes, dp_link, hw.latency) + latencies, 0.0, n
+    # the buckets' window: the last micro-batch's backward, where communication can overlap
+    last_backward = busiest * 2 / 3 if overlaps(hw, layout) else 0.0
     last_bucket = min(work.bucket_bytes, n * g_bytes) / (n * g_bytes) * reduce  # launched after backward
     exposed = max(reduce - last_backward, last_bucket) if reduce else 0.0
     optimizer = (ADAMW_BYTES_PER_ELEMENT * stepped + n * g_bytes) / hw.memory_bandwidth  # + the norm's read
     parts = {
         "compute": m * busiest,
-        "bubble": pipeline - m * busiest,
+        "bubble": bubble,
         "pipeline_fill": fill,
+        "step_collectives": step_collectives(work, layout, hw),
         "dp_reduce_exposed": exposed,
         "zero_all_gather": gather,
         "optimizer": optimizer,

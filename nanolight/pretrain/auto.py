@@ -104,7 +104,10 @@ def choose_layout(config: PretrainConfig, world: int, hw: Hardware, pinned: dict
     """`search.plan`'s best layout of `world` ranks for the recipe's workload; none fitting is one line."""
     t = config.trainer
     batch_tokens = t.micro_batch_size * t.accumulate_grad_batches * t.seq_len
-    predictions = plan(Workload(config.model, t.seq_len, hw.device), world, batch_tokens, hw, pinned)
+    # a knob `apply_layout` cannot set (cp, until the strategy runs it: issue 21) stays at its default
+    unset = {f.name: f.default for f in dataclasses.fields(Layout) if f.name not in PINNABLE.values()}
+    work = Workload(config.model, t.seq_len, hw.device)
+    predictions = plan(work, world, batch_tokens, hw, {**unset, **pinned})
     if not predictions[0].fits:
         raise UsageError(no_fit_message(predictions, hw, world, t.seq_len))
     return predictions[0]

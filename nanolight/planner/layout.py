@@ -80,6 +80,7 @@ class Layout:
             tp=self.tp,
             pp=self.pp,
             dp=self.dp,
+            cp=self.cp,
             zero_stage=self.zero_stage,
             pp_schedule=self.pp_schedule,
             sequence_parallel=self.sequence_parallel,
@@ -94,10 +95,9 @@ class Layout:
             check_pipeline_layout(self.pp, config.num_hidden_layers, self.pp_virtual)
             check_micro_batches(self.pp, self.pp_schedule, self.accumulate_grad_batches)
         Precision(self.precision).check_layout(self.zero_stage, self.replicas)  # the strategy's own rule
-        if self.sequence_parallel and (self.tp == 1 or (seq_len // self.cp) % self.tp):
-            raise UsageError(f"sequence_parallel needs tp > 1 dividing a rank's {seq_len // self.cp} tokens")
-        if seq_len % (2 * self.cp):  # zigzag: each cp rank holds two of 2*cp equal chunks
-            raise UsageError(f"cp={self.cp} needs seq_len={seq_len} divisible by 2*cp = {2 * self.cp}")
+        if self.sequence_parallel and self.tp == 1:
+            raise UsageError("sequence_parallel splits a rank's tokens over tp: it needs tp > 1")
+        parallel.check_sequence(seq_len)  # cp's 2*cp chunks, sequence parallelism's T/cp over tp
 
     def is_valid(self, config: LlamaConfig, seq_len: int) -> bool:
         try:

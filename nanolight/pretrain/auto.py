@@ -45,7 +45,7 @@ from nanolight.pretrain.config import PretrainConfig
 AUTO_ENV = "NANOLIGHT_AUTO_LAYOUT"  # the launching process's pick, as JSON, for the ranks it starts
 # the recipe's section -> the Layout fields it holds (under the same names)
 LAYOUT_KEYS = {
-    "parallel": ("tp", "pp", "dp", "zero_stage", "pp_schedule", "pp_virtual", "sequence_parallel"),
+    "parallel": ("tp", "pp", "cp", "dp", "zero_stage", "pp_schedule", "pp_virtual", "sequence_parallel"),
     "trainer": ("micro_batch_size", "accumulate_grad_batches", "precision", "activation_checkpointing"),
 }
 PINNABLE = {f"{section}.{name}": name for section, names in LAYOUT_KEYS.items() for name in names}
@@ -104,10 +104,8 @@ def choose_layout(config: PretrainConfig, world: int, hw: Hardware, pinned: dict
     """`search.plan`'s best layout of `world` ranks for the recipe's workload; none fitting is one line."""
     t = config.trainer
     batch_tokens = t.micro_batch_size * t.accumulate_grad_batches * t.seq_len
-    # a knob `apply_layout` cannot set (cp, until the strategy runs it: issue 21) stays at its default
-    unset = {f.name: f.default for f in dataclasses.fields(Layout) if f.name not in PINNABLE.values()}
     work = Workload(config.model, t.seq_len, hw.device)
-    predictions = plan(work, world, batch_tokens, hw, {**unset, **pinned})
+    predictions = plan(work, world, batch_tokens, hw, pinned)
     if not predictions[0].fits:
         raise UsageError(no_fit_message(predictions, hw, world, t.seq_len))
     return predictions[0]

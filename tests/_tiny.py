@@ -58,13 +58,19 @@ class TinyLM(NanoModule):
             if self.seed is not None and not next(self.model.parameters()).is_meta:
                 self.model.init_weights(torch.Generator().manual_seed(self.seed))
 
+    def loss(self, batch: dict) -> torch.Tensor:
+        """HF-style labels (the model shifts them), or the data module's already-shifted target_ids."""
+        if "target_ids" in batch:
+            return self.model(batch["input_ids"], target_ids=batch["target_ids"])
+        return self.model(batch["input_ids"], labels=batch["labels"])
+
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self.model(batch["input_ids"], labels=batch["labels"])
+        loss = self.loss(batch)
         self.log("train/loss", loss)
         return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self.log("val/loss", self.model(batch["input_ids"], labels=batch["labels"]), sync_dist=True)
+        self.log("val/loss", self.loss(batch), sync_dist=True)
 
     def configure_optimizers(self) -> Any:
         params: Any = self.parameters()

@@ -221,3 +221,6 @@ def test_cp_refuses_batches_it_cannot_split() -> None:
         strategy.shard_batch((torch.zeros(2, 8), torch.zeros(2)))
     with pytest.raises(UsageError, match=r"seq_len=6 is not divisible by 4"):
         strategy.shard_batch({"input_ids": torch.zeros(2, 6, dtype=torch.long)})
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(UsageError, match=r"give the batch target_ids .* instead of labels="):
+        strategy.shard_batch({"input_ids": ids, "labels": ids})

@@ -69,7 +69,7 @@ def _optimizer_bytes(optimizer: object) -> int:
 
 def _measure(rank: int, world: int, layout: Layout, attn: str) -> tuple[int, dict, dict]:
     module = tiny.TinyLM(_config(attn), seed=3)
-    degrees = ("tp", "pp", "dp", "zero_stage", "pp_schedule", "pp_virtual", "sequence_parallel")
+    degrees = ("tp", "pp", "cp", "dp", "zero_stage", "pp_schedule", "pp_virtual", "sequence_parallel")
     strategy = Parallel3DStrategy(
         **{k: getattr(layout, k) for k in degrees}, activation_checkpointing=layout.activation_checkpointing
     )
@@ -86,7 +86,9 @@ def _measure(rank: int, world: int, layout: Layout, attn: str) -> tuple[int, dic
         callbacks=[measure],
     )
     n = layout.accumulate_grad_batches * MICRO * layout.dp
-    trainer.fit(module, train_dataloaders=tiny.token_loader(n, T, vocab=256, batch_size=MICRO))
+    # the data module's shifted targets: a cp rank cannot shift its share of a sequence itself
+    loader = tiny.token_loader(n, T, vocab=256, batch_size=MICRO, targets=True)
+    trainer.fit(module, train_dataloaders=loader)
     measured = {
         "parameters": _storage_bytes(list(module.parameters())),
         "gradients": measure.gradients,
@@ -146,6 +148,9 @@ MATRIX = {
     "dp2-zero1-selective": L(dp=2, zero_stage=1, activation_checkpointing="selective"),
     "tp2-pp2-dp2": L(tp=2, pp=2, dp=2, zero_stage=1),
     "tp2-pp2-dp2-full": L(tp=2, pp=2, dp=2, zero_stage=1, activation_checkpointing="full"),
+    "cp2": L(cp=2),
+    "cp2-dp2-zero1": L(cp=2, dp=2, zero_stage=1),
+    "tp2-cp2-full": L(tp=2, cp=2, activation_checkpointing="full"),
 }
 FAST = ("tp2", "pp2-1f1b")
 

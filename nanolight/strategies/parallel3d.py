@@ -193,6 +193,12 @@ class Parallel3DStrategy(Strategy):
                 "for other batches"
             )
         self.config.check_sequence(ids.shape[1])
+        if "labels" in batch and "target_ids" not in batch:  # a shard cannot shift its own labels
+            raise UsageError(
+                "context parallelism splits each sequence, so its next-token targets are made while it is "
+                "whole: give the batch target_ids (nanolight.models.llama.shift_labels(labels)) and call the "
+                "model with target_ids= instead of labels="
+            )
         out = dict(batch)
         out.setdefault("position_ids", torch.arange(ids.shape[1], device=ids.device).expand_as(ids))
         rank = self._ctx.cp_rank

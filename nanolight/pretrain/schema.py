@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import os
 import sys
+import time
 import types
 import typing
 from collections.abc import Iterator
@@ -146,6 +147,7 @@ def check_override_keys(cls: type, overrides: list[str], groups: tuple[str, ...]
 
 
 DEBUG_FLAG = "--debug"
+ERROR_GRACE_S = 3.0  # how long a silent rank waits before exiting on an error every rank found
 
 
 def take_debug_flag(argv: list[str]) -> bool:
@@ -174,4 +176,8 @@ def reported_errors(debug: bool = False) -> Iterator[None]:
             raise
         if _rank() == 0 or err.rank_specific:
             print(f"nanolight: error: {err}", file=sys.stderr, flush=True)
+        else:
+            # every rank found the same error; torchrun stops the others as soon as one exits, so
+            # the ones that stay silent leave rank 0 a moment to say it first
+            time.sleep(ERROR_GRACE_S)
         sys.exit(2 if isinstance(err, ConfigError) else 1)

@@ -25,6 +25,7 @@ from nanolight.parallel.ring_attention import (
     RingAttention,
     zigzag_positions,
     zigzag_shard,
+    zigzag_unshard,
 )
 
 B, T, D = 2, 32, 16
@@ -68,12 +69,7 @@ def _worker(rank: int, world: int, x: dict) -> dict:
 
 def _whole(shards: list[torch.Tensor]) -> torch.Tensor:
     """Put zigzag shards (dim 2) back in sequence order."""
-    cp = len(shards)
-    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
-    for r, s in enumerate(shards):
-        first, second = s.chunk(2, dim=2)
-        chunks[r], chunks[2 * cp - 1 - r] = first, second
-    return torch.cat(chunks, dim=2)  # type: ignore[arg-type]
+    return zigzag_unshard(shards, dim=2)
 
 
 CASES = {
@@ -89,7 +85,7 @@ def test_ring_attention_equals_whole_sequence_attention(name: str) -> None:
     cp, heads, kv_heads, documents = CASES[name]
     x = _inputs(heads, kv_heads, documents)
     ref = _reference(x)
-    got = run_distributed(_worker, cp, x)
+    got = run_distributed(_worker, cp, x, timeout=300, pg_timeout=120)  # generous: a loaded machine
     for key, want in zip(("out", "dq", "dk", "dv"), ref, strict=True):
         torch.testing.assert_close(_whole([r[key] for r in got]), want, rtol=1e-5, atol=1e-5, msg=key)
     assert_nccl_safe([r["ops"] for r in got])
@@ -112,7 +108,7 @@ def test_ring_attention_in_bf16_matches_fp32_attention_to_bf16_precision() -> No
     ref = _reference(
         {n: (t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in x.items()}
     )
-    got = run_distributed(_worker, 2, x)
+    got = run_distributed(_worker, 2, x, timeout=300, pg_timeout=120)
     for key, want in zip(("out", "dq", "dk", "dv"), ref, strict=True):
         whole = _whole([r[key] for r in got])
         assert whole.dtype == torch.bfloat16, key

@@ -11,6 +11,7 @@ hanging CI. `fn` must be a module-level function (it is pickled by name).
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -68,7 +69,9 @@ def _worker(
             timeout=timedelta(seconds=pg_timeout),
         )
         out = fn(rank, world_size, *args)
-        results.put((rank, "ok", out))
+        # plain pickle bytes: a tensor put on the queue as it is would travel as a handle to this
+        # process's shared memory, which is gone if the process exits before the parent reads it
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - report everything to the parent, incl. assertion errors
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -110,7 +113,7 @@ def run_distributed(
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            outputs[rank] = payload
+            outputs[rank] = pickle.loads(payload)
     except BaseException:
         for p in procs:  # peers of a failed rank may be blocked in a collective: do not wait
             p.kill()

@@ -28,7 +28,8 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +132,17 @@ def _rate(work: Callable[[], object], repeats: int, batches: int = 5) -> float:
     return statistics.median(times)
 
 
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """Measure as a gloo test rank runs (one thread), then give the caller its threads back."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def calibrate_cpu(size: int = 256, copy_mb: int = 64) -> Hardware:
     """This machine, measured in a few seconds: one thread's fp32 matmul rate at the tiny
     models' sizes (as the ranks of a gloo test run: one thread each), what of it each rank keeps
@@ -138,14 +150,10 @@ def calibrate_cpu(size: int = 256, copy_mb: int = 64) -> Hardware:
     the fixed host cost of a decoder block's forward and backward (`block_overhead`: operator
     dispatch, which dominates small models on a CPU), memcpy bandwidth, and two gloo ranks'
     all-reduce rate and the latency of a collective between busy ranks (`gloo_bandwidth`)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _one_thread():
         src = torch.empty(copy_mb * 2**20, dtype=torch.uint8)
         dst = torch.empty_like(src)
         copy = 2 * src.numel() / _rate(lambda: dst.copy_(src), 5)  # read + write
-    finally:
-        torch.set_num_threads(threads)
     cores = os.cpu_count() or 1
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     link, latency = gloo_bandwidth()
@@ -171,13 +179,9 @@ def calibrate_cpu(size: int = 256, copy_mb: int = 64) -> Hardware:
 
 def _matmul_rate(size: int) -> float:
     """FLOP/s of one thread's fp32 (size x size) matmuls."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _one_thread():
         a, b = torch.randn(size, size), torch.randn(size, size)
         return 2 * size**3 / _rate(lambda: a @ b, 50)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _matmul_rates(size: int, cores: int, pairs: int = 3) -> tuple[float, float]:
@@ -197,9 +201,7 @@ def _block_overhead(repeats: int = 20) -> float:
     negligible, so this is the per-operator host cost every block pays at any size."""
     from nanolight.models.llama import DecoderLayer, LlamaConfig
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _one_thread():
         config = LlamaConfig(
             vocab_size=64,
             hidden_size=32,
@@ -212,8 +214,6 @@ def _block_overhead(repeats: int = 20) -> float:
         block, x = DecoderLayer(config), torch.randn(1, 8, 32, requires_grad=True)
         cos, sin = torch.ones(1, 8, config.head_dim), torch.zeros(1, 8, config.head_dim)
         return _rate(lambda: block(x, cos, sin).sum().backward(), repeats)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _forked(fn: Callable[[int], Any], n: int) -> list[Any]:

@@ -6,10 +6,11 @@ For each layout of a small matrix (one process, dp2, dp2 ZeRO-1, tp2, tp2-sp, pp
 pp2 interleaved, full recompute, tp2·pp2), a short fp32 run through `NanoTrainer` on gloo CPU
 ranks (one thread each) measures the optimizer-step time: the fastest step (the first left out)
 of `--rounds` rounds that alternate the layouts. `nanolight.planner` predicts it with the `cpu`
-hardware calibrated before each round, each figure the best of the rounds' (noise on a shared
-machine only ever adds time, on both sides alike). While they train and while the CPU is
-calibrated, the ranks run at raised CPU priority (`--priority`, root only: other jobs on a
-shared machine otherwise take the cores at random, and more ranks take more of them). Reported: each layout's predicted and
+hardware calibrated, and its blocks timed (`planner/profile.py`), before each round; each
+prediction is its round's best (noise on a shared machine only ever adds time, on both sides
+alike). While they train and while the CPU is calibrated, the ranks run at raised CPU priority
+(`--priority`, root only: other jobs on a shared machine otherwise take the cores at random, and
+more ranks take more of them). Reported: each layout's predicted and
 measured step time, and Spearman's rank correlation between the two orders (the issue's target:
 >= 0.8).
 """
@@ -37,7 +38,8 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from nanolight import Callback, NanoModule, NanoTrainer  # noqa: E402
 from nanolight.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
-from nanolight.planner.hardware import Hardware, calibrate_cpu  # noqa: E402
+from nanolight.planner import profile  # noqa: E402
+from nanolight.planner.hardware import calibrate_cpu  # noqa: E402
 from nanolight.planner.layout import Layout  # noqa: E402
 from nanolight.planner.memory import Workload  # noqa: E402
 from nanolight.planner.timing import step_time  # noqa: E402
@@ -128,16 +130,6 @@ def priority(nice: int) -> Iterator[None]:
                 os.setpriority(os.PRIO_PROCESS, t, value)
             except (PermissionError, ProcessLookupError):
                 pass
-
-
-def best_of(calibrations: list[Hardware]) -> Hardware:
-    """Each measured figure at its best over the calibrations: the fastest rates, the shortest
-    latencies and host costs (the load other jobs put on the machine only ever slows them)."""
-    fastest = ("bf16_flops", "fp32_flops", "memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth")
-    shortest = ("latency", "block_overhead")
-    best = {name: max(getattr(h, name) for h in calibrations) for name in (*fastest, "concurrency")}
-    best |= {name: min(getattr(h, name) for h in calibrations) for name in shortest}
-    return dataclasses.replace(calibrations[0], **best)
 
 
 def worker(rank: int, world: int, port: int, layout: Layout, args: argparse.Namespace, out: Any) -> None:
@@ -247,12 +239,14 @@ def main() -> None:
     args = parser.parse_args()
     work = Workload(_config(args), args.seq_len, "cpu")
     layouts = {name: _layout(base, args) for name, base in MATRIX.items()}
-    calibrations: list[Hardware] = []
     runs: list[list[float]] = [[] for _ in layouts]
+    predictions: list[list[float]] = [[] for _ in layouts]
     for r in range(args.rounds):  # rounds alternate the layouts: other jobs' load hits all alike
         with priority(args.priority):
-            calibrations.append(calibrate_cpu())
-        hw = calibrations[-1]
+            hw = calibrate_cpu()
+            profile.clear()  # the blocks timed again, beside this round's runs
+            for i, layout in enumerate(layouts.values()):
+                predictions[i].append(step_time(work, layout, hw)["total"])
         print(
             f"round {r}: cpu {hw.bf16_flops / 1e9:.1f} GFLOP/s per thread ({hw.concurrency:.2f} of it on "
             f"{hw.shared_cores} busy cores), block host cost {hw.block_overhead * 1e3:.2f} ms, gloo "
@@ -261,10 +255,14 @@ def main() -> None:
         )
         for i, (name, layout) in enumerate(layouts.items()):
             runs[i].append(measure(layout, args))
-            print(f"round {r}: {name:>20}: measured {runs[i][-1]:7.3f} s", flush=True)
-    hw = best_of(calibrations)
-    predicted = [step_time(work, layout, hw)["total"] for layout in layouts.values()]
-    measured = [min(times) for times in runs]  # noise only ever adds time
+            print(
+                f"round {r}: {name:>20}: predicted {predictions[i][-1]:7.3f} s   measured {runs[i][-1]:7.3f} s",
+                flush=True,
+            )
+    # each figure at its best over the rounds: the load of other jobs only ever adds time, to the
+    # probes and calibration as to the runs
+    predicted = [min(times) for times in predictions]
+    measured = [min(times) for times in runs]
     for name, p, m in zip(layouts, predicted, measured, strict=True):
         print(f"{name:>20}: predicted {p:7.3f} s   measured {m:7.3f} s")
     print(f"Spearman rank correlation over {len(MATRIX)} layouts: {spearman(predicted, measured):.2f}")

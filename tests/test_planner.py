@@ -27,6 +27,7 @@ from nanolight.planner.memory import (
     Workload,
     block_activation_bytes,
     chunk_activation_bytes,
+    chunk_layers,
     rank_memory,
     rank_parameters,
     ring_transient_bytes,
@@ -172,6 +173,48 @@ def test_cpu_host_costs_block_overhead_and_shared_cores() -> None:
     busiest = max(micro_batch_work(work, pp2, cpu, s) for s in range(2))
     idle = bubble_fraction(m, 2, 1)
     assert step_time(work, pp2, cpu)["bubble"] == pytest.approx(m * busiest * idle / (1 - idle) * 0.5)
+
+
+def test_profiled_hardware_times_the_rank_shard_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hardware at hand (`profiled`) times compute instead of counting FLOPs: per micro-batch, the
+    rank's blocks as `profile.block_seconds` measures one (its tp shard, its recompute mode, the
+    rank's tokens), the head on the last stage, over the core share; collectives still counted.
+    The probe itself runs the model's block under the recompute wrapper (real call, no timing)."""
+    from nanolight.planner import profile, timing
+
+    calls = []
+
+    def block(config: LlamaConfig, batch: int, seq_len: int, tp: int, mode: str, precision: str) -> float:
+        calls.append((batch, seq_len, tp, mode, precision))
+        return 0.010
+
+    monkeypatch.setattr(timing, "block_seconds", block)
+    monkeypatch.setattr(timing, "head_seconds", lambda config, tokens, tp, precision: 0.003 * tokens / 512)
+    work = Workload(LlamaConfig.preset("smollm-tiny"), 128, "cpu")
+    cpu = dataclasses.replace(H100, device="cpu", shared_cores=2, concurrency=1.0, latency=0.0, profiled=True)
+    layers = work.config.num_hidden_layers
+    one = Layout(micro_batch_size=4, activation_checkpointing="full", precision="32-true")
+    assert micro_batch_work(work, one, cpu, 0) == pytest.approx(layers * 0.010 + 0.003)
+    assert calls[-1] == (4, 128, 1, "full", "32-true")
+    dp2 = dataclasses.replace(one, dp=2)  # two ranks on two cores: each keeps its core
+    assert micro_batch_work(work, dp2, cpu, 0) == pytest.approx(layers * 0.010 + 0.003)
+    tp2 = dataclasses.replace(one, tp=2)
+    micro_batch_work(work, tp2, cpu, 0)
+    assert calls[-1][2] == 2
+    pp2 = dataclasses.replace(one, pp=2)
+    first = sum(len(r) for r in chunk_layers(work.config, pp2)[0])
+    # no head on stage 0; its activation messages cost bytes / link (microseconds)
+    assert micro_batch_work(work, pp2, cpu, 0) == pytest.approx(first * 0.010, rel=1e-3)
+    monkeypatch.undo()
+
+    sizes = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+    tiny = LlamaConfig(**sizes, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    shard = profile._shard(tiny, 2)
+    assert (shard.num_attention_heads, shard.num_key_value_heads, shard.intermediate_size) == (2, 1, 32)
+    assert shard.hidden_size == 32 and shard.head_dim == tiny.head_dim
+    for mode in ("none", "full", "selective"):
+        assert 0 < profile.block_seconds(tiny, 2, 16, 2, mode, "32-true") < 60
+    assert 0 < profile.head_seconds(tiny, 32, 2, "bf16-mixed") < 60
 
 
 def test_context_parallel_terms() -> None:

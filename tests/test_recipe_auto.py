@@ -179,11 +179,12 @@ def test_recipe_auto_runs_the_pick(tmp_path: Path) -> None:
     pick = [line for line in out if line.startswith("nanolight: +parallel=auto on 2 x cpu: ")]
     assert len(pick) == 1, proc.stdout[-3000:]
     assert "predicted peak" in pick[0] and " per rank, step " in pick[0]
-    # the BASE_OVERRIDES pin micro_batch_size=4 with a global batch of 4: dp cannot split it, tp or
-    # pp (one micro-batch) can; the run's config is the printed pick
+    # the BASE_OVERRIDES pin micro_batch_size=4 with a global batch of 4: dp cannot split it, tp, pp
+    # (one micro-batch) or cp can; the run's config is the printed pick
     overrides = pick[0].removeprefix("nanolight: +parallel=auto on 2 x cpu: ").split(" -- ")[0]
     printed = dict(o.lstrip("+").split("=") for o in overrides.split())
-    assert printed["parallel.dp"] == "1" and int(printed["parallel.tp"]) * int(printed["parallel.pp"]) == 2
+    split = int(printed["parallel.tp"]) * int(printed["parallel.pp"]) * int(printed.get("parallel.cp", 1))
+    assert printed["parallel.dp"] == "1" and split == 2
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["auto_parallel"] and saved["trainer"]["micro_batch_size"] == 4
     for key, value in printed.items():

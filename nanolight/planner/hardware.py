@@ -60,6 +60,7 @@ class Hardware:
     latency: float = 15e-6  # seconds one small collective or message costs, whatever its size
     concurrency: float = 1.0  # cpu: the matmul rate each of `shared_cores` busy ranks keeps (vs one alone)
     block_overhead: float = 0.0  # seconds of host work per block forward + backward, whatever its size
+    profiled: bool = False  # hardware at hand: compute is timed at the workload's shapes (`profile.py`)
 
     def flops(self, precision: str) -> float:
         """Peak matmul rate for a precision mode (bf16 compute for every bf16 mode)."""
@@ -174,6 +175,7 @@ def calibrate_cpu(size: int = 256, copy_mb: int = 64) -> Hardware:
         latency=latency,
         concurrency=concurrency,
         block_overhead=_block_overhead(),
+        profiled=True,
     )
 
 

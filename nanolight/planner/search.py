@@ -15,7 +15,7 @@ moved as plain tp, 1/tp of the norms' activations). cp is tried where the sequen
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from nanolight.errors import UsageError
@@ -60,12 +60,14 @@ class Prediction:
 
 def predict(work: Workload, layout: Layout, hw: Hardware) -> Prediction:
     memory = peak_memory(work, layout)
-    step = step_time(work, layout, hw)
+    capacity = hw.memory_bytes if not hw.shared_cores else hw.memory_bytes // layout.world_size
+    fits = memory["total"] <= capacity
+    # hardware at hand times only what could run on it: a layout that does not fit gets the FLOP count
+    step = step_time(work, layout, hw if fits else replace(hw, profiled=False))
     tokens = layout.sequences_per_step * work.seq_len
     achieved = flops_per_token(work.config, work.seq_len) * tokens / step["total"]
     mfu = achieved / (layout.world_size * hw.flops(layout.precision))
-    capacity = hw.memory_bytes if not hw.shared_cores else hw.memory_bytes // layout.world_size
-    return Prediction(layout, memory, step, tokens / step["total"], mfu, memory["total"] <= capacity)
+    return Prediction(layout, memory, step, tokens / step["total"], mfu, fits)
 
 
 def _divisors(n: int) -> list[int]:

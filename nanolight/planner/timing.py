@@ -18,7 +18,9 @@ pipeline bubble from the schedule.
          + ZeRO-1 all-gather                  after the optimizer step, nothing to hide behind
          + optimizer step                     AdamW reads p, g, m, v and writes p, m, v: memory-bound
 
-FLOPs come from `models/llama_config.py` (6 x matmul weights + the attention scores per token, the
+On hardware at hand (`Hardware.profiled`: this machine's CPU) the block's and the head's compute
+is timed at the rank's shapes instead (`profile.py`), host cost and elementwise ops included; a
+datasheet GPU counts FLOPs at its efficiency. FLOPs come from `models/llama_config.py` (6 x matmul weights + the attention scores per token, the
 head on the last stage); a rank holds 1/cp of each sequence's tokens, and zigzag gives it 1/cp of
 the causal attention. Recompute adds a block's forward again (`full`; `selective` recomputes only
 elementwise ops, and eager attention's score matmuls) -- but either mode re-runs the forward's
@@ -42,6 +44,7 @@ from nanolight.parallel.pipeline.schedules import bubble_fraction
 from nanolight.planner.hardware import Hardware
 from nanolight.planner.layout import PRECISION_BYTES, Layout
 from nanolight.planner.memory import Workload, chunk_layers, rank_parameters
+from nanolight.planner.profile import block_seconds, head_seconds
 
 ADAMW_BYTES_PER_ELEMENT = 28  # fp32 p, g, m, v read (16) + p, m, v written (12)
 
@@ -155,18 +158,29 @@ def micro_batch_work(work: Workload, layout: Layout, hw: Hardware, stage: int) -
     layer, _, head = stage_costs(c)  # matmul weights per block, and the head's
     # attention FLOPs per token per block: each of the rank's tokens attends over the sequence
     attention = 12 * work.seq_len * c.head_dim * c.num_attention_heads
-    per_block = 6 * layer + attention
     mode = layout.activation_checkpointing
-    if mode == "full":
-        per_block += 2 * layer + attention / 3
-    elif mode == "selective" and c.attn_implementation == "eager":
-        per_block += attention / 3
     layers = sum(len(r) for r in chunk_layers(c, layout)[stage])
-    flops = layers * per_block + (6 * head if stage == layout.pp - 1 else 0)
+    last = stage == layout.pp - 1
     rate = rank_rate(hw, layout)
-    seconds = tokens * flops / tp / rate
-    # the host's fixed cost per block (operator dispatch), paid again by a recomputed forward
-    seconds += layers * hw.block_overhead * (4 / 3 if mode != "none" else 1) / core_share(hw, layout)
+    if (
+        hw.profiled
+    ):  # timed on this machine: the block at the rank's shapes, the ring's extra attention by FLOPs
+        seconds = layers * block_seconds(
+            c, layout.micro_batch_size, tokens // layout.micro_batch_size, tp, mode, layout.precision
+        )
+        seconds += head_seconds(c, tokens, tp, layout.precision) if last else 0.0
+        seconds /= core_share(hw, layout)
+        seconds += layers * tokens * attention * (1 - 1 / layout.cp) / tp / rate
+    else:
+        per_block = 6 * layer + attention
+        if mode == "full":
+            per_block += 2 * layer + attention / 3
+        elif mode == "selective" and c.attn_implementation == "eager":
+            per_block += attention / 3
+        flops = layers * per_block + (6 * head if last else 0)
+        seconds = tokens * flops / tp / rate
+        # the host's fixed cost per block (operator dispatch), paid again by a recomputed forward
+        seconds += layers * hw.block_overhead * (4 / 3 if mode != "none" else 1) / core_share(hw, layout)
     link = hw.link(tp)
     for count, nbytes, all_reduce in tp_collectives(work, layout, stage):
         seconds += count * _ring(tp, nbytes, link, hw.latency, all_reduce)

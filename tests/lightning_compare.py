@@ -41,6 +41,7 @@ PROGRAM_NAMES = [  # every ported program, in the order they were added (record.
     "logging_page",
     "autoencoder_datamodule",
     "checkpointing_page",
+    "state_flags",
 ]
 RENAMES = [  # the whole port (regular expressions, applied in order)
     (r"\blightning\.pytorch\b", "nanolight"),  # callbacks, loggers, demos, utilities, core, ...

@@ -42,6 +42,7 @@ PROGRAM_NAMES = [  # every ported program, in the order they were added (record.
     "autoencoder_datamodule",
     "checkpointing_page",
     "state_flags",
+    "checkpoint_names",
 ]
 RENAMES = [  # the whole port (regular expressions, applied in order)
     (r"\blightning\.pytorch\b", "nanolight"),  # callbacks, loggers, demos, utilities, core, ...

@@ -4,11 +4,12 @@ Figures are per GPU, from the vendors' datasheets (dense, i.e. without 2:4 spars
 direction, the rate a ring collective's every step runs at):
 
 - H100 SXM / PCIe: NVIDIA H100 Tensor Core GPU datasheet (2023): BF16 989 / 756 TFLOPS, TF32
-  495 / 378, 80 GB HBM at 3.35 / 2.0 TB/s, NVLink 900 GB/s (450 each way) on SXM; the PCIe card
-  talks over PCIe Gen5 x16 (64 GB/s each way; its NVLink bridge joins pairs only).
-- H200 SXM: NVIDIA H200 datasheet: BF16 989 TFLOPS, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
-- A100 SXM 40 / 80 GB: NVIDIA A100 datasheet: BF16 312 TFLOPS, TF32 156, HBM2(e) at 1.555 /
-  2.039 TB/s, NVLink 600 GB/s (300 each way).
+  495 / 378, FP32 67 / 51, 80 GB HBM at 3.35 / 2.0 TB/s, NVLink 900 GB/s (450 each way) on SXM;
+  the PCIe card talks over PCIe Gen5 x16 (64 GB/s each way; its NVLink bridge joins pairs only).
+- H200 SXM: NVIDIA H200 datasheet: BF16 989 TFLOPS, TF32 495, FP32 67, 141 GB HBM3e at 4.8 TB/s,
+  NVLink 900 GB/s.
+- A100 SXM 40 / 80 GB: NVIDIA A100 datasheet: BF16 312 TFLOPS, TF32 156, FP32 19.5, HBM2(e) at
+  1.555 / 2.039 TB/s, NVLink 600 GB/s (300 each way).
 - B200: NVIDIA HGX B200 / DGX B200 datasheets: 180 GB HBM3e at 8 TB/s, FP8 72 PFLOPS sparse per
   8 GPUs, i.e. BF16 2.25 PFLOPS dense per GPU (TF32 1.1), NVLink 5 at 1.8 TB/s (900 each way).
 - Between nodes: DGX H100 / H200 / B200 give each GPU a 400 Gb/s ConnectX-7 port (50 GB/s), DGX
@@ -60,6 +61,7 @@ class Hardware:
     latency: float = 15e-6  # seconds one small collective or message costs, whatever its size
     concurrency: float = 1.0  # cpu: the matmul rate each of `shared_cores` busy ranks keeps (vs one alone)
     block_overhead: float = 0.0  # seconds of host work per block forward + backward, whatever its size
+    ieee_fp32_flops: float | None = None  # fp32 matmuls with TF32 off (None: no figure at hand)
 
     def flops(self, precision: str) -> float:
         """Peak matmul rate for a precision mode (bf16 compute for every bf16 mode)."""
@@ -72,20 +74,34 @@ class Hardware:
 
 
 def _gpu(
-    name: str, bf16: float, tf32: float, mem_gb: float, hbm_tb: float, nvlink: float, ib: float
+    name: str,
+    bf16: float,
+    tf32: float,
+    mem_gb: float,
+    hbm_tb: float,
+    nvlink: float,
+    ib: float,
+    fp32: float | None,
 ) -> Hardware:
     return Hardware(
-        name, bf16 * TERA, tf32 * TERA, int(mem_gb * GB), hbm_tb * 1000 * GB, nvlink * GB, ib * GB
+        name,
+        bf16 * TERA,
+        tf32 * TERA,
+        int(mem_gb * GB),
+        hbm_tb * 1000 * GB,
+        nvlink * GB,
+        ib * GB,
+        ieee_fp32_flops=None if fp32 is None else fp32 * TERA,
     )
 
 
 HARDWARE: dict[str, Hardware] = {
-    "h100-sxm": _gpu("h100-sxm", 989, 495, 80, 3.35, 450, 50),
-    "h100-pcie": _gpu("h100-pcie", 756, 378, 80, 2.0, 64, 50),
-    "h200": _gpu("h200", 989, 495, 141, 4.8, 450, 50),
-    "a100-40gb": _gpu("a100-40gb", 312, 156, 40, 1.555, 300, 25),
-    "a100-80gb": _gpu("a100-80gb", 312, 156, 80, 2.039, 300, 25),
-    "b200": _gpu("b200", 2250, 1100, 180, 8.0, 900, 50),
+    "h100-sxm": _gpu("h100-sxm", 989, 495, 80, 3.35, 450, 50, 67),
+    "h100-pcie": _gpu("h100-pcie", 756, 378, 80, 2.0, 64, 50, 51),
+    "h200": _gpu("h200", 989, 495, 141, 4.8, 450, 50, 67),
+    "a100-40gb": _gpu("a100-40gb", 312, 156, 40, 1.555, 300, 25, 19.5),
+    "a100-80gb": _gpu("a100-80gb", 312, 156, 80, 2.039, 300, 25, 19.5),
+    "b200": _gpu("b200", 2250, 1100, 180, 8.0, 900, 50, None),
 }
 
 

@@ -41,6 +41,8 @@ PROGRAM_NAMES = [  # every ported program, in the order they were added (record.
     "logging_page",
     "autoencoder_datamodule",
     "checkpointing_page",
+    "state_flags",
+    "checkpoint_names",
 ]
 RENAMES = [  # the whole port (regular expressions, applied in order)
     (r"\blightning\.pytorch\b", "nanolight"),  # callbacks, loggers, demos, utilities, core, ...

@@ -19,6 +19,7 @@ from nanolight.callbacks import (
     RichProgressBar,
     ThroughputMonitor,
 )
+from nanolight.callbacks.throughput import lookup_peak_flops
 from nanolight.module import NanoModule
 from nanolight.trainer import NanoTrainer
 
@@ -202,6 +203,38 @@ def test_throughput_monitor_and_progress_bar_without_tty(tmp_path, capsys):
     assert m["throughput/mfu"] == pytest.approx(m["throughput/tflops_per_device"])  # peak = 1 TFLOP/s
     out = capsys.readouterr().out
     assert "step 2/4  loss" in out and "step 4/4" in out  # plain lines when stdout is not a tty
+
+
+# lightning.fabric.utilities.throughput.get_available_flops (Lightning 2.6.6, recorded with the device
+# name patched and _is_ampere_or_later True): (float32 with matmul precision "highest", "high", bf16).
+LIGHTNING_PEAKS = {
+    "NVIDIA H100 80GB HBM3": (66.9e12, 494.7e12, 989.4e12),
+    "NVIDIA H100 PCIe": (51.2e12, 378e12, 756e12),
+    "NVIDIA A100-SXM4-80GB": (19.5e12, 156e12, 312e12),
+    "NVIDIA A100-SXM4-40GB": (19.5e12, 156e12, 312e12),
+    "NVIDIA L4": (30.3e12, 60e12, 121e12),
+    "NVIDIA A10G": (31.2e12, 62.5e12, 125e12),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LIGHTNING_PEAKS))
+def test_peak_flops_counts_tf32_as_lightning_does(name, monkeypatch):
+    """32-true's peak is TF32's while fp32 matmuls may use TF32, plain fp32's under "highest";
+    the figures are the planner's table (datasheets rounded to 3 digits, Lightning's to 4)."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    cuda = torch.device("cuda", 0)
+    fp32, tf32, bf16 = LIGHTNING_PEAKS[name]
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert lookup_peak_flops(cuda, "32-true") == pytest.approx(fp32, rel=0.01)
+        torch.set_float32_matmul_precision("high")
+        assert lookup_peak_flops(cuda, "32-true") == pytest.approx(tf32, rel=0.01)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    for mode in ("bf16-mixed", "bf16-true", "bf16-master"):
+        assert lookup_peak_flops(cuda, mode) == pytest.approx(bf16, rel=0.01)
+    assert lookup_peak_flops(torch.device("cpu"), "32-true") is None
 
 
 def test_throughput_without_peak_omits_mfu(tmp_path):

@@ -34,6 +34,17 @@ BASE = dict(
 )
 
 
+# Llama 3.1's RoPE (transformers 5.x's rope_parameters; 4.x called it rope_scaling)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
 def make_hf(
     path: Path, dtype=torch.float32, shard: bool = False, **overrides
 ) -> transformers.LlamaForCausalLM:
@@ -107,6 +118,43 @@ def test_hf_nanolight_hf_is_bit_identical(tmp_path, kw):
         assert torch.equal(reloaded(ids).logits, original(ids).logits)
     for key in ("bos_token_id", "eos_token_id"):
         assert reloaded.config.to_dict()[key] == hf.config.to_dict()[key]
+
+
+def test_llama3_rope_scaling_round_trips(tmp_path):
+    """A Llama 3.1-style config: HF -> nanolight -> HF gives transformers the same RoPE parameters,
+    nanolight computes transformers' logits with them, and a model saved again keeps them."""
+    hf = make_hf(tmp_path / "hf", rope_parameters=dict(LLAMA3_ROPE), max_position_embeddings=131072)
+    convert_hf_to_nanolight(tmp_path / "hf", tmp_path / "nl")
+    assert json.loads((tmp_path / "nl" / "config.json").read_text())["rope_scaling"] == {
+        k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"
+    }
+    convert_nanolight_to_hf(tmp_path / "nl", tmp_path / "hf2")
+    rope = transformers.LlamaConfig.from_pretrained(str(tmp_path / "hf2")).rope_parameters
+    assert (
+        rope == transformers.LlamaConfig.from_pretrained(str(tmp_path / "hf")).rope_parameters == LLAMA3_ROPE
+    )
+    ours = load_pretrained(tmp_path / "nl")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2")).eval()
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(ids).logits
+        torch.testing.assert_close(ours(ids), want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(reloaded(ids).logits, want)
+    save_pretrained(ours, tmp_path / "nl2")  # the model's own config.json (as a training step's)
+    convert_nanolight_to_hf(tmp_path / "nl2", tmp_path / "hf3")
+    assert transformers.LlamaConfig.from_pretrained(str(tmp_path / "hf3")).rope_parameters == rope
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AttributeError,
+    reason="transformers reads a nanolight config.json as a bare PreTrainedConfig, whose RoPE "
+    "standardisation of a llama3 rope_scaling reads max_position_embeddings before it is set",
+)
+def test_autotokenizer_loads_a_llama3_nanolight_directory(tmp_path):
+    make_hf(tmp_path / "hf", rope_parameters=dict(LLAMA3_ROPE), max_position_embeddings=131072)
+    convert_hf_to_nanolight(tmp_path / "hf", tmp_path / "nl")
+    assert_tokenizer_works(tmp_path / "nl")
 
 
 def test_save_and_load_pretrained_round_trip(tmp_path):

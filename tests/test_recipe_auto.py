@@ -142,6 +142,8 @@ def test_cuda_device_names_map_to_the_table() -> None:
     names = {
         "NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA H100 PCIe": "h100-pcie", "NVIDIA H200": "h200",
         "NVIDIA A100-SXM4-40GB": "a100-40gb", "NVIDIA A100-SXM4-80GB": "a100-80gb", "NVIDIA B200": "b200",
+        "NVIDIA L40S": "l40s", "NVIDIA L4": "l4", "NVIDIA L40": None, "NVIDIA A10": "a10",
+        "NVIDIA A100 80GB PCIe": "a100-80gb", "NVIDIA GeForce RTX 4090": "rtx-4090",
         "Tesla V100-SXM2-16GB": None,
     }  # fmt: skip
     assert {name: table_name(name) for name in names} == names

@@ -19,7 +19,6 @@ from torch import Tensor
 
 from nanolight.checkpoint.atomic import LAST_POINTER, remove_directory, resolve_checkpoint
 
-DEFAULT_TEMPLATE = "{epoch}-{step}"
 # "{name}" or "{name:spec}"; the name is anything up to ':' or '}' (dots and slashes included)
 _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
 _warned_slash: set[str] = set()
@@ -31,9 +30,14 @@ def format_name(
     auto_insert_metric_name: bool = True,
     prefix: str | None = None,
     version: int | None = None,
+    join: str = "-",
+    equals: str = "=",
 ) -> str:
     """The checkpoint's directory name (no path, no suffix) for `metrics`: ``"{epoch}-{val_loss:.3f}"``
-    gives ``epoch=6-val_loss=0.682``; a name absent from the metrics formats as 0 (as Lightning)."""
+    gives ``epoch=6-val_loss=0.682``; a name absent from the metrics formats as 0 (as Lightning).
+    `join` and `equals` are ModelCheckpoint's ``CHECKPOINT_JOIN_CHAR`` and ``CHECKPOINT_EQUALS_CHAR``:
+    `join` makes the default template ``{epoch}<join>{step}`` and adds the prefix and ``v<version>``,
+    `equals` stands between an inserted metric name and its value."""
 
     def field(match: re.Match[str]) -> str:
         key, spec = match.group(1), (match.group(2) or ":")[1:]
@@ -41,13 +45,13 @@ def format_name(
         if isinstance(value, Tensor) and value.numel() == 1:
             value = value.item()  # Tensor.__format__ does the same for 0-dim tensors
         text = format(value, spec)
-        return f"{key}={text}" if auto_insert_metric_name else text
+        return f"{key}{equals}{text}" if auto_insert_metric_name else text
 
-    name = _FIELD.sub(field, template or DEFAULT_TEMPLATE)
+    name = _FIELD.sub(field, template or "{epoch}" + join + "{step}")
     if prefix is not None:
-        name = f"{prefix}-{name}"
+        name = f"{prefix}{join}{name}"
     if version is not None:
-        name = f"{name}-v{version}"
+        name = f"{name}{join}v{version}"
     flat = name
     for sep in {"/", os.sep, os.altsep} - {None}:
         flat = flat.replace(sep, "_")

@@ -277,8 +277,11 @@ class ModelCheckpoint(Callback):
         ver: int | None = None,
         prefix: str | None = None,
     ) -> str:
-        """The checkpoint directory for `metrics` (Lightning's method, minus the ``.ckpt``)."""
-        name = format_name(filename or self.filename, metrics, self.auto_insert_metric_name, prefix, ver)
+        """The checkpoint directory for `metrics`: Lightning's method and class attributes, but
+        `FILE_EXTENSION` is empty (a checkpoint is a directory, not a ``.ckpt`` file)."""
+        join, equals = self.CHECKPOINT_JOIN_CHAR, self.CHECKPOINT_EQUALS_CHAR
+        template, auto = filename or self.filename, self.auto_insert_metric_name
+        name = format_name(template, metrics, auto, prefix, ver, join, equals) + self.FILE_EXTENSION
         return os.path.join(self.dirpath, name) if self.dirpath else name
 
     def _get_metric_interpolated_filepath_name(

@@ -3,9 +3,9 @@
 
 Tokens are counted by the trainer (``input_ids.numel()`` of every micro-batch x data-parallel
 size, see ``trainer.progress``). FLOPs per token come from ``module.flops_per_token()`` (the
-model owns that arithmetic) or the constructor. MFU needs the device's peak: looked up in
-`PEAK_FLOPS` by CUDA device name and precision, or given as ``peak_flops``; on CPU (unknown
-peak) MFU is omitted.
+model owns that arithmetic) or the constructor. MFU needs the device's peak: the planner's table
+(`planner/hardware.py`, one table for both) by CUDA device name and precision, or given as
+``peak_flops``; on CPU or a GPU the table lacks, MFU is omitted.
 """
 
 from __future__ import annotations
@@ -16,30 +16,23 @@ from typing import Any
 import torch
 
 from nanolight.callbacks.base import Callback
-
-# Dense peak FLOP/s per device, from vendor datasheets (no sparsity). "32" = plain fp32 (no TF32).
-PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989e12, "32": 67e12},
-    "H100 PCIe": {"bf16": 756e12, "32": 51e12},
-    "H100": {"bf16": 989e12, "32": 67e12},
-    "A100": {"bf16": 312e12, "32": 19.5e12},
-    "L40S": {"bf16": 362e12, "32": 91.6e12},
-    "L4": {"bf16": 121e12, "32": 30.3e12},
-    "A10": {"bf16": 125e12, "32": 31.2e12},
-    "4090": {"bf16": 165e12, "32": 82.6e12},
-}
+from nanolight.planner.hardware import HARDWARE, table_name
 
 
 def lookup_peak_flops(device: torch.device, precision: str) -> float | None:
-    """Peak FLOP/s of ``device`` at ``precision`` (None if unknown, e.g. CPU)."""
+    """Peak FLOP/s of ``device`` at ``precision`` (None if unknown, e.g. CPU). As Lightning's
+    ThroughputMonitor: ``32-true`` counts TF32's peak while fp32 matmuls may use TF32
+    (``torch.get_float32_matmul_precision() != "highest"``, nanolight's default on CUDA), plain
+    fp32's otherwise; every bf16 mode counts bf16's."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    kind = "bf16" if precision.startswith("bf16") else "32"
-    for key, peaks in PEAK_FLOPS.items():  # more specific names first ("H100 PCIe" before "H100")
-        if all(part in name for part in key.split()):
-            return peaks[kind]
-    return None
+    name = table_name(torch.cuda.get_device_name(device))
+    if name is None:
+        return None
+    hw = HARDWARE[name]
+    if precision.startswith("bf16"):
+        return hw.bf16_flops
+    return hw.fp32_flops if torch.get_float32_matmul_precision() != "highest" else hw.ieee_fp32_flops
 
 
 class StepTimer(Callback):

@@ -90,11 +90,8 @@ def write_model_directory(
     overwrite: bool,
 ) -> Path:
     """config.json, model.safetensors and the tokenizer files found in `tokenizer_dir`, atomically."""
-    fields = config.to_dict()
-    if fields["rope_scaling"] is None:  # as `LlamaForCausalLM.directory_config` (AutoTokenizer warns on it)
-        del fields["rope_scaling"]
     with atomic_directory(path, overwrite=overwrite) as tmp:
-        write_config(tmp, fields, None, {"hf_extra": hf_extra or {}})
+        write_config(tmp, config.directory_fields(), None, {"hf_extra": hf_extra or {}})
         save_tensors(tmp / WEIGHTS_FILE, state_dict)
         run_extras(tokenizer_dir).copy_into(tmp)
     return Path(path)

@@ -390,10 +390,7 @@ class LlamaForCausalLM(nn.Module):
     def directory_config(self) -> dict:
         """The fields a model directory's ``config.json`` holds for this model: a checkpoint of
         any module holding it is then also a model directory (load_pretrained, HF export)."""
-        fields = self.config.to_dict()
-        if fields["rope_scaling"] is None:  # omitted when unused: AutoTokenizer warns on the key
-            del fields["rope_scaling"]
-        return fields
+        return self.config.directory_fields()
 
     def pipeline_costs(self) -> tuple[float, float, float]:
         """(block, first-stage extra, last-stage extra) costs, for balancing pipeline stages."""

@@ -166,6 +166,15 @@ class LlamaConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def directory_fields(self) -> dict[str, Any]:
+        """What a nanolight model directory's ``config.json`` holds of this config (save_pretrained,
+        HF import, training step directories): every field, rope_scaling omitted when null
+        (AutoTokenizer warns on the key) and kept whole otherwise, so a llama3 config round-trips."""
+        fields = self.to_dict()
+        if fields["rope_scaling"] is None:
+            del fields["rope_scaling"]
+        return fields
+
     def to_hf_dict(self) -> dict[str, Any]:
         """A `config.json` for transformers' LlamaForCausalLM (readable by 4.x and 5.x)."""
         return {

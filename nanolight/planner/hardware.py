@@ -4,13 +4,20 @@ Figures are per GPU, from the vendors' datasheets (dense, i.e. without 2:4 spars
 direction, the rate a ring collective's every step runs at):
 
 - H100 SXM / PCIe: NVIDIA H100 Tensor Core GPU datasheet (2023): BF16 989 / 756 TFLOPS, TF32
-  495 / 378, 80 GB HBM at 3.35 / 2.0 TB/s, NVLink 900 GB/s (450 each way) on SXM; the PCIe card
-  talks over PCIe Gen5 x16 (64 GB/s each way; its NVLink bridge joins pairs only).
-- H200 SXM: NVIDIA H200 datasheet: BF16 989 TFLOPS, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
-- A100 SXM 40 / 80 GB: NVIDIA A100 datasheet: BF16 312 TFLOPS, TF32 156, HBM2(e) at 1.555 /
-  2.039 TB/s, NVLink 600 GB/s (300 each way).
+  495 / 378, FP32 67 / 51, 80 GB HBM at 3.35 / 2.0 TB/s, NVLink 900 GB/s (450 each way) on SXM;
+  the PCIe card talks over PCIe Gen5 x16 (64 GB/s each way; its NVLink bridge joins pairs only).
+- H200 SXM: NVIDIA H200 datasheet: BF16 989 TFLOPS, TF32 495, FP32 67, 141 GB HBM3e at 4.8 TB/s,
+  NVLink 900 GB/s.
+- A100 SXM 40 / 80 GB: NVIDIA A100 datasheet: BF16 312 TFLOPS, TF32 156, FP32 19.5, HBM2(e) at
+  1.555 / 2.039 TB/s, NVLink 600 GB/s (300 each way).
 - B200: NVIDIA HGX B200 / DGX B200 datasheets: 180 GB HBM3e at 8 TB/s, FP8 72 PFLOPS sparse per
-  8 GPUs, i.e. BF16 2.25 PFLOPS dense per GPU (TF32 1.1), NVLink 5 at 1.8 TB/s (900 each way).
+  8 GPUs, i.e. BF16 2.25 PFLOPS dense per GPU (TF32 1.1, FP32 600 TFLOPS per 8 GPUs: 75), NVLink 5
+  at 1.8 TB/s (900 each way).
+- PCIe cards without NVLink, each on PCIe Gen4 x16 (32 GB/s each way), from their datasheets
+  (dense): L40S BF16 362 TFLOPS, TF32 183, FP32 91.6, 48 GB at 864 GB/s; L4 121 / 60 / 30.3,
+  24 GB at 300 GB/s; A10 125 / 62.5 / 31.2, 24 GB at 600 GB/s; GeForce RTX 4090 (Ada whitepaper,
+  FP32 accumulate) 165 / 82.6 / 82.6, 24 GB at 1,008 GB/s. Their servers' network varies: 25 GB/s
+  (200 Gb/s) is assumed.
 - Between nodes: DGX H100 / H200 / B200 give each GPU a 400 Gb/s ConnectX-7 port (50 GB/s), DGX
   A100 a 200 Gb/s HDR port (25 GB/s).
 
@@ -61,6 +68,7 @@ class Hardware:
     concurrency: float = 1.0  # cpu: the matmul rate each of `shared_cores` busy ranks keeps (vs one alone)
     block_overhead: float = 0.0  # seconds of host work per block forward + backward, whatever its size
     profiled: bool = False  # hardware at hand: compute is timed at the workload's shapes (`profile.py`)
+    ieee_fp32_flops: float | None = None  # fp32 matmuls with TF32 off (None: no figure at hand)
 
     def flops(self, precision: str) -> float:
         """Peak matmul rate for a precision mode (bf16 compute for every bf16 mode)."""
@@ -73,20 +81,38 @@ class Hardware:
 
 
 def _gpu(
-    name: str, bf16: float, tf32: float, mem_gb: float, hbm_tb: float, nvlink: float, ib: float
+    name: str,
+    bf16: float,
+    tf32: float,
+    mem_gb: float,
+    hbm_tb: float,
+    nvlink: float,
+    ib: float,
+    fp32: float | None,
 ) -> Hardware:
     return Hardware(
-        name, bf16 * TERA, tf32 * TERA, int(mem_gb * GB), hbm_tb * 1000 * GB, nvlink * GB, ib * GB
+        name,
+        bf16 * TERA,
+        tf32 * TERA,
+        int(mem_gb * GB),
+        hbm_tb * 1000 * GB,
+        nvlink * GB,
+        ib * GB,
+        ieee_fp32_flops=None if fp32 is None else fp32 * TERA,
     )
 
 
 HARDWARE: dict[str, Hardware] = {
-    "h100-sxm": _gpu("h100-sxm", 989, 495, 80, 3.35, 450, 50),
-    "h100-pcie": _gpu("h100-pcie", 756, 378, 80, 2.0, 64, 50),
-    "h200": _gpu("h200", 989, 495, 141, 4.8, 450, 50),
-    "a100-40gb": _gpu("a100-40gb", 312, 156, 40, 1.555, 300, 25),
-    "a100-80gb": _gpu("a100-80gb", 312, 156, 80, 2.039, 300, 25),
-    "b200": _gpu("b200", 2250, 1100, 180, 8.0, 900, 50),
+    "h100-sxm": _gpu("h100-sxm", 989, 495, 80, 3.35, 450, 50, 67),
+    "h100-pcie": _gpu("h100-pcie", 756, 378, 80, 2.0, 64, 50, 51),
+    "h200": _gpu("h200", 989, 495, 141, 4.8, 450, 50, 67),
+    "a100-40gb": _gpu("a100-40gb", 312, 156, 40, 1.555, 300, 25, 19.5),
+    "a100-80gb": _gpu("a100-80gb", 312, 156, 80, 2.039, 300, 25, 19.5),
+    "b200": _gpu("b200", 2250, 1100, 180, 8.0, 900, 50, 75),
+    "l40s": _gpu("l40s", 362, 183, 48, 0.864, 32, 25, 91.6),
+    "l4": _gpu("l4", 121, 60, 24, 0.3, 32, 25, 30.3),
+    "a10": _gpu("a10", 125, 62.5, 24, 0.6, 32, 25, 31.2),
+    "rtx-4090": _gpu("rtx-4090", 165, 82.6, 24, 1.008, 32, 25, 82.6),
 }
 
 
@@ -110,12 +136,17 @@ DEVICE_NAMES = (
     ("a100-pcie-40gb", "a100-40gb"),
     ("a100", "a100-80gb"),
     ("b200", "b200"),
+    ("l40s", "l40s"),
+    (" l4 ", "l4"),  # a word of its own: not L40 or L40S
+    (" a10 ", "a10"),  # not A100
+    ("a10g", "a10"),  # AWS's A10G: the A10's figures
+    ("4090", "rtx-4090"),
 )
 
 
 def table_name(device_name: str) -> str | None:
     """The `HARDWARE` key of a CUDA device name ("NVIDIA H100 80GB HBM3" -> h100-sxm), or None."""
-    name = device_name.lower()
+    name = f" {device_name.lower()} "  # padded: a pattern may ask for a whole word
     return next((key for pattern, key in DEVICE_NAMES if pattern in name), None)
 
 

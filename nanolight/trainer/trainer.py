@@ -232,7 +232,6 @@ class NanoTrainer(TrainerProperties):
         def stage() -> Any:
             if fn == "predict":
                 return run_predict(self, self.data.request(kind), keep)
-            self.state.stage = fn
             results = run_evaluation(self, kind, self.data.request(kind))
             if verbose and self.is_global_zero:
                 print_results(fn, results)
@@ -244,7 +243,9 @@ class NanoTrainer(TrainerProperties):
     def _run(self, fn: str, module: NanoModule, ckpt_path: Any, stage: Any, model_given: bool = True) -> Any:
         """`stage` inside one call's setup and teardown; returns what it returns."""
         check_module(module, fn)
-        self.state.fn, self.state.stage, self.state.status = fn, None, "running"
+        # the call's stage holds from setup to teardown, as in Lightning (the sanity check and
+        # fit-time validation change it while they run)
+        self.state.fn, self.state.stage, self.state.status = fn, "train" if fn == "fit" else fn, "running"
         self.lightning_module, module.trainer, self.datamodule = module, self, self.data.datamodule
         self.hooks.reset()
         if fn == "fit":  # only fit clears it: a later test still sees an EarlyStopping's stop (Lightning)
@@ -343,7 +344,6 @@ class NanoTrainer(TrainerProperties):
                 and not self.fit_loop.restarting
             ):
                 self._sanity_check()
-            self.state.stage = "train"
             self.fit_loop.run()
             self.hooks.call("on_fit_end")
 
@@ -356,6 +356,7 @@ class NanoTrainer(TrainerProperties):
         self.hooks.call("on_sanity_check_end")
         self.metrics.reset()
         restore_rng_state(rng)
+        self.state.stage = "train"
 
     # ---- checkpoints -------------------------------------------------------------------
     def save_checkpoint(

@@ -22,6 +22,7 @@ from nanolight.checkpoint.pretrained import (
     save_pretrained,
 )
 from nanolight.models import LlamaConfig, LlamaForCausalLM
+from nanolight.models.llama_config import DIRECTORY_ROPE_KEY
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = dict(
@@ -125,7 +126,7 @@ def test_llama3_rope_scaling_round_trips(tmp_path):
     nanolight computes transformers' logits with them, and a model saved again keeps them."""
     hf = make_hf(tmp_path / "hf", rope_parameters=dict(LLAMA3_ROPE), max_position_embeddings=131072)
     convert_hf_to_nanolight(tmp_path / "hf", tmp_path / "nl")
-    assert json.loads((tmp_path / "nl" / "config.json").read_text())["rope_scaling"] == {
+    assert json.loads((tmp_path / "nl" / "config.json").read_text())[DIRECTORY_ROPE_KEY] == {
         k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"
     }
     convert_nanolight_to_hf(tmp_path / "nl", tmp_path / "hf2")
@@ -145,16 +146,20 @@ def test_llama3_rope_scaling_round_trips(tmp_path):
     assert transformers.LlamaConfig.from_pretrained(str(tmp_path / "hf3")).rope_parameters == rope
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AttributeError,
-    reason="transformers reads a nanolight config.json as a bare PreTrainedConfig, whose RoPE "
-    "standardisation of a llama3 rope_scaling reads max_position_embeddings before it is set",
-)
 def test_autotokenizer_loads_a_llama3_nanolight_directory(tmp_path):
+    """transformers' AutoTokenizer reads the directory's config.json as a bare config, which fails
+    on a ``rope_scaling`` key: the directory keeps it under its own name, and a directory written
+    before (the plain key) still reads the same config."""
     make_hf(tmp_path / "hf", rope_parameters=dict(LLAMA3_ROPE), max_position_embeddings=131072)
     convert_hf_to_nanolight(tmp_path / "hf", tmp_path / "nl")
     assert_tokenizer_works(tmp_path / "nl")
+    written = json.loads((tmp_path / "nl" / "config.json").read_text())
+    config = LlamaConfig.from_dict(written)
+    assert config.rope_scaling["factor"] == LLAMA3_ROPE["factor"] and "rope_scaling" not in written
+    legacy = {k: v for k, v in written.items() if k != DIRECTORY_ROPE_KEY} | {
+        "rope_scaling": config.rope_scaling
+    }
+    assert LlamaConfig.from_dict(legacy) == config
 
 
 def test_save_and_load_pretrained_round_trip(tmp_path):

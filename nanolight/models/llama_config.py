@@ -26,6 +26,11 @@ LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_m
 HF_PASSTHROUGH_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
+DIRECTORY_ROPE_KEY = (
+    "nanolight_rope_scaling"  # a model directory's name for rope_scaling (`directory_fields`)
+)
+
+
 @dataclass
 class LlamaConfig:
     """Hyper-parameters of `LlamaForCausalLM`; field names follow HF's `LlamaConfig`.
@@ -107,6 +112,11 @@ class LlamaConfig:
         """Build from a dict. Extra keys (e.g. a nanolight `config.json`'s format tag) are
         dropped, or with `strict=True` (a Hydra `model:` group) rejected, naming the valid keys."""
         names = [f.name for f in fields(cls)]
+        if DIRECTORY_ROPE_KEY in d:  # a model directory's (`directory_fields`)
+            d = {
+                **{k: v for k, v in d.items() if k != DIRECTORY_ROPE_KEY},
+                "rope_scaling": d[DIRECTORY_ROPE_KEY],
+            }
         unknown = sorted(set(d) - set(names))
         if strict and unknown:
             raise UsageError(f"unknown model config key(s) {unknown}; valid keys: {', '.join(names)}")
@@ -168,11 +178,15 @@ class LlamaConfig:
 
     def directory_fields(self) -> dict[str, Any]:
         """What a nanolight model directory's ``config.json`` holds of this config (save_pretrained,
-        HF import, training step directories): every field, rope_scaling omitted when null
-        (AutoTokenizer warns on the key) and kept whole otherwise, so a llama3 config round-trips."""
+        HF import, training step directories): every field, a llama3 rope_scaling kept whole under
+        `DIRECTORY_ROPE_KEY` (omitted when null), so that it round-trips. Not under its own name:
+        AutoTokenizer reads the directory's config.json too, as a bare transformers config when it
+        is not HF's Llama, and transformers 5 fails on such a config's ``rope_scaling``
+        (AttributeError: no max_position_embeddings yet). `from_dict` reads both keys."""
         fields = self.to_dict()
-        if fields["rope_scaling"] is None:
-            del fields["rope_scaling"]
+        scaling = fields.pop("rope_scaling")
+        if scaling is not None:
+            fields[DIRECTORY_ROPE_KEY] = scaling
         return fields
 
     def to_hf_dict(self) -> dict[str, Any]:

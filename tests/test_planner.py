@@ -177,10 +177,10 @@ def test_cpu_host_costs_block_overhead_and_shared_cores() -> None:
 
 def test_profiled_hardware_times_the_rank_shard_block(monkeypatch: pytest.MonkeyPatch) -> None:
     """Hardware at hand (`profiled`) times compute instead of counting FLOPs: per micro-batch, the
-    rank's blocks as `profile.block_seconds` measures one (its tp shard, its recompute mode, the
+    rank's blocks as `hardware.block_seconds` measures one (its tp shard, its recompute mode, the
     rank's tokens), the head on the last stage, over the core share; collectives still counted.
     The probe itself runs the model's block under the recompute wrapper (real call, no timing)."""
-    from nanolight.planner import profile, timing
+    from nanolight.planner import hardware, timing
 
     calls = []
 
@@ -209,12 +209,12 @@ def test_profiled_hardware_times_the_rank_shard_block(monkeypatch: pytest.Monkey
 
     sizes = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
     tiny = LlamaConfig(**sizes, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
-    shard = profile._shard(tiny, 2)
+    shard = hardware.rank_block_config(tiny, 2)
     assert (shard.num_attention_heads, shard.num_key_value_heads, shard.intermediate_size) == (2, 1, 32)
     assert shard.hidden_size == 32 and shard.head_dim == tiny.head_dim
     for mode in ("none", "full", "selective"):
-        assert 0 < profile.block_seconds(tiny, 2, 16, 2, mode, "32-true") < 60
-    assert 0 < profile.head_seconds(tiny, 32, 2, "bf16-mixed") < 60
+        assert 0 < hardware.block_seconds(tiny, 2, 16, 2, mode, "32-true") < 60
+    assert 0 < hardware.head_seconds(tiny, 32, 2, "bf16-mixed") < 60
 
 
 def test_context_parallel_terms() -> None:

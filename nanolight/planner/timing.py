@@ -19,7 +19,7 @@ pipeline bubble from the schedule.
          + optimizer step                     AdamW reads p, g, m, v and writes p, m, v: memory-bound
 
 On hardware at hand (`Hardware.profiled`: this machine's CPU) the block's and the head's compute
-is timed at the rank's shapes instead (`profile.py`), host cost and elementwise ops included; a
+is timed at the rank's shapes instead (`block_seconds`), host cost and elementwise ops included; a
 datasheet GPU counts FLOPs at its efficiency. FLOPs come from `models/llama_config.py` (6 x matmul weights + the attention scores per token, the
 head on the last stage); a rank holds 1/cp of each sequence's tokens, and zigzag gives it 1/cp of
 the causal attention. Recompute adds a block's forward again (`full`; `selective` recomputes only
@@ -41,10 +41,9 @@ import math
 
 from nanolight.models.llama_config import stage_costs
 from nanolight.parallel.pipeline.schedules import bubble_fraction
-from nanolight.planner.hardware import Hardware
+from nanolight.planner.hardware import Hardware, block_seconds, head_seconds
 from nanolight.planner.layout import PRECISION_BYTES, Layout
 from nanolight.planner.memory import Workload, chunk_layers, rank_parameters
-from nanolight.planner.profile import block_seconds, head_seconds
 
 ADAMW_BYTES_PER_ELEMENT = 28  # fp32 p, g, m, v read (16) + p, m, v written (12)
 

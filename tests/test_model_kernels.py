@@ -85,7 +85,7 @@ def test_rope_function_matches_plain_rotation():
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
     ref, (g_ref,) = _grads(plain, x)
-    out, (g_out,) = _grads(lambda: _Rope.apply(x, c, s), x)
+    out, (g_out,) = _grads(lambda: _Rope.apply(x, cos.reshape(1, 7, 1, 1, 16), s), x)  # cos: full width
     assert out.is_contiguous()
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(g_out, g_ref)

@@ -52,24 +52,29 @@ def rope_cos_sin(
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """[x1*cos - x2*sin, x2*cos + x1*sin] with half-width tables, each half written in place into
-    one new contiguous tensor of x's dtype: no rotate_half copy, no concatenation, no negation.
-    Half-precision x with fp32 tables (autocast): computed in fp32, rounded once into x's dtype."""
+    """[x1*cos - x2*sin, x2*cos + x1*sin] (full-width cos, half-width sin) written into one new
+    contiguous tensor of x's dtype in three ops: x*cos over the whole head (both halves share the
+    frequencies), then each half's sin term added in place -- no rotate_half copy, no
+    concatenation, no negation. Half-precision x with fp32 tables (autocast): computed in fp32,
+    rounded once into x's dtype."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     o1, o2 = out[..., :half], out[..., half:]
     if x.dtype == torch.result_type(x, cos):
-        torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)
-        torch.mul(x2, cos, out=o2).addcmul_(x1, sin)
+        torch.mul(x, cos, out=out)
+        o1.addcmul_(x2, sin, value=-1)
+        o2.addcmul_(x1, sin)
     else:
-        torch.addcmul(x1 * cos, x2, sin, value=-1, out=o1)
-        torch.addcmul(x2 * cos, x1, sin, out=o2)
+        scaled = x * cos  # fp32
+        torch.addcmul(scaled[..., :half], x2, sin, value=-1, out=o1)
+        torch.addcmul(scaled[..., half:], x1, sin, out=o2)
     return out
 
 
 class _Rope(torch.autograd.Function):
-    """A rotation's gradient is the inverse rotation (sin negated): backward is one more `_rotate`."""
+    """A rotation's gradient is the inverse rotation (sin negated): backward is one more `_rotate`.
+    cos is full width (head_dim), sin half width (see `_rotate`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -88,9 +93,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x's dtype: under autocast the tables are fp32 while q and k are the projections' bf16, and
     q, k, v must reach the attention kernel in one dtype (flash-attn takes nothing else)."""
     half = x.shape[-1] // 2
-    shape = (*cos.shape[:2], *([1] * (x.dim() - 3)), half)  # broadcast over the head dims
-    c, s = cos[..., :half].reshape(shape), sin[..., :half].reshape(shape)  # both halves share them
+    shape = (*cos.shape[:2], *([1] * (x.dim() - 3)), -1)  # broadcast over the head dims
+    c, s = cos.reshape(shape), sin[..., :half].reshape(shape)  # sin's halves are equal: one kept
     if torch.compiler.is_compiling():
         x1, x2 = x[..., :half], x[..., half:]  # plain ops: inductor fuses them into one kernel
+        c = c[..., :half]
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
     return _Rope.apply(x, c, s)

@@ -1,8 +1,8 @@
 """The model's eager fast paths against the plain formulas they replace (same numbers).
 
 The fused head + loss (`models/fused_loss.py`) against ``F.cross_entropy`` on full logits, the
-RoPE and RMSNorm autograd Functions against the plain-op versions (which `torch.compile` uses),
-and the CPU MLP's regrouped projection against the stride-2 unbinding.
+RoPE, RMSNorm and SwiGLU autograd Functions against the plain-op versions (which `torch.compile`
+uses), and the CPU MLP's regrouped projection against the stride-2 unbinding.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from nanolight.models import LlamaConfig
 from nanolight.models.fused_loss import linear_cross_entropy
-from nanolight.models.llama import RMSNorm, SwiGLU, _rms_plain
+from nanolight.models.llama import RMSNorm, SwiGLU, _rms_plain, _SwiGLU
 from nanolight.models.llama_rope import _Rope, apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -141,3 +141,22 @@ def test_cpu_mlp_regrouped_projection_matches_stride_two_unbinding():
     torch.testing.assert_close(out, ref)
     for a, b in zip(g_out, g_ref, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_swiglu_function_matches_autograd_bit_for_bit(interleaved):
+    """One gradient buffer instead of two joined by a copy: the same ops, so the same bits, in
+    both layouts (interleaved: the GPU path; [gate | up]: the CPU path's regrouped projection)."""
+    torch.manual_seed(0)
+    gate_up = torch.randn(2, 5, 24, requires_grad=True)
+
+    def plain():
+        if interleaved:
+            gate, up = gate_up.unflatten(-1, (-1, 2)).unbind(-1)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    ref, (g_ref,) = _grads(plain, gate_up)
+    out, (g_out,) = _grads(lambda: _SwiGLU.apply(gate_up, interleaved), gate_up)
+    assert torch.equal(out, ref) and torch.equal(g_out, g_ref)

@@ -154,6 +154,35 @@ class CausalSelfAttention(nn.Module):
         return self.o_proj(y)
 
 
+def _halves(gate_up: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
+    """gate and up as views of the projection's output: [g0, u0, g1, u1, ...] or [g..., u...]."""
+    return gate_up.unflatten(-1, (-1, 2)).unbind(-1) if interleaved else gate_up.chunk(2, dim=-1)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up with the gradient of gate and up written into one buffer shaped like the
+    projection's output: autograd would give two tensors and join them with a copy."""
+
+    @staticmethod
+    def forward(ctx: Any, gate_up: Tensor, interleaved: bool) -> Tensor:
+        gate, up = _halves(gate_up, interleaved)
+        act = F.silu(gate)
+        ctx.save_for_backward(gate_up, act)  # what autograd keeps too: the input and silu(gate)
+        ctx.interleaved = interleaved
+        return act * up
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        gate_up, act = ctx.saved_tensors
+        gate, up = _halves(gate_up, ctx.interleaved)
+        d_gate_up = torch.empty_like(gate_up)
+        d_gate, d_up = _halves(d_gate_up, ctx.interleaved)
+        torch.mul(grad, act, out=d_up)
+        torch.mul(grad, up, out=d_gate)  # d silu(gate), then through silu in place
+        torch.ops.aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)
+        return d_gate_up, None
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul.
 
@@ -167,23 +196,22 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or x.device.type != "cpu":
-            # inductor fuses silu * up reading stride 2; CUDA's kernels read it at full speed
-            gate_up = self.gate_up_proj(x).unflatten(-1, (-1, 2))  # (B, T, intermediate_local, 2)
-            gate, up = gate_up.unbind(-1)  # two (B, T, intermediate_local), stride 2
-        else:
-            gate, up = self._blocked_gate_up(x)
-        return self.down_proj(F.silu(gate) * up)
+        if torch.compiler.is_compiling():  # inductor fuses silu * up reading stride 2
+            gate, up = _halves(self.gate_up_proj(x), interleaved=True)
+            return self.down_proj(F.silu(gate) * up)
+        if x.device.type != "cpu":  # CUDA's kernels read stride 2 at full speed
+            return self.down_proj(_SwiGLU.apply(self.gate_up_proj(x), True))
+        return self.down_proj(_SwiGLU.apply(self._blocked_gate_up(x), False))
 
-    def _blocked_gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """gate and up as unit-stride halves: the projection runs once with its weight's rows
+    def _blocked_gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        """[gate | up] as unit-stride halves: the projection runs once with its weight's rows
         regrouped [gate_0, gate_1, ..., up_0, up_1, ...] (a weight-sized copy, differentiable).
         CPU's vectorised silu, its backward and the product need unit stride: on a stride-2 input
         the MLP ran ~15% slower than transformers' separate gate/up projections. The module is
         still the one called (`functional_call`), so a tensor-parallel layer keeps its collectives."""
         w = self.gate_up_proj.weight  # (2 * intermediate_local, H), pairs interleaved
         blocked = w.view(-1, 2, w.shape[-1]).transpose(0, 1).reshape(w.shape)
-        return functional_call(self.gate_up_proj, {"weight": blocked}, (x,)).chunk(2, dim=-1)
+        return functional_call(self.gate_up_proj, {"weight": blocked}, (x,))
 
 
 class DecoderLayer(nn.Module):

@@ -25,7 +25,7 @@ from torch.func import functional_call
 from nanolight.models.attention import AttentionBackend, Documents, KernelAttention, flash_attn_available
 from nanolight.models.fused_loss import linear_cross_entropy
 from nanolight.models.llama_config import LlamaConfig, stage_costs
-from nanolight.models.llama_rope import apply_rope, rope_cos_sin, rope_inv_freq
+from nanolight.models.llama_rope import rope_cos_sin, rope_inv_freq, rope_qkv
 
 __all__ = ["LlamaConfig", "LlamaForCausalLM", "causal_lm_loss", "flash_attn_available", "shift_labels"]
 
@@ -145,10 +145,10 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape
         r, hd = self.q_per_kv, self.head_dim
         qkv = self.qkv_proj(x).view(B, T, -1, r + 2, hd)  # (B, T, n_kv_local, r + 2, head_dim)
-        q, k, v = qkv.split((r, 1, 1), dim=3)  # views; backward joins them with one cat
-        q = apply_rope(q, cos, sin).flatten(2, 3)  # (B, T, n_heads_local, head_dim), contiguous
-        k = apply_rope(k.squeeze(3), cos, sin)  # (B, T, n_kv_local, head_dim)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.squeeze(3).transpose(1, 2)  # heads first
+        # q (B, T, n_heads_local, head_dim), k and v (B, T, n_kv_local, head_dim); backward writes
+        # their gradients into one buffer shaped like qkv
+        q, k, v = rope_qkv(qkv, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # heads first
         y = self.attention_backend.attend(q, k, v, documents)  # (B, n_heads_local, T, head_dim)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads_local * head_dim)
         return self.o_proj(y)

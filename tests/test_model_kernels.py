@@ -1,8 +1,8 @@
 """The model's eager fast paths against the plain formulas they replace (same numbers).
 
 The fused head + loss (`models/fused_loss.py`) against ``F.cross_entropy`` on full logits, the
-RoPE and RMSNorm autograd Functions against the plain-op versions (which `torch.compile` uses),
-and the CPU MLP's regrouped projection against the stride-2 unbinding.
+RoPE, RMSNorm and SwiGLU autograd Functions against the plain-op versions (which `torch.compile`
+uses), and the CPU MLP's regrouped projection against the stride-2 unbinding.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from nanolight.models import LlamaConfig
 from nanolight.models.fused_loss import linear_cross_entropy
-from nanolight.models.llama import RMSNorm, SwiGLU, _rms_plain
-from nanolight.models.llama_rope import _Rope, apply_rope, rope_cos_sin, rope_inv_freq
+from nanolight.models.llama import RMSNorm, SwiGLU, _rms_plain, _SwiGLU
+from nanolight.models.llama_rope import _Rope, apply_rope, rope_cos_sin, rope_inv_freq, rope_qkv
 
 
 def _grads(fn, *tensors):
@@ -85,10 +85,46 @@ def test_rope_function_matches_plain_rotation():
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
     ref, (g_ref,) = _grads(plain, x)
-    out, (g_out,) = _grads(lambda: _Rope.apply(x, c, s), x)
+    out, (g_out,) = _grads(lambda: _Rope.apply(x, cos.reshape(1, 7, 1, 1, 16), s), x)  # cos: full width
     assert out.is_contiguous()
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(g_out, g_ref)
+
+
+@pytest.mark.parametrize("n_kv, r", [(1, 3), (2, 2), (3, 1)])
+def test_qkv_rotation_matches_split_and_plain_rotation(n_kv, r):
+    """q, k rotated and v passed on from the fused projection's output, gradients written into one
+    buffer: the plain rotation's numbers, and bit for bit those of splitting qkv and rotating q
+    and k apart (`apply_rope`, autograd joining the gradients)."""
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 7, n_kv, r + 2, 16, requires_grad=True)  # (B, T, n_kv, r + 2, head_dim)
+    cos, sin = rope_cos_sin(torch.arange(7)[None], rope_inv_freq(16, 1e4, None), qkv.dtype)
+    c, s = cos[..., :8].reshape(1, 7, 1, 1, 8), sin[..., :8].reshape(1, 7, 1, 1, 8)
+
+    def rotated(x):
+        x1, x2 = x[..., :8], x[..., 8:]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+    def plain():
+        q, k, v = qkv.split((r, 1, 1), dim=3)
+        return torch.cat((rotated(q).flatten(2, 3), rotated(k).squeeze(3), v.squeeze(3)), dim=2)
+
+    def fused():
+        q, k, v = rope_qkv(qkv, cos, sin)
+        assert q.shape == (2, 7, n_kv * r, 16) and k.shape == v.shape == (2, 7, n_kv, 16)
+        return torch.cat((q, k, v), dim=2)
+
+    def apart():
+        q, k, v = qkv.split((r, 1, 1), dim=3)
+        q, k = apply_rope(q, cos, sin).flatten(2, 3), apply_rope(k.squeeze(3), cos, sin)
+        return torch.cat((q, k, v.squeeze(3)), dim=2)
+
+    ref, (g_ref,) = _grads(plain, qkv)
+    out, (g_out,) = _grads(fused, qkv)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(g_out, g_ref)
+    same, (g_same,) = _grads(apart, qkv)
+    assert torch.equal(out, same) and torch.equal(g_out, g_same)
 
 
 def test_rope_keeps_the_input_dtype_under_autocast():
@@ -141,3 +177,22 @@ def test_cpu_mlp_regrouped_projection_matches_stride_two_unbinding():
     torch.testing.assert_close(out, ref)
     for a, b in zip(g_out, g_ref, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_swiglu_function_matches_autograd_bit_for_bit(interleaved):
+    """One gradient buffer instead of two joined by a copy: the same ops, so the same bits, in
+    both layouts (interleaved: the GPU path; [gate | up]: the CPU path's regrouped projection)."""
+    torch.manual_seed(0)
+    gate_up = torch.randn(2, 5, 24, requires_grad=True)
+
+    def plain():
+        if interleaved:
+            gate, up = gate_up.unflatten(-1, (-1, 2)).unbind(-1)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    ref, (g_ref,) = _grads(plain, gate_up)
+    out, (g_out,) = _grads(lambda: _SwiGLU.apply(gate_up, interleaved), gate_up)
+    assert torch.equal(out, ref) and torch.equal(g_out, g_ref)

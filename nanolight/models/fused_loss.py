@@ -70,13 +70,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     keep_all[s : s + rows, None],
                     safe[s : s + rows],
                 )
-                logp = torch.log_softmax((h @ w.t()).float(), dim=-1)  # (n, V), one fused pass
+                logits = (h @ w.t()).float()  # (n, V)
+                # in place: each row's log-softmax is written after the row's max and sum are read
+                logp = torch.log_softmax(logits, dim=-1, out=logits)
                 loss -= (logp.gather(1, idx) * keep).sum()
                 if not (want_h or want_w):
                     continue
                 grad = logp.exp_().scatter_add_(1, idx, minus_one[: idx.shape[0]])  # softmax - onehot
                 grad = grad.to(dtype)  # d loss / d logits up to the row weights, applied on the H side
-                if want_h:
+                if want_h and d_hidden.dtype == dtype:  # written in place, no temporary
+                    torch.mm(grad, w, out=d_hidden[s : s + rows]).mul_(keep)
+                elif want_h:  # e.g. fp32 hidden under bf16 autocast: the product cast on the way in
                     d_hidden[s : s + rows] = (grad @ w) * keep
                 if want_w:
                     hk = h * keep.to(dtype)

@@ -25,7 +25,7 @@ from torch.func import functional_call
 from nanolight.models.attention import AttentionBackend, Documents, KernelAttention, flash_attn_available
 from nanolight.models.fused_loss import linear_cross_entropy
 from nanolight.models.llama_config import LlamaConfig, stage_costs
-from nanolight.models.llama_rope import apply_rope, rope_cos_sin, rope_inv_freq
+from nanolight.models.llama_rope import rope_cos_sin, rope_inv_freq, rope_qkv
 
 __all__ = ["LlamaConfig", "LlamaForCausalLM", "causal_lm_loss", "flash_attn_available", "shift_labels"]
 
@@ -74,17 +74,22 @@ class _RMSNorm(torch.autograd.Function):
         x32 = x.float()
         r = torch.rsqrt(x32.square().mean(-1, keepdim=True).add_(eps))  # (..., 1) fp32
         ctx.save_for_backward(x, weight, r)
-        return weight * (x32 * r).to(x.dtype)
+        y = (x32 * r).to(x.dtype)  # a new tensor: the weight is applied in place (x * weight order)
+        return y.mul_(weight) if torch.result_type(y, weight) == y.dtype else weight * y
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
         x, weight, r = ctx.saved_tensors
-        n = x.float() * r  # the normalised input, recomputed (cheaper than keeping it)
+        C = x.shape[-1]
+        x32, g32, w32 = x.float(), grad.float(), weight.float()
+        gx = (g32 * x32).reshape(-1, C)  # the one product both row sums read
         d_weight = None
-        if ctx.needs_input_grad[1]:
-            d_weight = (grad * n.to(x.dtype)).reshape(-1, weight.shape[-1]).sum(0).to(weight.dtype)
-        g = (grad * weight).float()  # d loss / d n
-        d_x = (g - n * (g * n).mean(-1, keepdim=True)).mul_(r)
+        with torch.autocast(x.device.type, enabled=False):  # the sums stay fp32 under autocast
+            if ctx.needs_input_grad[1]:  # sum_rows(grad * x * r): a (1, N) @ (N, C) product
+                d_weight = (r.reshape(1, -1) @ gx).reshape(C).to(weight.dtype)
+            # mean(g * n) = r * (grad * x) @ weight / C: d_x = r * g - x * r^3 * ((grad * x) @ weight) / C
+            coef = (gx @ w32).reshape(r.shape).mul_(r.pow(3)).div_(C)  # (..., 1)
+        d_x = torch.mul(g32, w32).mul_(r).addcmul_(x32, coef, value=-1)
         return d_x.to(x.dtype), d_weight, None
 
 
@@ -92,10 +97,12 @@ class RMSNorm(nn.Module):
     """RMSNorm: x / rms(x) * weight, normalised in fp32 (bf16 squares lose too much precision).
 
     In eager mode the normalisation runs as one autograd Function with its gradient written out
-    (dx = r * (g - n * mean(g * n)), n = x * r, g = dy * weight, r = 1 / rms(x)): a third fewer
-    kernels than autograd's walk through pow, mean, rsqrt and two muls (measured on CPU, fp32,
-    (4, 256, 256): 1.25 -> 0.90 ms forward + backward). Under `torch.compile` the plain formula is
-    used, which inductor fuses itself."""
+    (dx = r * (g - n * mean(g * n)), n = x * r, g = dy * weight, r = 1 / rms(x)), both row sums
+    (d weight's and mean(g * n)) read off one product dy * x as matrix-vector products, every
+    other op in place: six passes over the activation where autograd's walk through pow, mean,
+    rsqrt and two muls takes about twelve (measured on CPU, fp32, (4, 256, 320), one thread:
+    1.7 -> 1.1 ms forward + backward). Under `torch.compile` the plain formula is used, which
+    inductor fuses itself."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -138,13 +145,42 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape
         r, hd = self.q_per_kv, self.head_dim
         qkv = self.qkv_proj(x).view(B, T, -1, r + 2, hd)  # (B, T, n_kv_local, r + 2, head_dim)
-        q, k, v = qkv.split((r, 1, 1), dim=3)  # views; backward joins them with one cat
-        q = apply_rope(q, cos, sin).flatten(2, 3)  # (B, T, n_heads_local, head_dim), contiguous
-        k = apply_rope(k.squeeze(3), cos, sin)  # (B, T, n_kv_local, head_dim)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.squeeze(3).transpose(1, 2)  # heads first
+        # q (B, T, n_heads_local, head_dim), k and v (B, T, n_kv_local, head_dim); backward writes
+        # their gradients into one buffer shaped like qkv
+        q, k, v = rope_qkv(qkv, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # heads first
         y = self.attention_backend.attend(q, k, v, documents)  # (B, n_heads_local, T, head_dim)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads_local * head_dim)
         return self.o_proj(y)
+
+
+def _halves(gate_up: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
+    """gate and up as views of the projection's output: [g0, u0, g1, u1, ...] or [g..., u...]."""
+    return gate_up.unflatten(-1, (-1, 2)).unbind(-1) if interleaved else gate_up.chunk(2, dim=-1)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up with the gradient of gate and up written into one buffer shaped like the
+    projection's output: autograd would give two tensors and join them with a copy."""
+
+    @staticmethod
+    def forward(ctx: Any, gate_up: Tensor, interleaved: bool) -> Tensor:
+        gate, up = _halves(gate_up, interleaved)
+        act = F.silu(gate)
+        ctx.save_for_backward(gate_up, act)  # what autograd keeps too: the input and silu(gate)
+        ctx.interleaved = interleaved
+        return act * up
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        gate_up, act = ctx.saved_tensors
+        gate, up = _halves(gate_up, ctx.interleaved)
+        d_gate_up = torch.empty_like(gate_up)
+        d_gate, d_up = _halves(d_gate_up, ctx.interleaved)
+        torch.mul(grad, act, out=d_up)
+        torch.mul(grad, up, out=d_gate)  # d silu(gate), then through silu in place
+        torch.ops.aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)
+        return d_gate_up, None
 
 
 class SwiGLU(nn.Module):
@@ -160,23 +196,22 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or x.device.type != "cpu":
-            # inductor fuses silu * up reading stride 2; CUDA's kernels read it at full speed
-            gate_up = self.gate_up_proj(x).unflatten(-1, (-1, 2))  # (B, T, intermediate_local, 2)
-            gate, up = gate_up.unbind(-1)  # two (B, T, intermediate_local), stride 2
-        else:
-            gate, up = self._blocked_gate_up(x)
-        return self.down_proj(F.silu(gate) * up)
+        if torch.compiler.is_compiling():  # inductor fuses silu * up reading stride 2
+            gate, up = _halves(self.gate_up_proj(x), interleaved=True)
+            return self.down_proj(F.silu(gate) * up)
+        if x.device.type != "cpu":  # CUDA's kernels read stride 2 at full speed
+            return self.down_proj(_SwiGLU.apply(self.gate_up_proj(x), True))
+        return self.down_proj(_SwiGLU.apply(self._blocked_gate_up(x), False))
 
-    def _blocked_gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """gate and up as unit-stride halves: the projection runs once with its weight's rows
+    def _blocked_gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        """[gate | up] as unit-stride halves: the projection runs once with its weight's rows
         regrouped [gate_0, gate_1, ..., up_0, up_1, ...] (a weight-sized copy, differentiable).
         CPU's vectorised silu, its backward and the product need unit stride: on a stride-2 input
         the MLP ran ~15% slower than transformers' separate gate/up projections. The module is
         still the one called (`functional_call`), so a tensor-parallel layer keeps its collectives."""
         w = self.gate_up_proj.weight  # (2 * intermediate_local, H), pairs interleaved
         blocked = w.view(-1, 2, w.shape[-1]).transpose(0, 1).reshape(w.shape)
-        return functional_call(self.gate_up_proj, {"weight": blocked}, (x,)).chunk(2, dim=-1)
+        return functional_call(self.gate_up_proj, {"weight": blocked}, (x,))
 
 
 class DecoderLayer(nn.Module):

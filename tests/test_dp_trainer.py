@@ -92,10 +92,13 @@ def _check(root: Path, tp: int, dp: int, zero_stage: int, sp: bool = False, pp: 
         got = torch.from_numpy(out[0]["state"][name])
         # AdamW turns last-bit differences of near-zero gradients (the dp sum runs in another
         # order than the one-process batch) into ~1e-6 weight differences of a few elements, so
-        # the 1e-5 relative bound is on the tensor's norm; elementwise stays within 1e-5 absolute
+        # the 1e-5 relative bound is on the tensor's norm. Elementwise, the largest difference
+        # measured at dp=4 over seeds 3-6 and two RMSNorm backward formulas was 3e-6 to 1.1e-5
+        # (which element AdamW amplifies is chance): the bound is 2e-5 absolute, far below what
+        # a wrong shard or a missed reduction moves an element (~1e-2, the weights' scale)
         rel = torch.linalg.vector_norm(got - tensor) / torch.linalg.vector_norm(tensor)
         assert rel <= 1e-5, f"{name}: relative error {rel:.3g}"
-        torch.testing.assert_close(got, tensor, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(got, tensor, rtol=1e-5, atol=2e-5, msg=name)
 
     # the optimizer checkpoint reads back as the single-device torch.optim state, whatever the layout
     _, (dp_optim,) = full_state(root / "dp-ckpt", _module(), STEPS)  # per-rank shards, read on 1 device

@@ -17,7 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from nanolight.models.llama import DecoderLayer
 from nanolight.models.llama_config import LlamaConfig
 from nanolight.parallel.pipeline.schedules import bubble_fraction, check_micro_batches
 from nanolight.planner.hardware import HARDWARE
@@ -212,8 +214,23 @@ def test_profiled_hardware_times_the_rank_shard_block(monkeypatch: pytest.Monkey
     shard = hardware.rank_block_config(tiny, 2)
     assert (shard.num_attention_heads, shard.num_key_value_heads, shard.intermediate_size) == (2, 1, 32)
     assert shard.hidden_size == 32 and shard.head_dim == tiny.head_dim
-    for mode in ("none", "full", "selective"):
+    # the probe runs the rank's shard under the mode's recompute: a forward per run (a warm-up and
+    # two timed runs here), and again in backward when the block recomputes
+    forwards: list[int] = []
+    plain = DecoderLayer.forward
+
+    def counted(block: DecoderLayer, x: torch.Tensor, *args: object) -> torch.Tensor:
+        forwards.append(block.self_attn.qkv_proj.out_features)
+        return plain(block, x, *args)
+
+    monkeypatch.setattr(DecoderLayer, "forward", counted)
+    monkeypatch.setattr(hardware, "REPEATS", 2)
+    monkeypatch.setattr(hardware, "BUDGET_S", 0.0)
+    shard_qkv = (2 + 2 * 1) * tiny.head_dim  # one kv head of the shard: its 2 query heads, k and v
+    for mode, runs in (("none", 3), ("full", 6), ("selective", 6)):
+        forwards.clear()
         assert 0 < hardware.block_seconds(tiny, 2, 16, 2, mode, "32-true") < 60
+        assert forwards == [shard_qkv] * runs, mode
     assert 0 < hardware.head_seconds(tiny, 32, 2, "bf16-mixed") < 60
 
 

@@ -26,9 +26,8 @@ LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_m
 HF_PASSTHROUGH_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-DIRECTORY_ROPE_KEY = (
-    "nanolight_rope_scaling"  # a model directory's name for rope_scaling (`directory_fields`)
-)
+# a model directory's name for rope_scaling (`LlamaConfig.directory_fields` says why)
+DIRECTORY_ROPE_KEY = "nanolight_rope_scaling"
 
 
 @dataclass

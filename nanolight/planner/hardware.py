@@ -32,13 +32,12 @@ The `cpu` entry is calibrated instead (`calibrate_cpu`): its peak *is* the measu
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -235,22 +234,12 @@ def _matmul_rates(size: int, cores: int, pairs: int = 3) -> tuple[float, float]:
     return statistics.median(alone), min(1.0, statistics.median(shared)) if shared else 1.0
 
 
-def _block_overhead(repeats: int = 20) -> float:
+def _block_overhead() -> float:
     """Seconds of one tiny decoder block's forward and backward on one thread: its FLOPs are
     negligible, so this is the per-operator host cost every block pays at any size."""
-    with _one_thread():
-        config = LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=8,
-        )
-        block, x = DecoderLayer(config), torch.randn(1, 8, 32, requires_grad=True)
-        cos, sin = torch.ones(1, 8, config.head_dim), torch.zeros(1, 8, config.head_dim)
-        return _rate(lambda: block(x, cos, sin).sum().backward(), repeats)
+    sizes = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+    tiny = LlamaConfig(**sizes, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8)
+    return block_seconds(tiny, 1, 8, 1, "none", "32-true")
 
 
 def _forked(fn: Callable[[int], Any], n: int) -> list[Any]:
@@ -384,7 +373,7 @@ def _autocast(precision: str) -> torch.autocast:
 def rank_block_config(config: LlamaConfig, tp: int) -> LlamaConfig:
     """The config of one tp rank's block: heads, kv heads (replicated when fewer than tp) and the
     MLP's width split, the hidden size whole."""
-    return dataclasses.replace(
+    return replace(
         config,
         num_attention_heads=config.num_attention_heads // tp,
         num_key_value_heads=max(1, config.num_key_value_heads // tp),

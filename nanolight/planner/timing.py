@@ -20,8 +20,8 @@ pipeline bubble from the schedule.
 
 On hardware at hand (`Hardware.profiled`: this machine's CPU) the block's and the head's compute
 is timed at the rank's shapes instead (`block_seconds`), host cost and elementwise ops included; a
-datasheet GPU counts FLOPs at its efficiency. FLOPs come from `models/llama_config.py` (6 x matmul weights + the attention scores per token, the
-head on the last stage); a rank holds 1/cp of each sequence's tokens, and zigzag gives it 1/cp of
+datasheet GPU counts FLOPs at its efficiency. FLOPs come from `models/llama_config.py` (6 x matmul
+weights + the attention scores per token, the head on the last stage); a rank holds 1/cp of each sequence's tokens, and zigzag gives it 1/cp of
 the causal attention. Recompute adds a block's forward again (`full`; `selective` recomputes only
 elementwise ops, and eager attention's score matmuls) -- but either mode re-runs the forward's
 operators and collectives (`parallel/blocks.py`), so both pay the forward's host cost and tp
@@ -161,12 +161,11 @@ def micro_batch_work(work: Workload, layout: Layout, hw: Hardware, stage: int) -
     layers = sum(len(r) for r in chunk_layers(c, layout)[stage])
     last = stage == layout.pp - 1
     rate = rank_rate(hw, layout)
-    if (
-        hw.profiled
-    ):  # timed on this machine: the block at the rank's shapes, the ring's extra attention by FLOPs
-        seconds = layers * block_seconds(
-            c, layout.micro_batch_size, tokens // layout.micro_batch_size, tp, mode, layout.precision
-        )
+    if hw.profiled:
+        # timed on this machine: the block at the rank's shapes (T/cp tokens of each sequence),
+        # the ring's attention over the other ranks' tokens by FLOPs
+        seq = work.seq_len // layout.cp
+        seconds = layers * block_seconds(c, layout.micro_batch_size, seq, tp, mode, layout.precision)
         seconds += head_seconds(c, tokens, tp, layout.precision) if last else 0.0
         seconds /= core_share(hw, layout)
         seconds += layers * tokens * attention * (1 - 1 / layout.cp) / tp / rate

@@ -6,7 +6,7 @@ For each layout of a small matrix (one process, dp2, dp2 ZeRO-1, tp2, tp2-sp, pp
 pp2 interleaved, full recompute, tp2·pp2), a short fp32 run through `NanoTrainer` on gloo CPU
 ranks (one thread each) measures the optimizer-step time: the fastest step (the first left out)
 of `--rounds` rounds that alternate the layouts. `nanolight.planner` predicts it with the `cpu`
-hardware calibrated, and its blocks timed (`planner/hardware.py`: `block_seconds`), before each
+hardware calibrated, and its blocks timed (`planner/probes.py`), before each
 round; each prediction is its round's best (noise on a shared machine only ever adds time, on
 both sides alike). While they train and while the CPU is calibrated, the ranks run at raised CPU
 priority (`--priority`, root only: other jobs on a shared machine otherwise take the cores at
@@ -37,7 +37,8 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from nanolight import Callback, NanoModule, NanoTrainer  # noqa: E402
 from nanolight.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
-from nanolight.planner.hardware import calibrate_cpu, forget_probes  # noqa: E402
+from nanolight.planner.hardware import calibrate_cpu  # noqa: E402
+from nanolight.planner.probes import forget_probes  # noqa: E402
 from nanolight.planner.layout import Layout  # noqa: E402
 from nanolight.planner.memory import Workload  # noqa: E402
 from nanolight.planner.timing import step_time  # noqa: E402

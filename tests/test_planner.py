@@ -17,9 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from nanolight.models.llama import DecoderLayer
 from nanolight.models.llama_config import LlamaConfig
 from nanolight.parallel.pipeline.schedules import bubble_fraction, check_micro_batches
 from nanolight.planner.hardware import HARDWARE
@@ -177,61 +175,58 @@ def test_cpu_host_costs_block_overhead_and_shared_cores() -> None:
     assert step_time(work, pp2, cpu)["bubble"] == pytest.approx(m * busiest * idle / (1 - idle) * 0.5)
 
 
-def test_profiled_hardware_times_the_rank_shard_block(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_profiled_hardware_times_the_rank_block(monkeypatch: pytest.MonkeyPatch) -> None:
     """Hardware at hand (`profiled`) times compute instead of counting FLOPs: per micro-batch, the
-    rank's blocks as `hardware.block_seconds` measures one (its tp shard, its recompute mode, the
-    rank's tokens), the head on the last stage, over the core share; collectives still counted.
-    The probe itself runs the model's block under the recompute wrapper (real call, no timing)."""
-    from nanolight.planner import hardware, timing
+    rank's blocks as `probes.block_seconds` measures one in this process (tp=1, over the core
+    share), or as `probes.tp_block_seconds` measures the tensor-parallel block in ranks, with its
+    collectives (so they are not counted again; the embedding's, the head's and the loss's are),
+    in as many ranks as share the cores in the run (up to `MAX_RANKS`, the rest scaled); the head
+    on the last stage. The probes themselves are checked in `test_planner_probes.py`."""
+    from nanolight.planner import timing
 
-    calls = []
+    calls: list[tuple] = []
 
-    def block(config: LlamaConfig, batch: int, seq_len: int, tp: int, mode: str, precision: str) -> float:
-        calls.append((batch, seq_len, tp, mode, precision))
+    def block(config: LlamaConfig, batch: int, seq_len: int, mode: str, precision: str) -> float:
+        calls.append((batch, seq_len, mode, precision))
         return 0.010
 
+    def tp_block(config: LlamaConfig, batch: int, seq_len: int, tp: int, *rest: object) -> float:
+        calls.append((batch, seq_len, tp, *rest))
+        return 0.020
+
     monkeypatch.setattr(timing, "block_seconds", block)
+    monkeypatch.setattr(timing, "tp_block_seconds", tp_block)
     monkeypatch.setattr(timing, "head_seconds", lambda config, tokens, tp, precision: 0.003 * tokens / 512)
     work = Workload(LlamaConfig.preset("smollm-tiny"), 128, "cpu")
     cpu = dataclasses.replace(H100, device="cpu", shared_cores=2, concurrency=1.0, latency=0.0, profiled=True)
     layers = work.config.num_hidden_layers
     one = Layout(micro_batch_size=4, activation_checkpointing="full", precision="32-true")
     assert micro_batch_work(work, one, cpu, 0) == pytest.approx(layers * 0.010 + 0.003)
-    assert calls[-1] == (4, 128, 1, "full", "32-true")
+    assert calls[-1] == (4, 128, "full", "32-true")
     dp2 = dataclasses.replace(one, dp=2)  # two ranks on two cores: each keeps its core
     assert micro_batch_work(work, dp2, cpu, 0) == pytest.approx(layers * 0.010 + 0.003)
-    tp2 = dataclasses.replace(one, tp=2)
-    micro_batch_work(work, tp2, cpu, 0)
-    assert calls[-1][2] == 2
+    # tp: the block in 2 ranks, the head's shard; of the collectives only the embedding's, the
+    # head's and the loss's are charged (here latency only: 1 ms each)
+    cpu_ms = dataclasses.replace(cpu, latency=1e-3, intra_node_bandwidth=1e15, link_efficiency=1.0)
+    tp2 = dataclasses.replace(one, tp=2, sequence_parallel=True)
+    outside = sum(n for n, _, _ in timing.tp_collectives(work, tp2, 0, blocks=False))
+    assert outside == 1 + 2 + 2  # embedding; the head's input gathered and its gradient; the loss's two
+    assert micro_batch_work(work, tp2, cpu_ms, 0) == pytest.approx(
+        layers * 0.020 + 0.003 + outside * 1e-3, rel=1e-6
+    )
+    assert calls[-1] == (4, 128, 2, True, "full", "32-true", 2)
+    # tp2 x dp2: four ranks on two cores, probed as four (the block as timed; the head at half a
+    # core); a world past MAX_RANKS is probed at MAX_RANKS and scaled by the cores it shares
+    tp2dp2 = dataclasses.replace(tp2, dp=2)
+    assert micro_batch_work(work, tp2dp2, cpu, 0) == pytest.approx(layers * 0.020 + 0.003 * 2, rel=1e-3)
+    assert calls[-1][-1] == 4
+    tp2dp16 = dataclasses.replace(tp2, dp=16)
+    assert micro_batch_work(work, tp2dp16, cpu, 0) == pytest.approx(layers * 0.080 + 0.003 * 16, rel=1e-3)
+    assert calls[-1][-1] == timing.MAX_RANKS == 8
     pp2 = dataclasses.replace(one, pp=2)
     first = sum(len(r) for r in chunk_layers(work.config, pp2)[0])
     # no head on stage 0; its activation messages cost bytes / link (microseconds)
     assert micro_batch_work(work, pp2, cpu, 0) == pytest.approx(first * 0.010, rel=1e-3)
-    monkeypatch.undo()
-
-    sizes = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
-    tiny = LlamaConfig(**sizes, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
-    shard = hardware.rank_block_config(tiny, 2)
-    assert (shard.num_attention_heads, shard.num_key_value_heads, shard.intermediate_size) == (2, 1, 32)
-    assert shard.hidden_size == 32 and shard.head_dim == tiny.head_dim
-    # the probe runs the rank's shard under the mode's recompute: a forward per run (a warm-up and
-    # two timed runs here), and again in backward when the block recomputes
-    forwards: list[int] = []
-    plain = DecoderLayer.forward
-
-    def counted(block: DecoderLayer, x: torch.Tensor, *args: object) -> torch.Tensor:
-        forwards.append(block.self_attn.qkv_proj.out_features)
-        return plain(block, x, *args)
-
-    monkeypatch.setattr(DecoderLayer, "forward", counted)
-    monkeypatch.setattr(hardware, "REPEATS", 2)
-    monkeypatch.setattr(hardware, "BUDGET_S", 0.0)
-    shard_qkv = (2 + 2 * 1) * tiny.head_dim  # one kv head of the shard: its 2 query heads, k and v
-    for mode, runs in (("none", 3), ("full", 6), ("selective", 6)):
-        forwards.clear()
-        assert 0 < hardware.block_seconds(tiny, 2, 16, 2, mode, "32-true") < 60
-        assert forwards == [shard_qkv] * runs, mode
-    assert 0 < hardware.head_seconds(tiny, 32, 2, "bf16-mixed") < 60
 
 
 def test_context_parallel_terms() -> None:

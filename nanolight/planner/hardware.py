@@ -35,19 +35,14 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from nanolight.errors import UsageError
-from nanolight.models.fused_loss import linear_cross_entropy
-from nanolight.models.llama import DecoderLayer, LlamaConfig
-from nanolight.models.llama_rope import rope_cos_sin, rope_inv_freq
-from nanolight.parallel.blocks import apply_activation_checkpointing
+from nanolight.models.llama import LlamaConfig
+from nanolight.planner.probes import block_seconds, forked, free_port, one_thread
 
 GB = 10**9
 TERA = 10**12
@@ -72,7 +67,9 @@ class Hardware:
     latency: float = 15e-6  # seconds one small collective or message costs, whatever its size
     concurrency: float = 1.0  # cpu: the matmul rate each of `shared_cores` busy ranks keeps (vs one alone)
     block_overhead: float = 0.0  # seconds of host work per block forward + backward, whatever its size
-    profiled: bool = False  # hardware at hand: compute is timed at the workload's shapes (`block_seconds`)
+    profiled: bool = (
+        False  # hardware at hand: compute is timed at the workload's shapes (`planner/probes.py`)
+    )
     ieee_fp32_flops: float | None = None  # fp32 matmuls with TF32 off (None: no figure at hand)
 
     def flops(self, precision: str) -> float:
@@ -169,17 +166,6 @@ def _rate(work: Callable[[], object], repeats: int, batches: int = 5) -> float:
     return statistics.median(times)
 
 
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """Measure as a gloo test rank runs (one thread), then give the caller its threads back."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def calibrate_cpu(size: int = 256, copy_mb: int = 64) -> Hardware:
     """This machine, measured in a few seconds: one thread's fp32 matmul rate at the tiny
     models' sizes (as the ranks of a gloo test run: one thread each), what of it each rank keeps
@@ -187,7 +173,7 @@ def calibrate_cpu(size: int = 256, copy_mb: int = 64) -> Hardware:
     the fixed host cost of a decoder block's forward and backward (`block_overhead`: operator
     dispatch, which dominates small models on a CPU), memcpy bandwidth, and two gloo ranks'
     all-reduce rate and the latency of a collective between busy ranks (`gloo_bandwidth`)."""
-    with _one_thread():
+    with one_thread():
         src = torch.empty(copy_mb * 2**20, dtype=torch.uint8)
         dst = torch.empty_like(src)
         copy = 2 * src.numel() / _rate(lambda: dst.copy_(src), 5)  # read + write
@@ -217,7 +203,7 @@ def calibrate_cpu(size: int = 256, copy_mb: int = 64) -> Hardware:
 
 def _matmul_rate(size: int) -> float:
     """FLOP/s of one thread's fp32 (size x size) matmuls."""
-    with _one_thread():
+    with one_thread():
         a, b = torch.randn(size, size), torch.randn(size, size)
         return 2 * size**3 / _rate(lambda: a @ b, 50)
 
@@ -230,7 +216,7 @@ def _matmul_rates(size: int, cores: int, pairs: int = 3) -> tuple[float, float]:
     for _ in range(pairs):
         alone.append(_matmul_rate(size))
         if cores > 1:
-            shared.append(statistics.mean(_forked(lambda _: _matmul_rate(size), cores)) / alone[-1])
+            shared.append(statistics.mean(forked(lambda _: _matmul_rate(size), cores)) / alone[-1])
     return statistics.median(alone), min(1.0, statistics.median(shared)) if shared else 1.0
 
 
@@ -239,25 +225,7 @@ def _block_overhead() -> float:
     negligible, so this is the per-operator host cost every block pays at any size."""
     sizes = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
     tiny = LlamaConfig(**sizes, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8)
-    return block_seconds(tiny, 1, 8, 1, "none", "32-true")
-
-
-def _forked(fn: Callable[[int], Any], n: int) -> list[Any]:
-    """`fn(i)` for i in range(n), in `n` processes at once (forked: no re-import of torch, they
-    start in milliseconds); the results that are not None, in the order they arrive."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=lambda i=i: out.put(fn(i))) for i in range(n)]
-    for p in procs:
-        p.start()
-    try:
-        results = [out.get(timeout=120) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-    return [r for r in results if r is not None]
+    return block_seconds(tiny, 1, 8, "none", "32-true")
 
 
 BUSY_WORK_S = 2e-3  # the compute between two collectives of the latency probe: a small block's forward
@@ -269,12 +237,8 @@ def gloo_bandwidth(megabytes: int = 16) -> tuple[float, float]:
     adds to ranks that compute between collectives (as tp's ranks do in training). Idle, that
     collective costs ~0.15 ms here; between busy ranks ~1-2 ms: each waits for the other, whom
     the shared cores delay, and wakes from that wait. The busy figure is the one training pays."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    (rate,) = _forked(lambda rank: _allreduce_rank(rank, megabytes, port), 2)
+    port = free_port()
+    (rate,) = forked(lambda rank: _allreduce_rank(rank, megabytes, port), 2)
     return rate
 
 
@@ -311,128 +275,11 @@ def _allreduce_rank(rank: int, megabytes: int, port: int, repeats: int = 5) -> t
     return (x.numel() * 4 / seconds, max(0.0, statistics.median(added))) if rank == 0 else None
 
 
-# ------------------------------------------------------------------- compute, timed where it runs
-# Compute measured where it runs: on hardware at hand (this machine's CPU), one decoder block's
-# forward + backward and the output head with its loss, timed at the workload's shapes.
-#
-# Why measure rather than count FLOPs: on a CPU a tiny model's step is not its matmuls. At hidden
-# 128 (bench_planner's model) the matmuls are 45% of a step; attention runs at a third of the
-# matmul rate, and the elementwise ops (norms, RoPE, SiLU, residual adds, their gradients) and the
-# host's per-operator cost take the rest, in proportions that change with every width. A FLOP
-# count at the matmul rate predicted 0.14 s for a 0.30 s step, and it got the layouts' order wrong
-# where it matters: tensor parallelism splits the matmuls but not the norms and residual adds of the
-# replicated hidden stream, and recompute re-runs the elementwise ops too. Profiling each layer once
-# per shape is what planners for hardware at hand do (Alpa's stage profiling, Galvatron's profiler);
-# a datasheet GPU keeps the FLOP count at a published efficiency (`timing.micro_batch_work`).
-#
-# The probe is the model's own code: a `DecoderLayer` of the rank's shard (heads, kv heads and
-# intermediate width over tp; the hidden stream whole, as tensor parallelism leaves it) under the
-# layout's recompute mode (`parallel/blocks.py`), on one thread as a gloo rank runs, in the layout's
-# compute dtype. What it leaves to the time model: the tp collectives (counted in `timing`), and
-# sequence parallelism's split of the norms over tp (a small share, not subtracted).
-
-REPEATS = 10  # timed runs per probe at most; the fastest counts (other processes' load only ever adds time)
-BUDGET_S = 0.5  # ... and no more runs once the timed ones took this long (a large block: two runs)
-
-_measured: dict[tuple, float] = {}  # probes are kept: a search asks for the same few shapes many times
-
-
-class _OneBlock(nn.Module):
-    """One decoder block where `parallel/blocks.py` looks for a model's blocks (``pp_plan``)."""
-
-    pp_plan = {"layers": "layers"}
-
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([DecoderLayer(config)])
-
-
-def forget_probes() -> None:
-    """Forget the kept block and head probes (a benchmark re-measures after re-calibrating)."""
-    _measured.clear()
-
-
-def _fastest(run: Callable[[], object]) -> float:
-    """The fastest of up to `REPEATS` timed runs of `run()` on one thread (at least two, then
-    until `BUDGET_S` is spent), after a warm-up run."""
-    with _one_thread():
-        run()
-        times: list[float] = []
-        while len(times) < REPEATS and (len(times) < 2 or sum(times) < BUDGET_S):
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-
-def _autocast(precision: str) -> torch.autocast:
-    """The compute dtype of a precision mode on the CPU: fp32 for 32-true, bf16 otherwise."""
-    return torch.autocast("cpu", torch.bfloat16, enabled=precision != "32-true")
-
-
-def rank_block_config(config: LlamaConfig, tp: int) -> LlamaConfig:
-    """The config of one tp rank's block: heads, kv heads (replicated when fewer than tp) and the
-    MLP's width split, the hidden size whole."""
-    return replace(
-        config,
-        num_attention_heads=config.num_attention_heads // tp,
-        num_key_value_heads=max(1, config.num_key_value_heads // tp),
-        intermediate_size=config.intermediate_size // tp,
-        head_dim=config.head_dim,
-        num_hidden_layers=1,
-    )
-
-
-def block_seconds(config: LlamaConfig, batch: int, seq_len: int, tp: int, mode: str, precision: str) -> float:
-    """Seconds of one block's forward + backward (with its recompute under `mode`) on `batch`
-    sequences of `seq_len` tokens, one tp rank's shard."""
-    key = ("block", repr(config), batch, seq_len, tp, mode, precision)
-    if key not in _measured:
-        torch.manual_seed(0)
-        holder = _OneBlock(rank_block_config(config, tp))
-        apply_activation_checkpointing(holder, mode)
-        block = holder.layers[0]
-        x = torch.randn(batch, seq_len, config.hidden_size, requires_grad=True)
-        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-        positions = torch.arange(seq_len).expand(batch, seq_len)
-
-        def run() -> None:
-            with _autocast(precision):
-                cos, sin = rope_cos_sin(positions, inv_freq, x.dtype)
-                y = block(x, cos, sin)
-            y.backward(torch.ones_like(y))
-
-        _measured[key] = _fastest(run)
-    return _measured[key]
-
-
-def head_seconds(config: LlamaConfig, tokens: int, tp: int, precision: str) -> float:
-    """Seconds of the output head and the loss, forward + backward, on `tokens` tokens: the
-    vocabulary's shard over tp."""
-    key = ("head", config.hidden_size, config.vocab_size, tokens, tp, precision)
-    if key not in _measured:
-        torch.manual_seed(0)
-        hidden = torch.randn(tokens, config.hidden_size, requires_grad=True)
-        weight = nn.Parameter(torch.randn(config.vocab_size // tp, config.hidden_size) * 0.02)
-        labels = torch.randint(0, weight.shape[0], (tokens,))
-
-        def run() -> None:
-            with _autocast(precision):
-                loss = linear_cross_entropy(hidden, weight, labels)
-            loss.backward()
-
-        _measured[key] = _fastest(run)
-    return _measured[key]
-
-
 __all__ = [
     "HARDWARE",
     "Hardware",
-    "block_seconds",
     "calibrate_cpu",
-    "forget_probes",
     "gloo_bandwidth",
     "hardware",
-    "head_seconds",
     "table_name",
 ]

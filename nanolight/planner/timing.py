@@ -19,10 +19,12 @@ pipeline bubble from the schedule.
          + optimizer step                     AdamW reads p, g, m, v and writes p, m, v: memory-bound
 
 On hardware at hand (`Hardware.profiled`: this machine's CPU) the block's and the head's compute
-is timed at the rank's shapes instead (`block_seconds`), host cost and elementwise ops included; a
+is timed at the rank's shapes instead (`planner/probes.py`), host cost and elementwise ops
+included; under tp the block is timed in ranks with its collectives (`tp_block_seconds`: between
+busy ranks each collective waits for the slower one, a cost no latency figure captures). A
 datasheet GPU counts FLOPs at its efficiency. FLOPs come from `models/llama_config.py` (6 x matmul
-weights + the attention scores per token, the head on the last stage); a rank holds 1/cp of each sequence's tokens, and zigzag gives it 1/cp of
-the causal attention. Recompute adds a block's forward again (`full`; `selective` recomputes only
+weights + the attention scores per token, the head on the last stage); a rank holds 1/cp of each
+sequence's tokens, and zigzag gives it 1/cp of the causal attention. Recompute adds a block's forward again (`full`; `selective` recomputes only
 elementwise ops, and eager attention's score matmuls) -- but either mode re-runs the forward's
 operators and collectives (`parallel/blocks.py`), so both pay the forward's host cost and tp
 collectives again.
@@ -41,9 +43,10 @@ import math
 
 from nanolight.models.llama_config import stage_costs
 from nanolight.parallel.pipeline.schedules import bubble_fraction
-from nanolight.planner.hardware import Hardware, block_seconds, head_seconds
+from nanolight.planner.hardware import Hardware
 from nanolight.planner.layout import PRECISION_BYTES, Layout
 from nanolight.planner.memory import Workload, chunk_layers, rank_parameters
+from nanolight.planner.probes import MAX_RANKS, block_seconds, head_seconds, tp_block_seconds
 
 ADAMW_BYTES_PER_ELEMENT = 28  # fp32 p, g, m, v read (16) + p, m, v written (12)
 
@@ -81,7 +84,9 @@ def _local_tokens(work: Workload, layout: Layout) -> int:
     return layout.micro_batch_size * work.seq_len // layout.cp
 
 
-def tp_collectives(work: Workload, layout: Layout, stage: int) -> list[tuple[int, int, bool]]:
+def tp_collectives(
+    work: Workload, layout: Layout, stage: int, blocks: bool = True
+) -> list[tuple[int, int, bool]]:
     """(how many, bytes of the buffer, all-reduce or not) of the tp collectives pipeline rank
     `stage` runs per micro-batch (`tensor_parallel/layers.py`, `cross_entropy.py`). Per block,
     forward: plain tp all-reduces the attention's and the MLP's row-parallel outputs (2);
@@ -89,7 +94,8 @@ def tp_collectives(work: Workload, layout: Layout, stage: int) -> list[tuple[int
     Backward: the transposes (2 all-reduces of the column-parallel inputs' gradients; 4 under sp).
     A recomputed forward runs its collectives again. The embedding sums its vocabulary shards
     (forward), the head's input is gathered (sp) and its gradient summed (backward), and the
-    vocab-parallel loss exchanges each token's max logit and its (sum-exp, target logit)."""
+    vocab-parallel loss exchanges each token's max logit and its (sum-exp, target logit).
+    `blocks=False` leaves the blocks' own out (on hardware at hand they are timed with the block)."""
     if layout.tp == 1:
         return []
     c, sp = work.config, layout.sequence_parallel
@@ -99,7 +105,7 @@ def tp_collectives(work: Workload, layout: Layout, stage: int) -> list[tuple[int
     forward = 4 if sp else 2
     per_block = 2 * forward + (forward if layout.activation_checkpointing != "none" else 0)
     layers = sum(len(r) for r in chunk_layers(c, layout)[stage])
-    out = [(layers * per_block, stream, not sp)]
+    out = [(layers * per_block, stream, not sp)] if blocks else []
     if stage == 0:
         out.append((1, stream, not sp))  # the embedding's partial sums (reduce-scattered under sp)
     if stage == layout.pp - 1:
@@ -162,12 +168,17 @@ def micro_batch_work(work: Workload, layout: Layout, hw: Hardware, stage: int) -
     last = stage == layout.pp - 1
     rate = rank_rate(hw, layout)
     if hw.profiled:
-        # timed on this machine: the block at the rank's shapes (T/cp tokens of each sequence),
-        # the ring's attention over the other ranks' tokens by FLOPs
-        seq = work.seq_len // layout.cp
-        seconds = layers * block_seconds(c, layout.micro_batch_size, seq, tp, mode, layout.precision)
-        seconds += head_seconds(c, tokens, tp, layout.precision) if last else 0.0
-        seconds /= core_share(hw, layout)
+        # timed on this machine: the block at the rank's shapes (T/cp tokens of each sequence), in
+        # ranks with its collectives under tp; the ring's attention over the other ranks' tokens by FLOPs
+        seq, batch, precision = work.seq_len // layout.cp, layout.micro_batch_size, layout.precision
+        if tp == 1:
+            block = block_seconds(c, batch, seq, mode, precision) / core_share(hw, layout)
+        else:
+            ranks = tp * max(1, min(layout.world_size, MAX_RANKS) // tp)  # sharing the cores as the run does
+            block = tp_block_seconds(c, batch, seq, tp, layout.sequence_parallel, mode, precision, ranks)
+            block *= core_share(hw, layout, busy=ranks) / core_share(hw, layout)
+        seconds = layers * block
+        seconds += head_seconds(c, tokens, tp, precision) / core_share(hw, layout) if last else 0.0
         seconds += layers * tokens * attention * (1 - 1 / layout.cp) / tp / rate
     else:
         per_block = 6 * layer + attention
@@ -180,7 +191,7 @@ def micro_batch_work(work: Workload, layout: Layout, hw: Hardware, stage: int) -
         # the host's fixed cost per block (operator dispatch), paid again by a recomputed forward
         seconds += layers * hw.block_overhead * (4 / 3 if mode != "none" else 1) / core_share(hw, layout)
     link = hw.link(tp)
-    for count, nbytes, all_reduce in tp_collectives(work, layout, stage):
+    for count, nbytes, all_reduce in tp_collectives(work, layout, stage, blocks=not hw.profiled):
         seconds += count * _ring(tp, nbytes, link, hw.latency, all_reduce)
     seconds += layers * _ring_attention(work, layout, hw, tokens * attention / tp / rate)
     _, _, _, r = PRECISION_BYTES[layout.precision]

@@ -1,0 +1,291 @@
+"""Compute timed where it runs: on hardware at hand (this machine's CPU), a decoder block's forward
++ backward and the output head with its loss, timed at a workload's shapes.
+
+Why measure rather than count FLOPs: on a CPU a tiny model's step is not its matmuls. At hidden
+128 (bench_planner's model) the matmuls are 45% of a step; attention runs at a third of the
+matmul rate, and the elementwise ops (norms, RoPE, SiLU, residual adds, their gradients) and the
+host's per-operator cost take the rest, in proportions that change with every width. A FLOP
+count at the matmul rate predicted 0.14 s for a 0.30 s step, and it got the layouts' order wrong
+where it matters: tensor parallelism splits the matmuls but not the norms and residual adds of the
+replicated hidden stream, and recompute re-runs the elementwise ops too. Profiling each layer once
+per shape is what planners for hardware at hand do (Alpa's stage profiling, Galvatron's profiler);
+a datasheet GPU keeps the FLOP count at a published efficiency (`timing.micro_batch_work`).
+
+The probes are the model's own code under the layout's recompute mode (`parallel/blocks.py`), on
+one thread as a gloo rank runs, in the layout's compute dtype:
+
+- `block_seconds`: one `DecoderLayer`, in this process.
+- `tp_block_seconds`: the tensor-parallel block (`apply_tensor_parallel`, sequence parallelism
+  too) in forked gloo ranks, with its collectives. Its cost is not the shard's compute plus the
+  collectives' latency: between busy ranks each collective waits for the slower rank, and that
+  wait grows with the work before it. Measured here (bench_planner's model, tp=2): the shard alone
+  16 ms, the real block 26-39 ms, about 2.5-6 ms per collective where an idle one costs 0.15 ms.
+  The ranks stay up for the search (`_Ranks`: a group's set-up costs more than a probe), as many
+  as the layout has on this machine (up to `MAX_RANKS`), so that the probe shares the cores as
+  the run will.
+- `head_seconds`: the vocabulary's tp shard of the head and the fused loss, in this process (its
+  collectives are counted by `timing`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nanolight.models.fused_loss import linear_cross_entropy
+from nanolight.models.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM
+from nanolight.models.llama_rope import rope_cos_sin, rope_inv_freq
+from nanolight.parallel.blocks import apply_activation_checkpointing
+from nanolight.parallel.tensor_parallel.apply import apply_tensor_parallel
+
+REPEATS = 10  # timed runs per probe at most; the fastest counts (other processes' load only ever adds time)
+BUDGET_S = 0.5  # ... and no more runs once the timed ones took this long (a large block: two runs)
+MAX_RANKS = 8  # forked ranks of a tp probe at most; a larger world's contention is scaled (`timing`)
+WAIT_S = 300  # a tp probe that has not answered by then has hung (a rank died in a collective)
+
+# the model's tp plan for one block, as `_OneBlock` names its modules ("layers.0.mlp.down_proj")
+BLOCK_TP_PLAN = {
+    name.removeprefix("model."): style
+    for name, style in LlamaForCausalLM.tp_plan.items()
+    if name.startswith("model.layers.")
+}
+
+_measured: dict[tuple, float] = {}  # probes are kept: a search asks for the same few shapes many times
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Measure as a gloo test rank runs (one thread), then give the caller its threads back."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def free_port() -> int:
+    """A local TCP port nobody listens on now, for a short-lived gloo group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def forked(fn: Callable[[int], Any], n: int) -> list[Any]:
+    """`fn(i)` for i in range(n), in `n` processes at once (forked: no re-import of torch, they
+    start in milliseconds); the results that are not None, in the order they arrive."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=lambda i=i: out.put(fn(i))) for i in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        results = [out.get(timeout=120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+    return [r for r in results if r is not None]
+
+
+class _OneBlock(nn.Module):
+    """One decoder block where `parallel/blocks.py` and the tp plan look for a model's blocks."""
+
+    pp_plan = {"layers": "layers"}
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([DecoderLayer(replace(config, num_hidden_layers=1))])
+
+
+def _autocast(precision: str) -> torch.autocast:
+    """The compute dtype of a precision mode on the CPU: fp32 for 32-true, bf16 otherwise."""
+    return torch.autocast("cpu", torch.bfloat16, enabled=precision != "32-true")
+
+
+def _block_run(
+    block: nn.Module, config: LlamaConfig, batch: int, seq_len: int, local: int, precision: str
+) -> Callable[[], None]:
+    """One forward + backward of `block` on `batch` sequences of `seq_len` positions, of which the
+    block's input holds `local` (all, or 1/tp under sequence parallelism)."""
+    x = torch.randn(batch, local, config.hidden_size, requires_grad=True)
+    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    positions = torch.arange(seq_len).expand(batch, seq_len)
+
+    def run() -> None:
+        with _autocast(precision):
+            cos, sin = rope_cos_sin(positions, inv_freq, x.dtype)
+            y = block(x, cos, sin)
+        y.backward(torch.ones_like(y))
+
+    return run
+
+
+def _fastest(run: Callable[[], object], agree: Callable[[float], float] = float) -> float:
+    """The fastest of up to `REPEATS` timed runs of `run()` on one thread (at least two, then
+    until `BUDGET_S` is spent), after a warm-up run. `agree` turns a run's seconds into the figure
+    that counts (for ranks: the slowest rank's, so that all of them time the same number of runs)."""
+    with one_thread():
+        run()
+        times: list[float] = []
+        while len(times) < REPEATS and (len(times) < 2 or sum(times) < BUDGET_S):
+            start = time.perf_counter()
+            run()
+            times.append(agree(time.perf_counter() - start))
+        return min(times)
+
+
+def block_seconds(config: LlamaConfig, batch: int, seq_len: int, mode: str, precision: str) -> float:
+    """Seconds of one block's forward + backward (with its recompute under `mode`) on `batch`
+    sequences of `seq_len` tokens, in this process."""
+    key = ("block", repr(config), batch, seq_len, mode, precision)
+    if key not in _measured:
+        torch.manual_seed(0)
+        holder = _OneBlock(config)
+        apply_activation_checkpointing(holder, mode)
+        _measured[key] = _fastest(_block_run(holder.layers[0], config, batch, seq_len, seq_len, precision))
+    return _measured[key]
+
+
+def head_seconds(config: LlamaConfig, tokens: int, tp: int, precision: str) -> float:
+    """Seconds of the output head and the loss, forward + backward, on `tokens` tokens: the
+    vocabulary's shard over tp."""
+    key = ("head", config.hidden_size, config.vocab_size, tokens, tp, precision)
+    if key not in _measured:
+        torch.manual_seed(0)
+        hidden = torch.randn(tokens, config.hidden_size, requires_grad=True)
+        weight = nn.Parameter(torch.randn(config.vocab_size // tp, config.hidden_size) * 0.02)
+        labels = torch.randint(0, weight.shape[0], (tokens,))
+
+        def run() -> None:
+            with _autocast(precision):
+                loss = linear_cross_entropy(hidden, weight, labels)
+            loss.backward()
+
+        _measured[key] = _fastest(run)
+    return _measured[key]
+
+
+def tp_block_seconds(
+    config: LlamaConfig, batch: int, seq_len: int, tp: int, sp: bool, mode: str, precision: str, ranks: int
+) -> float:
+    """Seconds of one tensor-parallel block's forward + backward (its collectives and recompute
+    included) on `batch` sequences of `seq_len` tokens, timed in `ranks` forked processes (tp
+    groups of `tp`) that compute at once."""
+    key = ("tp block", repr(config), batch, seq_len, tp, sp, mode, precision, ranks)
+    if key not in _measured:
+        pool = _pools.get((tp, ranks)) or _pools.setdefault((tp, ranks), _Ranks(tp, ranks))
+        try:
+            _measured[key] = pool.time((config, batch, seq_len, sp, mode, precision))
+        except RuntimeError:
+            del _pools[tp, ranks]  # closed: the next probe starts fresh ranks
+            raise
+    return _measured[key]
+
+
+def _time_tp_block(
+    group: Any, config: LlamaConfig, batch: int, seq_len: int, sp: bool, mode: str, precision: str
+) -> float:
+    """In a probe rank: this rank's time of the tp block (the slowest rank's, agreed)."""
+    torch.manual_seed(0)
+    holder = apply_tensor_parallel(_OneBlock(config), BLOCK_TP_PLAN, group, sequence_parallel=sp)
+    apply_activation_checkpointing(holder, mode)
+    local = seq_len // dist.get_world_size(group) if sp else seq_len
+    run = _block_run(holder.layers[0], config, batch, seq_len, local, precision)
+
+    def slowest(seconds: float) -> float:
+        # every probe rank: the run's seconds, maxed -- the slowest rank's time counts, all ranks
+        # see the same figures (so they stop after the same run), and they start the next together
+        figure = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(figure, op=dist.ReduceOp.MAX)
+        return float(figure)
+
+    return _fastest(run, slowest)
+
+
+def _rank_main(rank: int, world: int, tp: int, port: int, requests: Any, results: Any) -> None:
+    """A probe rank: joins the group, then times each requested block until told to stop (None)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # every rank creates every tp group (new_group is collective); each times its own
+    groups = [dist.new_group(list(range(first, first + tp))) for first in range(0, world, tp)]
+    try:
+        while (request := requests.get()) is not None:
+            try:
+                seconds = _time_tp_block(groups[rank // tp], *request)
+            except Exception as e:  # the parent raises it; the other ranks are stopped with the pool
+                results.put(f"rank {rank}: {type(e).__name__}: {e}")
+                return
+            if rank == 0:
+                results.put(seconds)
+    finally:
+        dist.destroy_process_group()
+
+
+class _Ranks:
+    """`world` forked gloo ranks in tp groups of `tp`, kept for the probes of a search."""
+
+    def __init__(self, tp: int, world: int) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("fork")
+        port = free_port()
+        self.requests = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(
+                target=_rank_main, args=(r, world, tp, port, self.requests[r], self.results), daemon=True
+            )
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def time(self, request: tuple) -> float:
+        for q in self.requests:
+            q.put(request)
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                answer = self.results.get(timeout=1)
+            except queue.Empty:
+                if all(p.is_alive() for p in self.procs):
+                    continue
+                answer = "a probe rank exited"
+            if isinstance(answer, float):
+                return answer
+            self.close()
+            raise RuntimeError(f"the tensor-parallel block probe failed: {answer}")
+        self.close()
+        raise RuntimeError(f"the tensor-parallel block probe did not answer in {WAIT_S} s")
+
+    def close(self) -> None:
+        for q in self.requests:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+_pools: dict[tuple[int, int], _Ranks] = {}
+
+
+@atexit.register
+def forget_probes() -> None:
+    """Forget the kept probes and stop the probe ranks (a benchmark re-measures after
+    re-calibrating; at exit, nothing is left running)."""
+    _measured.clear()
+    while _pools:
+        _pools.popitem()[1].close()

@@ -1,0 +1,82 @@
+"""The planner's probes of the hardware at hand (`planner/probes.py`) run the model's own code at
+the layout's shapes: in this process for a plain block and the head, in forked gloo ranks for the
+tensor-parallel block with its collectives. No timing is asserted (the machine is shared); what
+runs is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanolight.models.llama import DecoderLayer
+from nanolight.models.llama_config import LlamaConfig
+from nanolight.planner import probes
+
+SIZES = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+TINY = LlamaConfig(**SIZES, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+
+
+@pytest.fixture
+def few_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two timed runs per probe (and the warm-up), whatever they take."""
+    monkeypatch.setattr(probes, "REPEATS", 2)
+    monkeypatch.setattr(probes, "BUDGET_S", 0.0)
+    probes.forget_probes()
+    yield
+    probes.forget_probes()
+
+
+def _record_forwards(monkeypatch: pytest.MonkeyPatch, log: Path) -> None:
+    """Every block forward appends its rank's q/k/v width and input shape to `log` (forked ranks
+    inherit the patch and write to the same file)."""
+    plain = DecoderLayer.forward
+
+    def counted(block: DecoderLayer, x: torch.Tensor, *args: object) -> torch.Tensor:
+        with log.open("a") as f:
+            f.write(f"{block.self_attn.qkv_proj.weight.shape[0]} {tuple(x.shape)}\n")
+        return plain(block, x, *args)
+
+    monkeypatch.setattr(DecoderLayer, "forward", counted)
+
+
+def test_block_probe_runs_the_recompute_mode(
+    few_runs: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward per run (a warm-up and two timed runs), and again in backward when the block
+    recomputes; the whole block (its q/k/v width) on the layout's tokens. Fails if the mode is
+    not applied."""
+    log = tmp_path / "forwards"
+    _record_forwards(monkeypatch, log)
+    qkv = (4 + 2 * 2) * TINY.head_dim
+    for mode, runs in (("none", 3), ("full", 6), ("selective", 6)):
+        log.unlink(missing_ok=True)
+        assert 0 < probes.block_seconds(TINY, 2, 16, mode, "32-true") < 60
+        assert log.read_text().splitlines() == [f"{qkv} (2, 16, 32)"] * runs, mode
+    assert 0 < probes.head_seconds(TINY, 32, 2, "bf16-mixed") < 60
+
+
+def test_tp_block_probe_runs_the_shard_with_its_collectives(
+    few_runs: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tp probe runs the tensor-parallel block in `ranks` forked processes: each rank its
+    shard (2 of 4 query heads, 1 of 2 kv heads), under sequence parallelism on T/tp tokens (the
+    block's entry gathers them), its recompute mode's extra forwards; the ranks stay up between
+    probes, and a probe that fails in a rank is one error, not a hang."""
+    log = tmp_path / "forwards"
+    _record_forwards(monkeypatch, log)
+    shard = (2 + 2 * 1) * TINY.head_dim
+    assert 0 < probes.tp_block_seconds(TINY, 2, 16, 2, False, "none", "32-true", 2) < 60
+    assert sorted(log.read_text().splitlines()) == [f"{shard} (2, 16, 32)"] * 6  # 2 ranks x 3 runs
+    log.unlink()
+    assert 0 < probes.tp_block_seconds(TINY, 2, 16, 2, True, "full", "32-true", 4) < 60
+    # 4 ranks (two tp groups at once) x 3 runs x 2 forwards; the block sees 8 of 16 tokens
+    assert sorted(log.read_text().splitlines()) == [f"{shard} (2, 8, 32)"] * 24
+    # kept: asked again, nothing runs
+    log.unlink()
+    probes.tp_block_seconds(TINY, 2, 16, 2, True, "full", "32-true", 4)
+    assert not log.exists()
+    # 4 query heads do not split over 3 ranks: the ranks' error comes back as one line
+    with pytest.raises(RuntimeError, match="tensor-parallel block probe failed: rank .*"):
+        probes.tp_block_seconds(TINY, 2, 16, 3, False, "none", "32-true", 3)

@@ -5,6 +5,7 @@ runs is."""
 
 from __future__ import annotations
 
+import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,10 @@ def test_tp_block_probe_runs_the_shard_with_its_collectives(
     log.unlink()
     probes.tp_block_seconds(TINY, 2, 16, 2, True, "full", "32-true", 4)
     assert not log.exists()
+    # the ranks stay up for the search (2 + 4), and stop when it is over
+    assert len(multiprocessing.active_children()) == 6
+    probes.stop_probe_ranks()
+    assert multiprocessing.active_children() == []
     # 4 query heads do not split over 3 ranks: the ranks' error comes back as one line
     with pytest.raises(RuntimeError, match="tensor-parallel block probe failed: rank .*"):
         probes.tp_block_seconds(TINY, 2, 16, 3, False, "none", "32-true", 3)

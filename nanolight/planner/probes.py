@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ from nanolight.models.fused_loss import linear_cross_entropy
 from nanolight.models.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM
 from nanolight.models.llama_rope import rope_cos_sin, rope_inv_freq
 from nanolight.parallel.blocks import apply_activation_checkpointing
+from nanolight.parallel.context import ParallelContext
 from nanolight.parallel.tensor_parallel.apply import apply_tensor_parallel
 
 REPEATS = 10  # timed runs per probe at most; the fastest counts (other processes' load only ever adds time)
@@ -217,13 +219,18 @@ def _time_tp_block(
 def _rank_main(rank: int, world: int, tp: int, port: int, requests: Any, results: Any) -> None:
     """A probe rank: joins the group, then times each requested block until told to stop (None)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    # every rank creates every tp group (new_group is collective); each times its own
-    groups = [dist.new_group(list(range(first, first + tp))) for first in range(0, world, tp)]
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=WAIT_S),
+    )
+    group = ParallelContext(tp=tp, timeout=timedelta(seconds=WAIT_S)).tp_group  # the rest of the world is dp
     try:
         while (request := requests.get()) is not None:
             try:
-                seconds = _time_tp_block(groups[rank // tp], *request)
+                seconds = _time_tp_block(group, *request)
             except Exception as e:  # the parent raises it; the other ranks are stopped with the pool
                 results.put(f"rank {rank}: {type(e).__name__}: {e}")
                 return
@@ -282,10 +289,15 @@ class _Ranks:
 _pools: dict[tuple[int, int], _Ranks] = {}
 
 
+def stop_probe_ranks() -> None:
+    """Stop the tp probes' ranks (a search is over: they would hold memory through the run)."""
+    while _pools:
+        _pools.popitem()[1].close()
+
+
 @atexit.register
 def forget_probes() -> None:
     """Forget the kept probes and stop the probe ranks (a benchmark re-measures after
     re-calibrating; at exit, nothing is left running)."""
     _measured.clear()
-    while _pools:
-        _pools.popitem()[1].close()
+    stop_probe_ranks()

@@ -23,6 +23,7 @@ from nanolight.models.llama_config import flops_per_token
 from nanolight.planner.hardware import Hardware
 from nanolight.planner.layout import Layout
 from nanolight.planner.memory import Workload, peak_memory
+from nanolight.planner.probes import stop_probe_ranks
 from nanolight.planner.timing import step_time
 
 GPU_PRECISIONS = ("bf16-mixed", "bf16-master")
@@ -149,7 +150,10 @@ def plan(
             "degree must divide the sequences and tp the heads and vocabulary; change +cluster.gpus or "
             "+plan.global_batch_tokens, or pin fewer knobs"
         )
-    predictions = [predict(work, layout, hw) for layout in layouts]
+    try:
+        predictions = [predict(work, layout, hw) for layout in layouts]
+    finally:
+        stop_probe_ranks()  # on hardware at hand: the ranks that timed tp blocks
     predictions.sort(key=lambda p: (not p.fits, float(f"{p.step_time_s:.6g}"), p.memory_bytes["total"]))
     return predictions
 

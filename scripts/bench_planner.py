@@ -38,9 +38,9 @@ from torch.utils.data import DataLoader  # noqa: E402
 from nanolight import Callback, NanoModule, NanoTrainer  # noqa: E402
 from nanolight.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from nanolight.planner.hardware import calibrate_cpu  # noqa: E402
-from nanolight.planner.probes import forget_probes  # noqa: E402
 from nanolight.planner.layout import Layout  # noqa: E402
 from nanolight.planner.memory import Workload  # noqa: E402
+from nanolight.planner.probes import forget_probes  # noqa: E402
 from nanolight.planner.timing import step_time  # noqa: E402
 from nanolight.strategies import Parallel3DStrategy  # noqa: E402
 

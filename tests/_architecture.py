@@ -56,7 +56,7 @@ GROUP_MAKERS: dict[str, frozenset[str]] = {
     "parallel/launcher.py": frozenset({"init_process_group"}),
     # a two-process gloo world of its own, forked to time this host's all-reduce (not a run's)
     "planner/hardware.py": frozenset({"init_process_group"}),
-    # forked ranks of their own that time a tensor-parallel block (their tp groups: ParallelContext's)
+    # forked ranks of their own that time a block together (their tp groups: ParallelContext's)
     "planner/probes.py": frozenset({"init_process_group"}),
 }
 GROUP_CALLS = frozenset().union(*GROUP_MAKERS.values(), {"new_subgroups_by_enumeration"})

@@ -177,11 +177,11 @@ def test_cpu_host_costs_block_overhead_and_shared_cores() -> None:
 
 def test_profiled_hardware_times_the_rank_block(monkeypatch: pytest.MonkeyPatch) -> None:
     """Hardware at hand (`profiled`) times compute instead of counting FLOPs: per micro-batch, the
-    rank's blocks as `probes.block_seconds` measures one in this process (tp=1, over the core
-    share), or as `probes.tp_block_seconds` measures the tensor-parallel block in ranks, with its
-    collectives (so they are not counted again; the embedding's, the head's and the loss's are),
-    in as many ranks as share the cores in the run (up to `MAX_RANKS`, the rest scaled); the head
-    on the last stage. The probes themselves are checked in `test_planner_probes.py`."""
+    rank's blocks as `probes.block_seconds` measures one in this process (one rank), or as
+    `probes.rank_block_seconds` measures it in as many ranks as share the cores in the run (up to
+    `MAX_RANKS`, the rest scaled), tp-sharded with its collectives (so they are not counted again;
+    the embedding's, the head's and the loss's are); the head on the last stage, over the core
+    share. The probes themselves are checked in `test_planner_probes.py`."""
     from nanolight.planner import timing
 
     calls: list[tuple] = []
@@ -190,12 +190,12 @@ def test_profiled_hardware_times_the_rank_block(monkeypatch: pytest.MonkeyPatch)
         calls.append((batch, seq_len, mode, precision))
         return 0.010
 
-    def tp_block(config: LlamaConfig, batch: int, seq_len: int, tp: int, *rest: object) -> float:
+    def in_ranks(config: LlamaConfig, batch: int, seq_len: int, tp: int, *rest: object) -> float:
         calls.append((batch, seq_len, tp, *rest))
         return 0.020
 
     monkeypatch.setattr(timing, "block_seconds", block)
-    monkeypatch.setattr(timing, "tp_block_seconds", tp_block)
+    monkeypatch.setattr(timing, "rank_block_seconds", in_ranks)
     monkeypatch.setattr(timing, "head_seconds", lambda config, tokens, tp, precision: 0.003 * tokens / 512)
     work = Workload(LlamaConfig.preset("smollm-tiny"), 128, "cpu")
     cpu = dataclasses.replace(H100, device="cpu", shared_cores=2, concurrency=1.0, latency=0.0, profiled=True)
@@ -203,8 +203,9 @@ def test_profiled_hardware_times_the_rank_block(monkeypatch: pytest.MonkeyPatch)
     one = Layout(micro_batch_size=4, activation_checkpointing="full", precision="32-true")
     assert micro_batch_work(work, one, cpu, 0) == pytest.approx(layers * 0.010 + 0.003)
     assert calls[-1] == (4, 128, "full", "32-true")
-    dp2 = dataclasses.replace(one, dp=2)  # two ranks on two cores: each keeps its core
-    assert micro_batch_work(work, dp2, cpu, 0) == pytest.approx(layers * 0.010 + 0.003)
+    dp2 = dataclasses.replace(one, dp=2)  # two ranks on two cores: the block as timed in two
+    assert micro_batch_work(work, dp2, cpu, 0) == pytest.approx(layers * 0.020 + 0.003)
+    assert calls[-1] == (4, 128, 1, False, "full", "32-true", 2)
     # tp: the block in 2 ranks, the head's shard; of the collectives only the embedding's, the
     # head's and the loss's are charged (here latency only: 1 ms each)
     cpu_ms = dataclasses.replace(cpu, latency=1e-3, intra_node_bandwidth=1e15, link_efficiency=1.0)
@@ -225,8 +226,9 @@ def test_profiled_hardware_times_the_rank_block(monkeypatch: pytest.MonkeyPatch)
     assert calls[-1][-1] == timing.MAX_RANKS == 8
     pp2 = dataclasses.replace(one, pp=2)
     first = sum(len(r) for r in chunk_layers(work.config, pp2)[0])
-    # no head on stage 0; its activation messages cost bytes / link (microseconds)
-    assert micro_batch_work(work, pp2, cpu, 0) == pytest.approx(first * 0.010, rel=1e-3)
+    # two ranks; no head on stage 0; its activation messages cost bytes / link (microseconds)
+    assert micro_batch_work(work, pp2, cpu, 0) == pytest.approx(first * 0.020, rel=1e-3)
+    assert calls[-1] == (4, 128, 1, False, "full", "32-true", 2)
 
 
 def test_context_parallel_terms() -> None:

@@ -1,6 +1,6 @@
 """The planner's probes of the hardware at hand (`planner/probes.py`) run the model's own code at
-the layout's shapes: in this process for a plain block and the head, in forked gloo ranks for the
-tensor-parallel block with its collectives. No timing is asserted (the machine is shared); what
+the layout's shapes: in this process for a block and the head, in forked gloo ranks computing at
+once for a layout of several ranks (tp's block with its collectives). No timing is asserted (the machine is shared); what
 runs is."""
 
 from __future__ import annotations
@@ -58,30 +58,34 @@ def test_block_probe_runs_the_recompute_mode(
     assert 0 < probes.head_seconds(TINY, 32, 2, "bf16-mixed") < 60
 
 
-def test_tp_block_probe_runs_the_shard_with_its_collectives(
+def test_block_probe_in_ranks_runs_the_shard_with_its_collectives(
     few_runs: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The tp probe runs the tensor-parallel block in `ranks` forked processes: each rank its
-    shard (2 of 4 query heads, 1 of 2 kv heads), under sequence parallelism on T/tp tokens (the
-    block's entry gathers them), its recompute mode's extra forwards; the ranks stay up between
-    probes, and a probe that fails in a rank is one error, not a hang."""
+    """The probe in ranks runs the block in `ranks` forked processes at once: under tp each rank
+    its shard (2 of 4 query heads, 1 of 2 kv heads), under sequence parallelism on T/tp tokens (the
+    block's entry gathers them), its recompute mode's extra forwards; without tp the whole block.
+    The ranks stay up for the search, until it stops them; a probe that fails in a rank is one
+    error, not a hang."""
     log = tmp_path / "forwards"
     _record_forwards(monkeypatch, log)
     shard = (2 + 2 * 1) * TINY.head_dim
-    assert 0 < probes.tp_block_seconds(TINY, 2, 16, 2, False, "none", "32-true", 2) < 60
+    assert 0 < probes.rank_block_seconds(TINY, 2, 16, 2, False, "none", "32-true", 2) < 60
     assert sorted(log.read_text().splitlines()) == [f"{shard} (2, 16, 32)"] * 6  # 2 ranks x 3 runs
     log.unlink()
-    assert 0 < probes.tp_block_seconds(TINY, 2, 16, 2, True, "full", "32-true", 4) < 60
+    assert 0 < probes.rank_block_seconds(TINY, 2, 16, 2, True, "full", "32-true", 4) < 60
     # 4 ranks (two tp groups at once) x 3 runs x 2 forwards; the block sees 8 of 16 tokens
     assert sorted(log.read_text().splitlines()) == [f"{shard} (2, 8, 32)"] * 24
     # kept: asked again, nothing runs
     log.unlink()
-    probes.tp_block_seconds(TINY, 2, 16, 2, True, "full", "32-true", 4)
+    probes.rank_block_seconds(TINY, 2, 16, 2, True, "full", "32-true", 4)
     assert not log.exists()
-    # the ranks stay up for the search (2 + 4), and stop when it is over
-    assert len(multiprocessing.active_children()) == 6
+    # no tp: two ranks (of dp, or pp stages) each time the whole block
+    assert 0 < probes.rank_block_seconds(TINY, 2, 16, 1, False, "none", "32-true", 2) < 60
+    assert log.read_text().splitlines() == [f"{(4 + 2 * 2) * TINY.head_dim} (2, 16, 32)"] * 6
+    # the ranks stay up for the search (2 + 4 + 2), and stop when it is over
+    assert len(multiprocessing.active_children()) == 8
     probes.stop_probe_ranks()
     assert multiprocessing.active_children() == []
     # 4 query heads do not split over 3 ranks: the ranks' error comes back as one line
-    with pytest.raises(RuntimeError, match="tensor-parallel block probe failed: rank .*"):
-        probes.tp_block_seconds(TINY, 2, 16, 3, False, "none", "32-true", 3)
+    with pytest.raises(RuntimeError, match="the block probe in ranks failed: rank .*"):
+        probes.rank_block_seconds(TINY, 2, 16, 3, False, "none", "32-true", 3)

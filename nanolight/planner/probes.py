@@ -15,14 +15,15 @@ The probes are the model's own code under the layout's recompute mode (`parallel
 one thread as a gloo rank runs, in the layout's compute dtype:
 
 - `block_seconds`: one `DecoderLayer`, in this process.
-- `tp_block_seconds`: the tensor-parallel block (`apply_tensor_parallel`, sequence parallelism
-  too) in forked gloo ranks, with its collectives. Its cost is not the shard's compute plus the
-  collectives' latency: between busy ranks each collective waits for the slower rank, and that
-  wait grows with the work before it. Measured here (bench_planner's model, tp=2): the shard alone
+- `rank_block_seconds`: the block in forked gloo ranks computing at once, as many as the
+  layout has on this machine (up to `MAX_RANKS`), tensor-parallel (`apply_tensor_parallel`,
+  sequence parallelism too) with its collectives when tp > 1. Ranks that share the cores slow each
+  other more than a matmul's rate shows (caches, memory bandwidth: here the block takes 1.1-1.3x
+  its time alone in two ranks on two cores). And a tp block is not its shard's compute plus the
+  collectives' latency: between busy ranks each collective waits for the slower rank, and that wait
+  grows with the work before it. Measured here (bench_planner's model, tp=2): the shard alone
   16 ms, the real block 26-39 ms, about 2.5-6 ms per collective where an idle one costs 0.15 ms.
-  The ranks stay up for the search (`_Ranks`: a group's set-up costs more than a probe), as many
-  as the layout has on this machine (up to `MAX_RANKS`), so that the probe shares the cores as
-  the run will.
+  The ranks stay up for a search (`_Ranks`: a group's set-up costs more than a probe).
 - `head_seconds`: the vocabulary's tp shard of the head and the fused loss, in this process (its
   collectives are counted by `timing`).
 """
@@ -52,8 +53,8 @@ from nanolight.parallel.tensor_parallel.apply import apply_tensor_parallel
 
 REPEATS = 10  # timed runs per probe at most; the fastest counts (other processes' load only ever adds time)
 BUDGET_S = 0.5  # ... and no more runs once the timed ones took this long (a large block: two runs)
-MAX_RANKS = 8  # forked ranks of a tp probe at most; a larger world's contention is scaled (`timing`)
-WAIT_S = 300  # a tp probe that has not answered by then has hung (a rank died in a collective)
+MAX_RANKS = 8  # forked ranks of a block probe at most; a larger world's contention is scaled (`timing`)
+WAIT_S = 300  # a probe in ranks that has not answered by then has hung (a rank died in a collective)
 
 # the model's tp plan for one block, as `_OneBlock` names its modules ("layers.0.mlp.down_proj")
 BLOCK_TP_PLAN = {
@@ -179,13 +180,13 @@ def head_seconds(config: LlamaConfig, tokens: int, tp: int, precision: str) -> f
     return _measured[key]
 
 
-def tp_block_seconds(
+def rank_block_seconds(
     config: LlamaConfig, batch: int, seq_len: int, tp: int, sp: bool, mode: str, precision: str, ranks: int
 ) -> float:
-    """Seconds of one tensor-parallel block's forward + backward (its collectives and recompute
-    included) on `batch` sequences of `seq_len` tokens, timed in `ranks` forked processes (tp
+    """Seconds of one block's forward + backward (recompute included; tp's shard and collectives
+    when tp > 1) on `batch` sequences of `seq_len` tokens, timed in `ranks` forked processes (tp
     groups of `tp`) that compute at once."""
-    key = ("tp block", repr(config), batch, seq_len, tp, sp, mode, precision, ranks)
+    key = ("ranks block", repr(config), batch, seq_len, tp, sp, mode, precision, ranks)
     if key not in _measured:
         pool = _pools.get((tp, ranks)) or _pools.setdefault((tp, ranks), _Ranks(tp, ranks))
         try:
@@ -196,14 +197,17 @@ def tp_block_seconds(
     return _measured[key]
 
 
-def _time_tp_block(
+def _time_block(
     group: Any, config: LlamaConfig, batch: int, seq_len: int, sp: bool, mode: str, precision: str
 ) -> float:
-    """In a probe rank: this rank's time of the tp block (the slowest rank's, agreed)."""
+    """In a probe rank: the block's time (the slowest rank's, agreed), tp-sharded when tp > 1."""
     torch.manual_seed(0)
-    holder = apply_tensor_parallel(_OneBlock(config), BLOCK_TP_PLAN, group, sequence_parallel=sp)
+    tp = dist.get_world_size(group)
+    holder = _OneBlock(config)
+    if tp > 1:
+        apply_tensor_parallel(holder, BLOCK_TP_PLAN, group, sequence_parallel=sp)
     apply_activation_checkpointing(holder, mode)
-    local = seq_len // dist.get_world_size(group) if sp else seq_len
+    local = seq_len // tp if sp else seq_len
     run = _block_run(holder.layers[0], config, batch, seq_len, local, precision)
 
     def slowest(seconds: float) -> float:
@@ -230,7 +234,7 @@ def _rank_main(rank: int, world: int, tp: int, port: int, requests: Any, results
     try:
         while (request := requests.get()) is not None:
             try:
-                seconds = _time_tp_block(group, *request)
+                seconds = _time_block(group, *request)
             except Exception as e:  # the parent raises it; the other ranks are stopped with the pool
                 results.put(f"rank {rank}: {type(e).__name__}: {e}")
                 return
@@ -273,9 +277,9 @@ class _Ranks:
             if isinstance(answer, float):
                 return answer
             self.close()
-            raise RuntimeError(f"the tensor-parallel block probe failed: {answer}")
+            raise RuntimeError(f"the block probe in ranks failed: {answer}")
         self.close()
-        raise RuntimeError(f"the tensor-parallel block probe did not answer in {WAIT_S} s")
+        raise RuntimeError(f"the block probe in ranks did not answer in {WAIT_S} s")
 
     def close(self) -> None:
         for q in self.requests:
@@ -290,7 +294,7 @@ _pools: dict[tuple[int, int], _Ranks] = {}
 
 
 def stop_probe_ranks() -> None:
-    """Stop the tp probes' ranks (a search is over: they would hold memory through the run)."""
+    """Stop the probe ranks (a search is over: they would hold memory through the run)."""
     while _pools:
         _pools.popitem()[1].close()
 

@@ -20,11 +20,13 @@ pipeline bubble from the schedule.
 
 On hardware at hand (`Hardware.profiled`: this machine's CPU) the block's and the head's compute
 is timed at the rank's shapes instead (`planner/probes.py`), host cost and elementwise ops
-included; under tp the block is timed in ranks with its collectives (`tp_block_seconds`: between
-busy ranks each collective waits for the slower one, a cost no latency figure captures). A
-datasheet GPU counts FLOPs at its efficiency. FLOPs come from `models/llama_config.py` (6 x matmul
-weights + the attention scores per token, the head on the last stage); a rank holds 1/cp of each
-sequence's tokens, and zigzag gives it 1/cp of the causal attention. Recompute adds a block's forward again (`full`; `selective` recomputes only
+included. With several ranks the block is timed in as many forked ranks computing at once
+(`rank_block_seconds`): they contend for the cores' caches and memory as the run's ranks do (a
+matmul's rate does not show it), and under tp each collective waits for the slower rank, a cost
+no latency figure captures. A datasheet GPU counts FLOPs at its efficiency. FLOPs come from
+`models/llama_config.py` (6 x matmul weights + the attention scores per token, the head on the
+last stage); a rank holds 1/cp of each sequence's tokens, and zigzag gives it 1/cp of the causal
+attention. Recompute adds a block's forward again (`full`; `selective` recomputes only
 elementwise ops, and eager attention's score matmuls) -- but either mode re-runs the forward's
 operators and collectives (`parallel/blocks.py`), so both pay the forward's host cost and tp
 collectives again.
@@ -46,7 +48,7 @@ from nanolight.parallel.pipeline.schedules import bubble_fraction
 from nanolight.planner.hardware import Hardware
 from nanolight.planner.layout import PRECISION_BYTES, Layout
 from nanolight.planner.memory import Workload, chunk_layers, rank_parameters
-from nanolight.planner.probes import MAX_RANKS, block_seconds, head_seconds, tp_block_seconds
+from nanolight.planner.probes import MAX_RANKS, block_seconds, head_seconds, rank_block_seconds
 
 ADAMW_BYTES_PER_ELEMENT = 28  # fp32 p, g, m, v read (16) + p, m, v written (12)
 
@@ -169,14 +171,15 @@ def micro_batch_work(work: Workload, layout: Layout, hw: Hardware, stage: int) -
     rate = rank_rate(hw, layout)
     if hw.profiled:
         # timed on this machine: the block at the rank's shapes (T/cp tokens of each sequence), in
-        # ranks with its collectives under tp; the ring's attention over the other ranks' tokens by FLOPs
+        # as many ranks as share the cores in the run (tp's with its collectives); the ring's
+        # attention over the other ranks' tokens by FLOPs
         seq, batch, precision = work.seq_len // layout.cp, layout.micro_batch_size, layout.precision
-        if tp == 1:
-            block = block_seconds(c, batch, seq, mode, precision) / core_share(hw, layout)
+        ranks = tp * max(1, min(layout.world_size, MAX_RANKS) // tp)
+        if ranks == 1:
+            block = block_seconds(c, batch, seq, mode, precision)
         else:
-            ranks = tp * max(1, min(layout.world_size, MAX_RANKS) // tp)  # sharing the cores as the run does
-            block = tp_block_seconds(c, batch, seq, tp, layout.sequence_parallel, mode, precision, ranks)
-            block *= core_share(hw, layout, busy=ranks) / core_share(hw, layout)
+            block = rank_block_seconds(c, batch, seq, tp, layout.sequence_parallel, mode, precision, ranks)
+            block *= core_share(hw, layout, busy=ranks) / core_share(hw, layout)  # a world past MAX_RANKS
         seconds = layers * block
         seconds += head_seconds(c, tokens, tp, precision) / core_share(hw, layout) if last else 0.0
         seconds += layers * tokens * attention * (1 - 1 / layout.cp) / tp / rate

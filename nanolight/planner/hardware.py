@@ -37,12 +37,13 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from nanolight.errors import UsageError
 from nanolight.models.llama import LlamaConfig
-from nanolight.planner.probes import block_seconds, forked, free_port, one_thread
+from nanolight.planner.probes import block_seconds, free_port, one_thread
 
 GB = 10**9
 TERA = 10**12
@@ -226,6 +227,24 @@ def _block_overhead() -> float:
     sizes = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
     tiny = LlamaConfig(**sizes, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8)
     return block_seconds(tiny, 1, 8, "none", "32-true")
+
+
+def forked(fn: Callable[[int], Any], n: int) -> list[Any]:
+    """`fn(i)` for i in range(n), in `n` processes at once (forked: no re-import of torch, they
+    start in milliseconds); the results that are not None, in the order they arrive."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=lambda i=i: out.put(fn(i))) for i in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        results = [out.get(timeout=120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+    return [r for r in results if r is not None]
 
 
 BUSY_WORK_S = 2e-3  # the compute between two collectives of the latency probe: a small block's forward

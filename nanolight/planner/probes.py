@@ -84,24 +84,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def forked(fn: Callable[[int], Any], n: int) -> list[Any]:
-    """`fn(i)` for i in range(n), in `n` processes at once (forked: no re-import of torch, they
-    start in milliseconds); the results that are not None, in the order they arrive."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=lambda i=i: out.put(fn(i))) for i in range(n)]
-    for p in procs:
-        p.start()
-    try:
-        results = [out.get(timeout=120) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-    return [r for r in results if r is not None]
-
-
 class _OneBlock(nn.Module):
     """One decoder block where `parallel/blocks.py` and the tp plan look for a model's blocks."""
 

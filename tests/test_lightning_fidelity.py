@@ -1,7 +1,9 @@
 """Six ordinary Lightning 2.6 programs, ported by the renames alone, behave as Lightning itself
-did: the same logged keys at the same steps with the same values (exactly: the programs are fp32
-and both runs take the kernel path `lightning_compare.PINNED_KERNELS` fixes), the same
-callback/logged metrics, the same best checkpoint, the same hook order and the same final weights.
+did: the same logged keys at the same steps with the same values (to the last bits of fp32: the
+programs are fp32 and both runs take the kernel path `lightning_compare.PINNED_KERNELS` fixes,
+within `CROSS_CPU_REL` / `CROSS_CPU_ABS` because the fixtures were recorded on another CPU), the
+same callback/logged metrics, the same best checkpoint, the same hook order and the same final
+weights.
 
 The reference is `tests/fixtures/lightning/*.json`, recorded from real Lightning
 (`tests/lightning_programs/record.py`; Lightning is not a dependency). The one deliberate
@@ -26,6 +28,13 @@ def _without_last_pointer(observed: object, want: object) -> None:
         for o, w in zip(observed, want, strict=False):
             _without_last_pointer(o, w)
 
+
+# The fixtures were recorded on an Intel Xeon. With the kernel path pinned, most programs still
+# match bit for bit on another CPU, but not all: on an AMD EPYC (AVX2, no AVX-512), 5 of the
+# programs differ by at most 2.4e-7 absolute over every logged value and final weight (the largest
+# relative gaps, 2.4e-4, are on weights of 1e-8 absolute). A behavioural difference -- a hook out
+# of order, a step logged late, a scheduler stepped twice -- moves values by orders more.
+CROSS_CPU_REL, CROSS_CPU_ABS = 1e-5, 1e-6
 
 UNDO = [  # the renames backwards: a port must change nothing else
     (r"\bNanoTrainer\b", "Trainer"),
@@ -57,5 +66,5 @@ def test_ported_program_behaves_like_lightning(program: str, tmp_path) -> None:
     want.pop("versions")
     got = run_ported(program, tmp_path)
     _without_last_pointer(got, want)
-    diffs = differences(want, got, rel=0.0, abs_=0.0)
+    diffs = differences(want, got, rel=CROSS_CPU_REL, abs_=CROSS_CPU_ABS)
     assert not diffs, f"{len(diffs)} differences from Lightning, first: " + "\n".join(diffs[:25])

@@ -71,8 +71,13 @@ def _train_and_compare(rank: int, world: int, attn: str, tied: bool, sp: bool) -
         torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0, msg=f"loss differs at step {step}")
         for name, p in model.named_parameters():
             expected = take_shard(ref_params[name].grad, dims[name], group)
+            # elementwise, with an absolute floor relative to the gradient's scale: AdamW turns
+            # last-bit differences into weight differences, so after a few steps an element's
+            # gradient moves by up to 5.3e-5 of the largest (measured on an AMD EPYC over seeds 3-8;
+            # 1e-6 absolute failed there at seed 7); a wrong shard or a missed sum is off by the gradient itself
+            scale = float(expected.abs().max())
             torch.testing.assert_close(
-                p.grad, expected, rtol=1e-4, atol=1e-6, msg=f"grad {name} at step {step}"
+                p.grad, expected, rtol=1e-4, atol=2e-4 * scale + 1e-9, msg=f"grad {name} at step {step}"
             )
         norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         norm = grads.clip_(0.5)  # the global norm over tp, replicated parameters counted once

@@ -27,7 +27,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -49,6 +48,7 @@ from nanolight.parallel.pipeline import (  # noqa: E402
     plan_split,
 )
 from nanolight.parallel.shard import init_replayed_, param_specs  # noqa: E402
+from nanolight.planner.probes import join_local_gloo  # noqa: E402
 
 
 def build(cfg: LlamaConfig, split: PipelineSplit, stage: int, seed: int) -> LlamaForCausalLM:
@@ -157,14 +157,7 @@ def _meta(cfg: LlamaConfig) -> LlamaForCausalLM:
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(minutes=5),
-    )
+    join_local_gloo(rank, world, port)  # one thread, a gloo world of its own on this host
     cfg = LlamaConfig(
         vocab_size=args.vocab,
         hidden_size=args.hidden,

@@ -54,9 +54,8 @@ LAUNCH_PREFIXES = ("SLURM_", "TORCHELASTIC_", "OMPI_COMM_WORLD_", "PMI_")
 GROUP_MAKERS: dict[str, frozenset[str]] = {
     "parallel/context.py": frozenset({"new_group", "new_subgroups", "init_device_mesh", "DeviceMesh"}),
     "parallel/launcher.py": frozenset({"init_process_group"}),
-    # a two-process gloo world of its own, forked to time this host's all-reduce (not a run's)
-    "planner/hardware.py": frozenset({"init_process_group"}),
-    # forked ranks of their own that time a block together (their tp groups: ParallelContext's)
+    # forked measuring processes' gloo world of their own (`join_local_gloo`: the calibration's
+    # all-reduce pair, the probe ranks; their tp groups are ParallelContext's), not a run's
     "planner/probes.py": frozenset({"init_process_group"}),
 }
 GROUP_CALLS = frozenset().union(*GROUP_MAKERS.values(), {"new_subgroups_by_enumeration"})

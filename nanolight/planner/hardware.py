@@ -43,7 +43,7 @@ import torch
 
 from nanolight.errors import UsageError
 from nanolight.models.llama import LlamaConfig
-from nanolight.planner.probes import block_seconds, free_port, one_thread
+from nanolight.planner.probes import block_seconds, free_port, join_local_gloo, one_thread
 
 GB = 10**9
 TERA = 10**12
@@ -264,8 +264,7 @@ def gloo_bandwidth(megabytes: int = 16) -> tuple[float, float]:
 def _allreduce_rank(rank: int, megabytes: int, port: int, repeats: int = 5) -> tuple[float, float] | None:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    join_local_gloo(rank, 2, port)
     x, tiny = torch.ones(megabytes * 2**18), torch.ones(1)  # fp32
     # the two ranks all-reduce one buffer a few times: the measured rate stands for every gloo link
     seconds = _rate(lambda: dist.all_reduce(x), 3, batches=3)

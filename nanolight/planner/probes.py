@@ -202,8 +202,9 @@ def _time_block(
     return _fastest(run, slowest)
 
 
-def _rank_main(rank: int, world: int, tp: int, port: int, requests: Any, results: Any) -> None:
-    """A probe rank: joins the group, then times each requested block until told to stop (None)."""
+def join_local_gloo(rank: int, world: int, port: int) -> None:
+    """In a forked measuring process: one thread, as a gloo test rank runs, and a gloo world of its
+    own on this host (the calibration's pair, the probe ranks), not a run's."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -212,6 +213,11 @@ def _rank_main(rank: int, world: int, tp: int, port: int, requests: Any, results
         world_size=world,
         timeout=timedelta(seconds=WAIT_S),
     )
+
+
+def _rank_main(rank: int, world: int, tp: int, port: int, requests: Any, results: Any) -> None:
+    """A probe rank: joins the group, then times each requested block until told to stop (None)."""
+    join_local_gloo(rank, world, port)
     group = ParallelContext(tp=tp, timeout=timedelta(seconds=WAIT_S)).tp_group  # the rest of the world is dp
     try:
         while (request := requests.get()) is not None:

@@ -175,13 +175,42 @@ def test_cpu_host_costs_block_overhead_and_shared_cores() -> None:
     assert step_time(work, pp2, cpu)["bubble"] == pytest.approx(m * busiest * idle / (1 - idle) * 0.5)
 
 
+def test_more_ranks_than_cores_share_out_the_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With more ranks than cores a rank waiting for its pipeline peer gives its core to a busy
+    one: the cores never idle, and the step's compute is every stage's work shared out -- unless
+    the busiest stage, with the cores to itself, takes longer. (bench_planner, tp2 x pp2 on two
+    cores: the busiest stage's path predicted 0.92-1.61x the measured step over 8 rounds, the
+    shared-out work 0.66-0.95x over 3.)"""
+    from nanolight.planner import timing
+
+    work = Workload(LlamaConfig.preset("smollm-tiny"), 128, "cpu")
+    cpu = dataclasses.replace(H100, device="cpu", shared_cores=2, concurrency=1.0, latency=0.0, profiled=True)
+    m = 4
+    idle = bubble_fraction(m, 2, 1)
+    stage_work = {0: 2.0, 1: 3.0}  # seconds per micro-batch, every rank busy (half a core each)
+    monkeypatch.setattr(timing, "micro_batch_work", lambda work, layout, hw, stage: stage_work[stage])
+    four = Layout(tp=2, pp=2, accumulate_grad_batches=m, precision="32-true")  # four ranks, two cores
+    parts = step_time(work, four, cpu)
+    assert parts["compute"] == pytest.approx(m * (2.0 + 3.0) / 2) and parts["bubble"] == 0.0
+    # lopsided stages: the busy stage alone at a core per rank (twice the rate) is the longer path
+    stage_work[0] = 0.1
+    parts = step_time(work, four, cpu)
+    critical = m * 3.0 * 0.5 / (1 - idle)
+    assert parts["compute"] + parts["bubble"] == pytest.approx(critical)
+    # two ranks on two cores: an idle rank's core stays idle (one thread each), the bubble shows
+    two = Layout(pp=2, accumulate_grad_batches=m, precision="32-true")
+    parts = step_time(work, two, cpu)
+    assert parts["compute"] == pytest.approx(m * 3.0)
+    assert parts["bubble"] == pytest.approx(m * 3.0 * idle / (1 - idle))
+
+
 def test_profiled_hardware_times_the_rank_block(monkeypatch: pytest.MonkeyPatch) -> None:
     """Hardware at hand (`profiled`) times compute instead of counting FLOPs: per micro-batch, the
-    rank's blocks as `probes.block_seconds` measures one in this process (one rank), or as
-    `probes.rank_block_seconds` measures it in as many ranks as share the cores in the run (up to
-    `MAX_RANKS`, the rest scaled), tp-sharded with its collectives (so they are not counted again;
-    the embedding's, the head's and the loss's are); the head on the last stage, over the core
-    share. The probes themselves are checked in `test_planner_probes.py`."""
+    rank's blocks as `probes.block_seconds` measures one in this process, over the rank's core
+    share (no tp), or as `probes.rank_block_seconds` measures the tp block in as many ranks as
+    share the cores in the run (up to `MAX_RANKS`, the rest scaled), with its collectives (so they
+    are not counted again; the embedding's, the head's and the loss's are); the head on the last
+    stage, over the core share. The probes themselves are checked in `test_planner_probes.py`."""
     from nanolight.planner import timing
 
     calls: list[tuple] = []
@@ -203,9 +232,11 @@ def test_profiled_hardware_times_the_rank_block(monkeypatch: pytest.MonkeyPatch)
     one = Layout(micro_batch_size=4, activation_checkpointing="full", precision="32-true")
     assert micro_batch_work(work, one, cpu, 0) == pytest.approx(layers * 0.010 + 0.003)
     assert calls[-1] == (4, 128, "full", "32-true")
-    dp2 = dataclasses.replace(one, dp=2)  # two ranks on two cores: the block as timed in two
-    assert micro_batch_work(work, dp2, cpu, 0) == pytest.approx(layers * 0.020 + 0.003)
-    assert calls[-1] == (4, 128, 1, False, "full", "32-true", 2)
+    dp2 = dataclasses.replace(one, dp=2)  # two ranks on two cores: a core each, the block alone
+    assert micro_batch_work(work, dp2, cpu, 0) == pytest.approx(layers * 0.010 + 0.003)
+    assert calls[-1] == (4, 128, "full", "32-true")
+    dp4 = dataclasses.replace(one, dp=4)  # four ranks on two cores: half a core each
+    assert micro_batch_work(work, dp4, cpu, 0) == pytest.approx(2 * (layers * 0.010 + 0.003))
     # tp: the block in 2 ranks, the head's shard; of the collectives only the embedding's, the
     # head's and the loss's are charged (here latency only: 1 ms each)
     cpu_ms = dataclasses.replace(cpu, latency=1e-3, intra_node_bandwidth=1e15, link_efficiency=1.0)
@@ -226,9 +257,9 @@ def test_profiled_hardware_times_the_rank_block(monkeypatch: pytest.MonkeyPatch)
     assert calls[-1][-1] == timing.MAX_RANKS == 8
     pp2 = dataclasses.replace(one, pp=2)
     first = sum(len(r) for r in chunk_layers(work.config, pp2)[0])
-    # two ranks; no head on stage 0; its activation messages cost bytes / link (microseconds)
-    assert micro_batch_work(work, pp2, cpu, 0) == pytest.approx(first * 0.020, rel=1e-3)
-    assert calls[-1] == (4, 128, 1, False, "full", "32-true", 2)
+    # a core each; no head on stage 0; its activation messages cost bytes / link (microseconds)
+    assert micro_batch_work(work, pp2, cpu, 0) == pytest.approx(first * 0.010, rel=1e-3)
+    assert calls[-1] == (4, 128, "full", "32-true")
 
 
 def test_context_parallel_terms() -> None:

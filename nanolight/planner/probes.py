@@ -17,11 +17,9 @@ one thread as a gloo rank runs, in the layout's compute dtype:
 - `block_seconds`: one `DecoderLayer`, in this process.
 - `rank_block_seconds`: the block in forked gloo ranks computing at once, as many as the
   layout has on this machine (up to `MAX_RANKS`), tensor-parallel (`apply_tensor_parallel`,
-  sequence parallelism too) with its collectives when tp > 1. Ranks that share the cores slow each
-  other more than a matmul's rate shows (caches, memory bandwidth: here the block takes 1.1-1.3x
-  its time alone in two ranks on two cores). And a tp block is not its shard's compute plus the
-  collectives' latency: between busy ranks each collective waits for the slower rank, and that wait
-  grows with the work before it. Measured here (bench_planner's model, tp=2): the shard alone
+  sequence parallelism too) with its collectives when tp > 1 (`timing` asks for it under tp only).
+  A tp block is not its shard's compute plus the collectives' latency: between busy ranks each
+  collective waits for the slower rank, and that wait grows with the work before it. Measured here (bench_planner's model, tp=2): the shard alone
   16 ms, the real block 26-39 ms, about 2.5-6 ms per collective where an idle one costs 0.15 ms.
   The ranks stay up for a search (`_Ranks`: a group's set-up costs more than a probe).
 - `head_seconds`: the vocabulary's tp shard of the head and the fused loss, in this process (its

@@ -8,7 +8,10 @@ pipeline bubble from the schedule.
                                               exchanges, its pipeline messages), stretched by
                                               `bubble_fraction`; on shared CPU cores the stages
                                               that work in the fill and drain have the cores the
-                                              idle ones left (one stage's ranks at a time)
+                                              idle ones left (one stage's ranks at a time), and
+                                              with more ranks than cores the cores never idle:
+                                              the step is then every rank's work over them, unless
+                                              the busiest stage's path is longer
          + pipeline fill                      (p-1) activation hops nothing overlaps
          + step collectives                   once per step: the tied embedding's gradient between
                                               the end stages, sequence parallelism's norm weights
@@ -20,10 +23,14 @@ pipeline bubble from the schedule.
 
 On hardware at hand (`Hardware.profiled`: this machine's CPU) the block's and the head's compute
 is timed at the rank's shapes instead (`planner/probes.py`), host cost and elementwise ops
-included. With several ranks the block is timed in as many forked ranks computing at once
-(`rank_block_seconds`): they contend for the cores' caches and memory as the run's ranks do (a
-matmul's rate does not show it), and under tp each collective waits for the slower rank, a cost
-no latency figure captures. A datasheet GPU counts FLOPs at its efficiency. FLOPs come from
+included. Under tp the block is timed in as many forked ranks as the run has on the cores,
+computing at once with its collectives (`rank_block_seconds`): each collective waits for the
+slower rank, a cost no latency figure captures. Without tp a rank's block is timed alone and
+scaled by its core share: dp's and pp's ranks meet only at a step's end or a stage boundary, and a
+pipeline's ranks are not all busy at once (timing them busy together ranked pp2 and dp2 worse in
+bench_planner: Spearman 0.61-0.82 against 0.84-0.96). With more ranks than cores a rank that
+waits for its pipeline peer gives its core away, so the cores never idle (`step_time`). A
+datasheet GPU counts FLOPs at its efficiency. FLOPs come from
 `models/llama_config.py` (6 x matmul weights + the attention scores per token, the head on the
 last stage); a rank holds 1/cp of each sequence's tokens, and zigzag gives it 1/cp of the causal
 attention. Recompute adds a block's forward again (`full`; `selective` recomputes only
@@ -170,14 +177,15 @@ def micro_batch_work(work: Workload, layout: Layout, hw: Hardware, stage: int) -
     last = stage == layout.pp - 1
     rate = rank_rate(hw, layout)
     if hw.profiled:
-        # timed on this machine: the block at the rank's shapes (T/cp tokens of each sequence), in
-        # as many ranks as share the cores in the run (tp's with its collectives); the ring's
-        # attention over the other ranks' tokens by FLOPs
+        # timed on this machine: the block at the rank's shapes (T/cp tokens of each sequence) --
+        # under tp in as many ranks as share the cores in the run, with its collectives; else in
+        # this process, at the rank's core share; the ring's attention over the other ranks'
+        # tokens by FLOPs
         seq, batch, precision = work.seq_len // layout.cp, layout.micro_batch_size, layout.precision
-        ranks = tp * max(1, min(layout.world_size, MAX_RANKS) // tp)
-        if ranks == 1:
-            block = block_seconds(c, batch, seq, mode, precision)
+        if tp == 1:
+            block = block_seconds(c, batch, seq, mode, precision) / core_share(hw, layout)
         else:
+            ranks = tp * max(1, min(layout.world_size, MAX_RANKS) // tp)
             block = rank_block_seconds(c, batch, seq, tp, layout.sequence_parallel, mode, precision, ranks)
             block *= core_share(hw, layout, busy=ranks) / core_share(hw, layout)  # a world past MAX_RANKS
         seconds = layers * block
@@ -224,9 +232,19 @@ def step_time(work: Workload, layout: Layout, hw: Hardware) -> dict[str, float]:
     p, v, m = layout.pp, layout.pp_virtual, layout.accumulate_grad_batches
     replicas = layout.dp * layout.cp  # the ranks holding the same weights: gradients reduce here
     w_bytes, g_bytes, _, r = PRECISION_BYTES[layout.precision]
-    busiest = max(micro_batch_work(work, layout, hw, s) for s in range(p))
-    bubble = m * busiest * bubble_fraction(m, p, v) / (1 - bubble_fraction(m, p, v))
-    bubble *= core_share(hw, layout) / core_share(hw, layout, busy=layout.world_size // p)
+    works = [micro_batch_work(work, layout, hw, s) for s in range(p)]
+    compute, idle = m * max(works), bubble_fraction(m, p, v)
+    # in the bubble one stage's ranks compute: on shared cores they have the idle ones' share too
+    alone = core_share(hw, layout) / core_share(hw, layout, busy=layout.world_size // p)
+    bubble = compute * idle / (1 - idle) * alone
+    if hw.shared_cores and layout.world_size > hw.shared_cores and p > 1:
+        # more ranks than cores: a rank that waits for its pipeline peer gives its core to a
+        # busy one, and the cores never idle -- every rank's work shared out over them, unless
+        # the busiest stage, its cores to itself, is the longer path
+        pooled, critical = m * sum(works) / p, compute * alone / (1 - idle)
+        compute, bubble = (
+            (pooled, 0.0) if pooled >= critical else (compute * alone, critical - compute * alone)
+        )
     tokens = _local_tokens(work, layout)
     boundary = tokens * work.config.hidden_size * r / (layout.tp if layout.sequence_parallel else 1)
     fill = (p - 1) * boundary / hw.link(layout.tp * p) if p > 1 else 0.0
@@ -241,12 +259,12 @@ def step_time(work: Workload, layout: Layout, hw: Hardware) -> dict[str, float]:
     else:
         reduce, gather, stepped = _ring(replicas, n * g_bytes, dp_link, hw.latency) + latencies, 0.0, n
     # the buckets' window: the last micro-batch's backward, where communication can overlap
-    last_backward = busiest * 2 / 3 if overlaps(hw, layout) else 0.0
+    last_backward = max(works) * 2 / 3 if overlaps(hw, layout) else 0.0
     last_bucket = min(work.bucket_bytes, n * g_bytes) / (n * g_bytes) * reduce  # launched after backward
     exposed = max(reduce - last_backward, last_bucket) if reduce else 0.0
     optimizer = (ADAMW_BYTES_PER_ELEMENT * stepped + n * g_bytes) / hw.memory_bandwidth  # + the norm's read
     parts = {
-        "compute": m * busiest,
+        "compute": compute,
         "bubble": bubble,
         "pipeline_fill": fill,
         "step_collectives": step_collectives(work, layout, hw),

@@ -28,7 +28,7 @@ computing at once with its collectives (`rank_block_seconds`): each collective w
 slower rank, a cost no latency figure captures. Without tp a rank's block is timed alone and
 scaled by its core share: dp's and pp's ranks meet only at a step's end or a stage boundary, and a
 pipeline's ranks are not all busy at once (timing them busy together ranked pp2 and dp2 worse in
-bench_planner: Spearman 0.61-0.82 against 0.84-0.96). With more ranks than cores a rank that
+bench_planner: Spearman 0.61-0.82 against 0.77-0.96). With more ranks than cores a rank that
 waits for its pipeline peer gives its core away, so the cores never idle (`step_time`). A
 datasheet GPU counts FLOPs at its efficiency. FLOPs come from
 `models/llama_config.py` (6 x matmul weights + the attention scores per token, the head on the

@@ -19,8 +19,9 @@ one thread as a gloo rank runs, in the layout's compute dtype:
   layout has on this machine (up to `MAX_RANKS`), tensor-parallel (`apply_tensor_parallel`,
   sequence parallelism too) with its collectives when tp > 1 (`timing` asks for it under tp only).
   A tp block is not its shard's compute plus the collectives' latency: between busy ranks each
-  collective waits for the slower rank, and that wait grows with the work before it. Measured here (bench_planner's model, tp=2): the shard alone
-  16 ms, the real block 26-39 ms, about 2.5-6 ms per collective where an idle one costs 0.15 ms.
+  collective waits for the slower rank, and that wait grows with the work before it. Measured
+  here (bench_planner's model, tp=2): the shard alone 16 ms, the real block 26-39 ms, about
+  2.5-6 ms per collective where an idle one costs 0.15 ms.
   The ranks stay up for a search (`_Ranks`: a group's set-up costs more than a probe).
 - `head_seconds`: the vocabulary's tp shard of the head and the fused loss, in this process (its
   collectives are counted by `timing`).

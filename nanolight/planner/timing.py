@@ -227,24 +227,29 @@ def step_collectives(work: Workload, layout: Layout, hw: Hardware) -> float:
     return seconds
 
 
+def _pipeline(works: list[float], layout: Layout, hw: Hardware) -> tuple[float, float]:
+    """(compute, bubble) seconds of a step whose pipeline ranks spend `works[stage]` seconds per
+    micro-batch: the busiest stage's m micro-batches, stretched by the schedule's bubble."""
+    p, m = layout.pp, layout.accumulate_grad_batches
+    busiest, idle = m * max(works), bubble_fraction(m, p, layout.pp_virtual)
+    # in the bubble one stage's ranks compute: on shared cores they have the idle ones' share too
+    alone = core_share(hw, layout) / core_share(hw, layout, busy=layout.world_size // p)
+    if p == 1 or not hw.shared_cores or layout.world_size <= hw.shared_cores:
+        return busiest, busiest * idle / (1 - idle) * alone
+    # more ranks than cores: a rank that waits for its pipeline peer gives its core to a busy one,
+    # and the cores never idle -- every rank's work shared out over them, unless the busiest
+    # stage, its cores to itself, is the longer path
+    pooled, critical = m * sum(works) / p, busiest * alone / (1 - idle)
+    return (pooled, 0.0) if pooled >= critical else (busiest * alone, critical - busiest * alone)
+
+
 def step_time(work: Workload, layout: Layout, hw: Hardware) -> dict[str, float]:
     """Seconds of one optimizer step, as parts, and their `total`."""
-    p, v, m = layout.pp, layout.pp_virtual, layout.accumulate_grad_batches
+    p = layout.pp
     replicas = layout.dp * layout.cp  # the ranks holding the same weights: gradients reduce here
     w_bytes, g_bytes, _, r = PRECISION_BYTES[layout.precision]
     works = [micro_batch_work(work, layout, hw, s) for s in range(p)]
-    compute, idle = m * max(works), bubble_fraction(m, p, v)
-    # in the bubble one stage's ranks compute: on shared cores they have the idle ones' share too
-    alone = core_share(hw, layout) / core_share(hw, layout, busy=layout.world_size // p)
-    bubble = compute * idle / (1 - idle) * alone
-    if hw.shared_cores and layout.world_size > hw.shared_cores and p > 1:
-        # more ranks than cores: a rank that waits for its pipeline peer gives its core to a
-        # busy one, and the cores never idle -- every rank's work shared out over them, unless
-        # the busiest stage, its cores to itself, is the longer path
-        pooled, critical = m * sum(works) / p, compute * alone / (1 - idle)
-        compute, bubble = (
-            (pooled, 0.0) if pooled >= critical else (compute * alone, critical - compute * alone)
-        )
+    compute, bubble = _pipeline(works, layout, hw)
     tokens = _local_tokens(work, layout)
     boundary = tokens * work.config.hidden_size * r / (layout.tp if layout.sequence_parallel else 1)
     fill = (p - 1) * boundary / hw.link(layout.tp * p) if p > 1 else 0.0

@@ -6,6 +6,7 @@ runs is."""
 from __future__ import annotations
 
 import multiprocessing
+import time
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,39 @@ def test_block_probe_in_ranks_runs_the_shard_with_its_collectives(
     # 4 query heads do not split over 3 ranks: the ranks' error comes back as one line
     with pytest.raises(RuntimeError, match="the block probe in ranks failed: rank .*"):
         probes.rank_block_seconds(TINY, 2, 16, 3, False, "none", "32-true", 3)
+
+
+def test_in_process_probes_take_the_fastest_run_and_ranks_the_median(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A probe in this process counts its fastest run (another process's load only ever adds
+    time); a probe in ranks the median run, since a collective's wait for the slower rank is paid
+    at every collective of a training run. Runs that take 3, 1, 5 and 2 s on a fake clock (forked
+    ranks inherit it, and each rank's reads the same): 1 s alone, 2.5 s in ranks. Fails if either
+    probe picks the other's run."""
+    durations = [3.0, 1.0, 5.0, 2.0]
+
+    class Clock:
+        """perf_counter as the probes read it: a start, then an end `durations[i]` later."""
+
+        def __init__(self) -> None:
+            self.now, self.reads = 0.0, 0
+
+        def perf_counter(self) -> float:
+            if self.reads % 2:
+                self.now += durations[(self.reads // 2) % len(durations)]
+            self.reads += 1
+            return self.now
+
+        monotonic = staticmethod(time.monotonic)  # the parent's wait for its ranks
+
+    monkeypatch.setattr(probes, "REPEATS", len(durations))
+    monkeypatch.setattr(probes, "BUDGET_S", 1e9)
+    probes.forget_probes()
+    try:
+        monkeypatch.setattr(probes, "time", Clock())
+        assert probes.block_seconds(TINY, 2, 16, "none", "32-true") == 1.0
+        monkeypatch.setattr(probes, "time", Clock())
+        assert probes.rank_block_seconds(TINY, 2, 16, 2, False, "none", "32-true", 2) == 2.5
+    finally:
+        probes.forget_probes()

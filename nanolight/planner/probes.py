@@ -21,7 +21,10 @@ one thread as a gloo rank runs, in the layout's compute dtype:
   A tp block is not its shard's compute plus the collectives' latency: between busy ranks each
   collective waits for the slower rank, and that wait grows with the work before it. Measured
   here (bench_planner's model, tp=2): the shard alone 16 ms, the real block 26-39 ms, about
-  2.5-6 ms per collective where an idle one costs 0.15 ms.
+  2.5-6 ms per collective where an idle one costs 0.15 ms. So the runs' median counts, not the
+  fastest (`RANK_PICK`): the wait is paid at every collective of a training run, and the fastest
+  probe run is the one whose ranks happened to stay in step. In bench_planner the fastest put
+  the tp layouts at 0.64-0.73 of their measured step, the median at 0.89-1.03.
   The ranks stay up for a search (`_Ranks`: a group's set-up costs more than a probe).
 - `head_seconds`: the vocabulary's tp shard of the head and the fused loss, in this process (its
   collectives are counted by `timing`).
@@ -32,6 +35,7 @@ from __future__ import annotations
 import atexit
 import queue
 import socket
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -50,9 +54,12 @@ from nanolight.parallel.blocks import apply_activation_checkpointing
 from nanolight.parallel.context import ParallelContext
 from nanolight.parallel.tensor_parallel.apply import apply_tensor_parallel
 
-REPEATS = 10  # timed runs per probe at most; the fastest counts (other processes' load only ever adds time)
+REPEATS = 10  # timed runs per probe at most; in this process the fastest counts (load only ever adds time)
 BUDGET_S = 0.5  # ... and no more runs once the timed ones took this long (a large block: two runs)
 MAX_RANKS = 8  # forked ranks of a block probe at most; a larger world's contention is scaled (`timing`)
+# the run of a block in ranks that counts: the median -- a collective's wait for the slower rank
+# is paid at every collective of a run, not noise that only ever adds time
+RANK_PICK: Callable[[list[float]], float] = statistics.median
 WAIT_S = 300  # a probe in ranks that has not answered by then has hung (a rank died in a collective)
 
 # the model's tp plan for one block, as `_OneBlock` names its modules ("layers.0.mlp.down_proj")
@@ -116,10 +123,15 @@ def _block_run(
     return run
 
 
-def _fastest(run: Callable[[], object], agree: Callable[[float], float] = float) -> float:
-    """The fastest of up to `REPEATS` timed runs of `run()` on one thread (at least two, then
-    until `BUDGET_S` is spent), after a warm-up run. `agree` turns a run's seconds into the figure
-    that counts (for ranks: the slowest rank's, so that all of them time the same number of runs)."""
+def _timed(
+    run: Callable[[], object],
+    agree: Callable[[float], float] = float,
+    pick: Callable[[list[float]], float] = min,
+) -> float:
+    """The fastest (or what `pick` picks) of up to `REPEATS` timed runs of `run()` on one thread
+    (at least two, then until `BUDGET_S` is spent), after a warm-up run. `agree` turns a run's
+    seconds into the figure that counts (for ranks: the slowest rank's, so that all of them time
+    the same number of runs)."""
     with one_thread():
         run()
         times: list[float] = []
@@ -127,7 +139,7 @@ def _fastest(run: Callable[[], object], agree: Callable[[float], float] = float)
             start = time.perf_counter()
             run()
             times.append(agree(time.perf_counter() - start))
-        return min(times)
+        return pick(times)
 
 
 def block_seconds(config: LlamaConfig, batch: int, seq_len: int, mode: str, precision: str) -> float:
@@ -138,7 +150,7 @@ def block_seconds(config: LlamaConfig, batch: int, seq_len: int, mode: str, prec
         torch.manual_seed(0)
         holder = _OneBlock(config)
         apply_activation_checkpointing(holder, mode)
-        _measured[key] = _fastest(_block_run(holder.layers[0], config, batch, seq_len, seq_len, precision))
+        _measured[key] = _timed(_block_run(holder.layers[0], config, batch, seq_len, seq_len, precision))
     return _measured[key]
 
 
@@ -157,7 +169,7 @@ def head_seconds(config: LlamaConfig, tokens: int, tp: int, precision: str) -> f
                 loss = linear_cross_entropy(hidden, weight, labels)
             loss.backward()
 
-        _measured[key] = _fastest(run)
+        _measured[key] = _timed(run)
     return _measured[key]
 
 
@@ -198,7 +210,7 @@ def _time_block(
         dist.all_reduce(figure, op=dist.ReduceOp.MAX)
         return float(figure)
 
-    return _fastest(run, slowest)
+    return _timed(run, slowest, RANK_PICK)
 
 
 def join_local_gloo(rank: int, world: int, port: int) -> None:

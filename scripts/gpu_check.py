@@ -20,7 +20,14 @@ killed if it still overruns.
 - activation checkpointing (full, selective): gradients equal to the plain backward's;
 - fused AdamW against the foreach one, from the same gradients;
 - the ``bf16-master`` precision against ``bf16-mixed``: the trainer's losses over 8 steps, having
-  checked that it did train bf16 weights with fp32 masters.
+  checked that it did train bf16 weights with fp32 masters;
+- the layout planner against real runs (issue 22's GPU proof): for smollm-135m and smollm-360m on
+  this GPU at T=2048, the planner's pick for one GPU (`nanolight.planner.search.plan`: the
+  device's table figures, the host's cost per block measured on it, `hardware.at_hand`) runs 20
+  steps in NanoTrainer; its predicted peak memory must be
+  within 10% of ``torch.cuda.max_memory_allocated`` and its step time within 20% of the measured
+  median (`nanolight.pretrain.auto.PredictionCheck`, the measurement ``+parallel=auto`` prints).
+  The dry run plans smollm-tiny on this CPU, measured, and compares nothing.
 
 Needs only torch, transformers and safetensors: nanolight is imported part by part (its top level
 is lazy), and the checks that need the trainer say SKIP where its dependencies are missing.
@@ -243,6 +250,32 @@ class Checks:
             "max relative loss difference over 8 steps, bf16-master (bf16 weights, fp32 masters) vs bf16-mixed",
         )
 
+    def planner(self, preset: str) -> tuple[bool, float, str]:
+        """The planner's one-GPU pick for `preset`, run: predicted vs measured peak and step. The
+        peak compared is the tracked parts' (`max_memory_allocated` counts no caching slack); the
+        allocator margin's total is shown beside `max_memory_reserved`."""
+        seq_len = self.seq_len if self.dry_run else PLANNER_SEQ_LEN
+        best, peak, reserved, step = planned_run(self, preset, seq_len)
+        parts = best.memory_bytes
+        allocated, predicted_step = parts["total"] - parts["allocator"], best.step_time_s
+        memory, time_ = allocated / max(peak, 1), predicted_step / step
+        within = abs(memory - 1) <= MEMORY_TOLERANCE and abs(time_ - 1) <= STEP_TOLERANCE
+        measured = "peak RSS growth" if self.device.type == "cpu" else "max_memory_allocated"
+        verdict = (
+            "dry run: not compared"
+            if self.dry_run
+            else f"within {MEMORY_TOLERANCE:.0%} and {STEP_TOLERANCE:.0%}: {'yes' if within else 'no'}"
+        )
+        gib = 2**30
+        return (
+            within or self.dry_run,
+            memory,
+            f"predicted / measured: peak {allocated / gib:.2f} vs {peak / gib:.2f} GiB {measured}, step "
+            f"{predicted_step:.3g} vs {step:.3g} s ({time_:.2f}x); with the allocator margin "
+            f"{parts['total'] / gib:.2f} vs {reserved / gib:.2f} GiB reserved; {preset}, T={seq_len}, "
+            f"{best.layout.overrides()} ({verdict})",
+        )
+
 
 def adamw(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type == "cuda")
@@ -332,6 +365,68 @@ def trainer_losses(
     return watch.losses
 
 
+PLANNER_SEQ_LEN = 2048  # tokens per sequence for the planner's check on a GPU
+PLANNER_SEQUENCES = 16  # the global batch, in sequences: the planner picks its micro-batch split
+MEMORY_TOLERANCE, STEP_TOLERANCE = 0.10, 0.20  # issue 22: peak within 10%, step within 20%
+
+
+def planned_run(checks: Checks, preset: str, seq_len: int) -> tuple[Any, int, int, float]:
+    """The planner's best one-device layout for `preset` at `seq_len`, trained for a few steps in
+    NanoTrainer: the prediction, the measured peak bytes (and reserved, on a GPU) and the median
+    step seconds."""
+    try:
+        from nanolight import NanoModule, NanoTrainer
+        from nanolight.planner.hardware import at_hand, hardware, table_name
+        from nanolight.planner.memory import Workload
+        from nanolight.planner.search import plan
+        from nanolight.pretrain.auto import PredictionCheck
+        from nanolight.strategies import SingleDeviceStrategy
+    except ImportError as exc:
+        raise Skip(f"the trainer's dependencies are not installed ({exc})") from exc
+    device = checks.device
+    if device.type == "cuda":
+        name = table_name(torch.cuda.get_device_name(device))
+        if name is None:
+            raise Skip(f"the planner has no figures for {torch.cuda.get_device_name(device)}")
+        hw = at_hand(hardware(name), device)  # the table's figures, the host's cost per block measured
+    else:
+        hw = hardware("cpu")  # this machine, measured: the dry run
+    config = {**PRESETS[preset]}
+    work = Workload(LlamaConfig(**config), seq_len, device.type)
+    best = plan(work, 1, PLANNER_SEQUENCES * seq_len, hw)[0]
+    if not best.fits:
+        raise RuntimeError(f"the planner finds no layout of {preset} that fits one {hw.name}")
+    layout = best.layout
+    steps, log_every = (4, 2) if checks.dry_run else (20, 5)  # the step's median: of 2 or 4 intervals
+
+    class LM(NanoModule):
+        def configure_model(self) -> None:
+            if not hasattr(self, "model"):
+                self.model = checks.model(**config)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.model(batch, labels=batch)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return adamw(self.model, device)
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, config["vocab_size"], (steps * PLANNER_SEQUENCES, seq_len), generator=g)
+    check = PredictionCheck(best)
+    trainer = NanoTrainer(
+        strategy=SingleDeviceStrategy(device, activation_checkpointing=layout.activation_checkpointing),
+        precision=layout.precision, max_steps=steps, seed=0, log_every_n_steps=log_every,
+        accumulate_grad_batches=layout.accumulate_grad_batches, logger=False, callbacks=[check],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(LM(), train_dataloaders=torch.utils.data.DataLoader(rows, batch_size=layout.micro_batch_size))
+    peak, step = check.measured or (0, None)
+    if step is None:
+        raise RuntimeError(f"the run of {steps} steps timed no logging interval")
+    reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0  # reset at setup
+    return best, peak, reserved, step
+
+
 BENCH_START_UP = 45.0  # seconds: the interpreter, CUDA and transformers' import before the first run
 
 
@@ -382,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     checks.run("activation checkpointing", checks.recompute)
     checks.run("fused AdamW", checks.fused_adamw)
     checks.run("bf16-master vs bf16-mixed", checks.bf16_master)
+    for preset in ("smollm-tiny",) if args.cpu_dry_run else ("smollm-135m", "smollm-360m"):
+        checks.run(f"planner {preset}", lambda preset=preset: checks.planner(preset))
     if not (args.cpu_dry_run or args.no_bench):
         run_bench(checks, args.budget - (time.perf_counter() - start))
     verdict = (

@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from nanolight.planner.layout import Layout
+from nanolight.planner.search import Prediction
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.py"
 ABSENT = ("hydra", "omegaconf", "wandb", "datasets", "lightning_utilities")
@@ -63,6 +66,7 @@ def test_cpu_dry_run_passes_every_cpu_check() -> None:
         "compile",
         "activation checkpointing",
         "fused AdamW",
+        "planner smollm-tiny",
     ):
         assert status[name] == "PASS", done.stdout
     assert status["flash-attn dense"] == status["flash-attn varlen"] == "SKIP"
@@ -75,6 +79,7 @@ def test_cpu_dry_run_on_a_box_with_only_torch_transformers_safetensors() -> None
     status = _lines(done.stdout)
     assert status["sync-free model step"] == status["compile"] == "PASS", done.stdout
     assert status["sync-free trainer steps"] == "SKIP" and "dependencies are not installed" in done.stdout
+    assert status["planner smollm-tiny"] == "SKIP"
 
 
 def _load_gpu_check():
@@ -93,10 +98,32 @@ def test_a_failed_check_fails_the_run(monkeypatch: pytest.MonkeyPatch, capsys: p
         gpu_check.Checks, "sync_free_trainer", lambda self, precision: (True, 0.0, "stand-in")
     )
     monkeypatch.setattr(gpu_check.Checks, "flash", lambda self, documents: (True, 0.0, "stand-in"))
+    monkeypatch.setattr(gpu_check.Checks, "planner", lambda self, preset: (True, 0.0, "stand-in"))
     monkeypatch.setattr(gpu_check.Checks, "fused_adamw", lambda self: (False, 0.5, "stand-in failure"))
     assert gpu_check.main(["--cpu-dry-run"]) == 1
     out = capsys.readouterr().out
     assert "FAIL  fused AdamW" in out and "gpu_check: 1 failed: fused AdamW" in out
+
+
+@pytest.mark.parametrize(
+    ("memory", "step", "passes"),
+    [(1.09, 0.81, True), (0.91, 1.19, True), (1.11, 1.0, False), (1.0, 0.79, False), (1.0, 1.21, False)],
+)
+def test_the_planner_check_holds_the_issue_tolerances(
+    monkeypatch: pytest.MonkeyPatch, memory: float, step: float, passes: bool
+) -> None:
+    """Off the dry run, the planner's check passes only with the prediction's peak (its tracked
+    parts: `max_memory_allocated` counts no allocator slack) within 10% of the measured one and its
+    step within 20% (predicted / measured)."""
+    gpu_check = _load_gpu_check()
+    layout = Layout(micro_batch_size=4, accumulate_grad_batches=4, precision="bf16-master")
+    parts = {"allocator": 2**27, "total": int(memory * 2**30) + 2**27}  # the margin is not compared
+    best = Prediction(layout, parts, {"total": step * 0.5}, 1.0, 0.5, True)
+    monkeypatch.setattr(gpu_check, "planned_run", lambda checks, preset, seq_len: (best, 2**30, 2**31, 0.5))
+    checks = gpu_check.Checks(torch.device("cpu"), 8, dry_run=False)
+    ok, number, what = checks.planner("smollm-135m")
+    assert ok is passes and number == pytest.approx(memory), what
+    assert f"{step:.2f}x" in what and "T=2048" in what and "micro_batch_size=4" in what
 
 
 def test_the_benchmark_gets_what_is_left_of_the_budget(

@@ -175,6 +175,40 @@ def test_cpu_host_costs_block_overhead_and_shared_cores() -> None:
     assert step_time(work, pp2, cpu)["bubble"] == pytest.approx(m * busiest * idle / (1 - idle) * 0.5)
 
 
+def test_a_gpu_at_hand_floors_each_block_at_its_host_cost() -> None:
+    """On a GPU the host issues kernels while earlier ones run: a block takes its FLOPs' time or
+    the host's cost of issuing it, whichever is longer (not their sum, as on a CPU). The floor is
+    what makes a larger micro-batch faster for a small model: without it the pick ties and takes
+    the smallest memory (micro-batch 1)."""
+    work = Workload(LlamaConfig.preset("smollm-135m"), 2048, "cuda")
+    layers = work.config.num_hidden_layers
+    floor = dataclasses.replace(H100, block_overhead=1e-3)
+    one, eight = (
+        Layout(micro_batch_size=m, accumulate_grad_batches=16 // m, precision="bf16-master") for m in (1, 8)
+    )
+    flops = micro_batch_work(work, one, H100, 0)  # the table alone: FLOPs at the efficiency
+    assert flops < layers * 1e-3 < micro_batch_work(work, eight, H100, 0)  # the floor binds only at one
+    assert micro_batch_work(work, one, floor, 0) == pytest.approx(layers * 1e-3)
+    assert micro_batch_work(work, eight, floor, 0) == pytest.approx(micro_batch_work(work, eight, H100, 0))
+    recompute = dataclasses.replace(one, activation_checkpointing="full")
+    assert micro_batch_work(work, recompute, floor, 0) == pytest.approx(layers * 1e-3 * 4 / 3)
+    fixed = {"precision": "bf16-master", "activation_checkpointing": "none"}
+    assert plan(work, 1, 16 * 2048, H100, fixed)[0].layout.micro_batch_size == 1
+    assert plan(work, 1, 16 * 2048, floor, fixed)[0].layout.micro_batch_size > 1
+
+
+def test_at_hand_measures_the_host_cost_on_the_device() -> None:
+    """`at_hand` keeps the table's figures and adds the host's cost of a tiny block's forward and
+    backward on the device (here the CPU: the code path a GPU takes, but for its sync)."""
+    import torch
+
+    from nanolight.planner.hardware import at_hand
+
+    hw = at_hand(H100, torch.device("cpu"))
+    assert 0 < hw.block_overhead < 0.5
+    assert dataclasses.replace(hw, block_overhead=0.0) == H100
+
+
 def test_more_ranks_than_cores_share_out_the_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
     """With more ranks than cores a rank waiting for its pipeline peer gives its core to a busy
     one: the cores never idle, and the step's compute is every stage's work shared out -- unless

@@ -149,6 +149,37 @@ def test_cuda_device_names_map_to_the_table() -> None:
     assert {name: table_name(name) for name in names} == names
 
 
+def test_the_visible_gpu_is_measured_where_one_process_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The visible GPU's table entry gets the host's cost per block measured on it (`at_hand`) when
+    one process plans for the world; under torchrun every rank plans, from the table alone (a
+    measurement could differ between ranks, and they must pick alike); a GPU named for another
+    machine (`+cluster.gpu`) is the table's."""
+    from nanolight.pretrain import auto
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    measured = []
+
+    def at_hand(hw: object, device: torch.device) -> object:
+        measured.append((hw.name, str(device)))
+        return dataclasses.replace(hw, block_overhead=1e-3)
+
+    monkeypatch.setattr(auto, "at_hand", at_hand)
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", PARENT_PID_VAR):
+        monkeypatch.delenv(var, raising=False)
+    config = load_config({"parallel": "auto"})
+    assert auto.local_hardware(config).block_overhead == 1e-3 and measured == [("h100-sxm", "cuda:0")]
+    config.cluster.gpu = "h100-sxm"
+    assert auto.local_hardware(config).block_overhead == 1e-3 and len(measured) == 2
+    config.cluster.gpu = "a100-80gb"
+    assert auto.local_hardware(config) == HARDWARE["a100-80gb"] and len(measured) == 2
+    config.cluster.gpu = None
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert auto.local_hardware(config) == HARDWARE["h100-sxm"] and len(measured) == 2
+
+
 def _no_fit_layers() -> int:
     """Layers of smollm-1.7b whose fp32 weights, gradients and Adam state (16 bytes a parameter, ~67M
     parameters a layer) alone exceed this machine's memory: no layout of one process fits."""

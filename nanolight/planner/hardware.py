@@ -28,6 +28,8 @@ time model adds itself): 0.55. `link_efficiency`: NCCL's bus bandwidth reaches ~
 collective costs ~10-20 us with NCCL within a node and across InfiniBand (nccl-tests' small sizes),
 so each collective is charged latency + bytes / bandwidth (Hockney's model).
 The `cpu` entry is calibrated instead (`calibrate_cpu`): its peak *is* the measured matmul rate.
+A GPU the run is on (`at_hand`) gets the host's cost of issuing a block measured, the floor of
+a small block's time; a table entry alone has none (the step is then its FLOPs).
 """
 
 from __future__ import annotations
@@ -36,14 +38,14 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from nanolight.errors import UsageError
 from nanolight.models.llama import LlamaConfig
-from nanolight.planner.probes import block_seconds, free_port, join_local_gloo, one_thread
+from nanolight.planner.probes import CPU, block_seconds, free_port, join_local_gloo, one_thread
 
 GB = 10**9
 TERA = 10**12
@@ -221,12 +223,21 @@ def _matmul_rates(size: int, cores: int, pairs: int = 3) -> tuple[float, float]:
     return statistics.median(alone), min(1.0, statistics.median(shared)) if shared else 1.0
 
 
-def _block_overhead() -> float:
-    """Seconds of one tiny decoder block's forward and backward on one thread: its FLOPs are
-    negligible, so this is the per-operator host cost every block pays at any size."""
+def _block_overhead(device: torch.device = CPU, precision: str = "32-true") -> float:
+    """Seconds of one tiny decoder block's forward and backward on one thread, on `device`: its
+    FLOPs are negligible, so this is the per-operator host cost every block pays at any size."""
     sizes = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
     tiny = LlamaConfig(**sizes, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8)
-    return block_seconds(tiny, 1, 8, "none", "32-true")
+    return block_seconds(tiny, 1, 8, "none", precision, device)
+
+
+def at_hand(hw: Hardware, device: torch.device) -> Hardware:
+    """`hw`, the table's entry for the GPU `device` is, with the host's cost of a block measured on
+    it. Eager PyTorch issues a block's few dozen kernels one by one; a GPU runs a small block's
+    kernels faster than the host issues them, so that cost is the block's floor
+    (`timing.micro_batch_work`): what makes a larger micro-batch faster for a small model. Timed
+    under bf16 autocast, which issues the most kernels of the GPU precisions."""
+    return replace(hw, block_overhead=_block_overhead(device, "bf16-mixed"))
 
 
 def forked(fn: Callable[[int], Any], n: int) -> list[Any]:

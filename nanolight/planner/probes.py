@@ -14,7 +14,8 @@ a datasheet GPU keeps the FLOP count at a published efficiency (`timing.micro_ba
 The probes are the model's own code under the layout's recompute mode (`parallel/blocks.py`), on
 one thread as a gloo rank runs, in the layout's compute dtype:
 
-- `block_seconds`: one `DecoderLayer`, in this process.
+- `block_seconds`: one `DecoderLayer`, in this process (on a GPU at hand, a tiny one times the
+  host's cost of issuing a block's kernels: `hardware.at_hand`).
 - `rank_block_seconds`: the block in forked gloo ranks computing at once, as many as the
   layout has on this machine (up to `MAX_RANKS`), tensor-parallel (`apply_tensor_parallel`,
   sequence parallelism too) with its collectives when tp > 1 (`timing` asks for it under tp only).
@@ -69,6 +70,7 @@ BLOCK_TP_PLAN = {
     if name.startswith("model.layers.")
 }
 
+CPU = torch.device("cpu")
 _measured: dict[tuple, float] = {}  # probes are kept: a search asks for the same few shapes many times
 
 
@@ -100,25 +102,34 @@ class _OneBlock(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(replace(config, num_hidden_layers=1))])
 
 
-def _autocast(precision: str) -> torch.autocast:
-    """The compute dtype of a precision mode on the CPU: fp32 for 32-true, bf16 otherwise."""
-    return torch.autocast("cpu", torch.bfloat16, enabled=precision != "32-true")
+def _autocast(precision: str, device: torch.device = CPU) -> torch.autocast:
+    """The compute dtype of a precision mode: fp32 for 32-true, bf16 otherwise."""
+    return torch.autocast(device.type, torch.bfloat16, enabled=precision != "32-true")
 
 
 def _block_run(
-    block: nn.Module, config: LlamaConfig, batch: int, seq_len: int, local: int, precision: str
+    block: nn.Module,
+    config: LlamaConfig,
+    batch: int,
+    seq_len: int,
+    local: int,
+    precision: str,
+    device: torch.device = CPU,
 ) -> Callable[[], None]:
-    """One forward + backward of `block` on `batch` sequences of `seq_len` positions, of which the
-    block's input holds `local` (all, or 1/tp under sequence parallelism)."""
-    x = torch.randn(batch, local, config.hidden_size, requires_grad=True)
-    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-    positions = torch.arange(seq_len).expand(batch, seq_len)
+    """One forward + backward of `block` (on `device`) on `batch` sequences of `seq_len` positions,
+    of which the block's input holds `local` (all, or 1/tp under sequence parallelism). On a GPU
+    the run ends when its kernels have."""
+    x = torch.randn(batch, local, config.hidden_size, device=device, requires_grad=True)
+    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
+    positions = torch.arange(seq_len, device=device).expand(batch, seq_len)
 
     def run() -> None:
-        with _autocast(precision):
+        with _autocast(precision, device):
             cos, sin = rope_cos_sin(positions, inv_freq, x.dtype)
             y = block(x, cos, sin)
         y.backward(torch.ones_like(y))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     return run
 
@@ -142,15 +153,18 @@ def _timed(
         return pick(times)
 
 
-def block_seconds(config: LlamaConfig, batch: int, seq_len: int, mode: str, precision: str) -> float:
+def block_seconds(
+    config: LlamaConfig, batch: int, seq_len: int, mode: str, precision: str, device: torch.device = CPU
+) -> float:
     """Seconds of one block's forward + backward (with its recompute under `mode`) on `batch`
-    sequences of `seq_len` tokens, in this process."""
-    key = ("block", repr(config), batch, seq_len, mode, precision)
+    sequences of `seq_len` tokens, in this process, on `device`."""
+    key = ("block", repr(config), batch, seq_len, mode, precision, str(device))
     if key not in _measured:
         torch.manual_seed(0)
-        holder = _OneBlock(config)
+        holder = _OneBlock(config).to(device)
         apply_activation_checkpointing(holder, mode)
-        _measured[key] = _timed(_block_run(holder.layers[0], config, batch, seq_len, seq_len, precision))
+        run = _block_run(holder.layers[0], config, batch, seq_len, seq_len, precision, device)
+        _measured[key] = _timed(run)
     return _measured[key]
 
 

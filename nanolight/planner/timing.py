@@ -30,7 +30,8 @@ scaled by its core share: dp's and pp's ranks meet only at a step's end or a sta
 pipeline's ranks are not all busy at once (timing them busy together ranked pp2 and dp2 worse in
 bench_planner: Spearman 0.61-0.82 against 0.77-0.96). With more ranks than cores a rank that
 waits for its pipeline peer gives its core away, so the cores never idle (`step_time`). A
-datasheet GPU counts FLOPs at its efficiency. FLOPs come from
+datasheet GPU counts FLOPs at its efficiency; the GPU a run is on (`hardware.at_hand`) also
+floors each block at the host's measured cost of issuing its kernels. FLOPs come from
 `models/llama_config.py` (6 x matmul weights + the attention scores per token, the head on the
 last stage); a rank holds 1/cp of each sequence's tokens, and zigzag gives it 1/cp of the causal
 attention. Recompute adds a block's forward again (`full`; `selective` recomputes only
@@ -198,9 +199,12 @@ def micro_batch_work(work: Workload, layout: Layout, hw: Hardware, stage: int) -
         elif mode == "selective" and c.attn_implementation == "eager":
             per_block += attention / 3
         flops = layers * per_block + (6 * head if last else 0)
-        seconds = tokens * flops / tp / rate
-        # the host's fixed cost per block (operator dispatch), paid again by a recomputed forward
-        seconds += layers * hw.block_overhead * (4 / 3 if mode != "none" else 1) / core_share(hw, layout)
+        # the host's fixed cost per block (operator dispatch), paid again by a recomputed forward:
+        # a CPU pays it besides the compute; a GPU runs kernels while the host issues the next
+        # ones, so there it is a floor (what a small block at a small micro-batch takes)
+        host = layers * hw.block_overhead * (4 / 3 if mode != "none" else 1) / core_share(hw, layout)
+        compute = tokens * flops / tp / rate
+        seconds = max(compute, host) if hw.device == "cuda" else compute + host
     link = hw.link(tp)
     for count, nbytes, all_reduce in tp_collectives(work, layout, stage, blocks=not hw.profiled):
         seconds += count * _ring(tp, nbytes, link, hw.latency, all_reduce)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from nanolight.callbacks.throughput import StepTimer
 from nanolight.errors import UsageError
 from nanolight.parallel.environment import detect_environment
-from nanolight.planner.hardware import Hardware, hardware, table_name
+from nanolight.planner.hardware import Hardware, at_hand, hardware, table_name
 from nanolight.planner.layout import Layout
 from nanolight.planner.memory import Workload
 from nanolight.planner.search import Prediction, no_fit_message, plan
@@ -80,24 +80,31 @@ def launched_world(config: PretrainConfig) -> int:
 
 
 def local_hardware(config: PretrainConfig) -> Hardware:
-    """`+cluster.gpu`, else the visible GPU's table entry, else this CPU, measured."""
+    """`+cluster.gpu`, else the visible GPU's table entry, else this CPU, measured. The visible
+    GPU's entry gets the host's cost per block measured on it (`hardware.at_hand`) where one
+    process plans: under torchrun/srun every rank plans, and measurements would differ."""
     if config.cluster.gpu is not None:
         if config.cluster.gpu != "cpu" and not torch.cuda.is_available():
             raise UsageError(
                 f"+cluster.gpu={config.cluster.gpu} but this machine has no GPU: the run would be on its CPU; drop "
                 "+cluster.gpu (the CPU is measured), or plan for that GPU with scripts/plan.py"
             )
-        return hardware(config.cluster.gpu)
-    if not torch.cuda.is_available():
+        hw = hardware(config.cluster.gpu)
+    elif not torch.cuda.is_available():
         return hardware("cpu")
-    device = torch.cuda.get_device_name()
-    name = table_name(device)
-    if name is None:
-        raise UsageError(
-            f"the planner has no figures for this GPU ({device}); name the nearest with +cluster.gpu=<h100-sxm|"
-            "h100-pcie|h200|a100-40gb|a100-80gb|b200>"
-        )
-    return hardware(name)
+    else:
+        device = torch.cuda.get_device_name()
+        name = table_name(device)
+        if name is None:
+            raise UsageError(
+                f"the planner has no figures for this GPU ({device}); name the nearest with +cluster.gpu=<h100-sxm|"
+                "h100-pcie|h200|a100-40gb|a100-80gb|b200>"
+            )
+        hw = hardware(name)
+    visible = torch.cuda.is_available() and table_name(torch.cuda.get_device_name()) == hw.name
+    if visible and detect_environment() is None:
+        return at_hand(hw, torch.device("cuda", torch.cuda.current_device()))
+    return hw
 
 
 def choose_layout(config: PretrainConfig, world: int, hw: Hardware, pinned: dict[str, Any]) -> Prediction:
@@ -177,6 +184,8 @@ class PredictionCheck(StepTimer):
         self.prediction = prediction
         self._times: list[float] = []  # seconds per step, one entry per logging interval
         self._rss0 = 0
+        # (peak bytes of the most loaded rank, median step seconds or None), once training ended
+        self.measured: tuple[int, float | None] | None = None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         # before the model is built: its parameters, gradients and optimizer state count in the growth
@@ -207,12 +216,12 @@ class PredictionCheck(StepTimer):
             most = torch.tensor([peak], dtype=torch.int64, device=device)
             dist.all_reduce(most, op=dist.ReduceOp.MAX)  # every rank sends its peak; all get the largest
             peak = int(most.item())
+        median = statistics.median(self._times) if self._times else None
+        self.measured = (peak, median)
         if not trainer.is_global_zero:
             return
         p = self.prediction
-        step = (
-            f"{statistics.median(self._times):.4g} s (median of {len(self._times)})" if self._times else "n/a"
-        )
+        step = f"{median:.4g} s (median of {len(self._times)})" if median is not None else "n/a"
         print(
             f"nanolight: +parallel=auto predicted vs measured: peak per rank {size(p.memory_bytes['total'])} vs "
             f"{size(peak)} ({kind}, most loaded rank); step {p.step_time_s:.4g} s vs {step}",

@@ -22,10 +22,11 @@ are printed side by side (equal at the same precision; within bf16 rounding acro
 
 The micro-batch is the largest power of two up to --micro-batch at which transformers eager
 (full logits, nothing recomputed: the most memory) fits; every run of a model uses it. Printed
-per run: tokens/s, MFU (`models/llama_config.py`: 6N + 12 L H Q T per token, over the dense bf16 peak:
-989 TFLOP/s for H100/H200 SXM, 756 for H100 PCIe, 835 for NVL, or --peak-tflops), peak memory, step time; then nanolight/transformers
-ratios on the same shapes. Imports only torch, transformers, safetensors and nanolight's model,
-parallel and strategy modules (no hydra, omegaconf, wandb, datasets or lightning-utilities: a
+per run: tokens/s, MFU (`models/llama_config.py`: 6N + 12 L H Q T per token, over the dense bf16
+peak in `planner/hardware.py`'s table: 989 TFLOP/s for H100/H200 SXM, 756 for H100 PCIe, 835 for
+NVL; or --peak-tflops), peak memory, step time; then nanolight/transformers ratios on the same
+shapes. Imports only torch, transformers, safetensors and nanolight's model, parallel, planner and
+strategy modules (no hydra, omegaconf, wandb, datasets or lightning-utilities: a
 test runs it where they are missing): a bare GPU box runs it.
 """
 
@@ -45,25 +46,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a source checkou
 from nanolight.models import LlamaConfig, LlamaForCausalLM, flash_attn_available, flops_per_token  # noqa: E402
 from nanolight.models.hf_adapter import nanolight_to_hf_state_dict  # noqa: E402
 from nanolight.parallel.blocks import apply_activation_checkpointing, compile_blocks  # noqa: E402
+from nanolight.planner.hardware import HARDWARE, table_name  # noqa: E402
 from nanolight.precision import Precision  # noqa: E402
 from nanolight.strategies.base import SingleDeviceStrategy  # noqa: E402
 
-# Dense bf16 peak (NVIDIA's datasheets halve the "with sparsity" figure), by a piece of
-# torch.cuda.get_device_name, most specific first: the PCIe and NVL boards run at lower clocks and
-# power than SXM ("NVIDIA H100 80GB HBM3" is the SXM part; "NVIDIA H100 PCIe", "NVIDIA H100 NVL").
-PEAK_BF16 = [
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H200 NVL", 835e12),
-    ("H100", 989e12),
-    ("H200", 989e12),  # and GH200
-    ("A100", 312e12),  # SXM and PCIe alike
-]
-
 
 def peak_bf16(device_name: str) -> float | None:
-    """The dense bf16 peak of the GPU called `device_name`; None when unknown (pass --peak-tflops)."""
-    return next((flops for piece, flops in PEAK_BF16 if piece in device_name), None)
+    """The dense bf16 peak of the GPU called `device_name` (the planner's table, which
+    `ThroughputMonitor` reads too); None when unknown (pass --peak-tflops)."""
+    name = table_name(device_name)
+    return None if name is None else HARDWARE[name].bf16_flops
 
 
 DEFAULT_MICRO_BATCH = {"smollm-1.7b": 8, "smollm-360m": 16}

@@ -4,8 +4,9 @@
         +cluster.gpu=h100-sxm +plan.global_batch_tokens=2097152 [--json]
 
 The recipe's own config keys (composed with `conf/` exactly as `recipes/smollm.py` does), plus
-`+cluster.gpus`, `+cluster.gpu` (h100-sxm, h100-pcie, h200, a100-40gb, a100-80gb, b200, or cpu:
-this machine, measured now) and `+plan.global_batch_tokens`. A knob named on the command line
+`+cluster.gpus`, `+cluster.gpu` (`planner/hardware.py`'s table: h100-sxm, h100-pcie, h100-nvl,
+h200, h200-nvl, a100-40gb, a100-80gb, b200, l40s, l4, a10, rtx-4090; or cpu: this machine,
+measured now) and `+plan.global_batch_tokens`. A knob named on the command line
 (`+parallel.tp=2`, `trainer.micro_batch_size=4`, `trainer.precision=...`,
 `trainer.activation_checkpointing=...`, ...) is pinned; the others are searched. `+plan.top=N`
 limits the rows (the table shows 25 unless told). The table is sorted: layouts that fit first,

@@ -141,6 +141,7 @@ def test_accumulation_sizes_the_global_batch(monkeypatch: pytest.MonkeyPatch) ->
 def test_cuda_device_names_map_to_the_table() -> None:
     names = {
         "NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA H100 PCIe": "h100-pcie", "NVIDIA H200": "h200",
+        "NVIDIA H100 NVL": "h100-nvl", "NVIDIA H200 NVL": "h200-nvl", "NVIDIA GH200 480GB": "h200",
         "NVIDIA A100-SXM4-40GB": "a100-40gb", "NVIDIA A100-SXM4-80GB": "a100-80gb", "NVIDIA B200": "b200",
         "NVIDIA L40S": "l40s", "NVIDIA L4": "l4", "NVIDIA L40": None, "NVIDIA A10": "a10",
         "NVIDIA A100 80GB PCIe": "a100-80gb", "NVIDIA GeForce RTX 4090": "rtx-4090",

@@ -8,6 +8,9 @@ direction, the rate a ring collective's every step runs at):
   the PCIe card talks over PCIe Gen5 x16 (64 GB/s each way; its NVLink bridge joins pairs only).
 - H200 SXM: NVIDIA H200 datasheet: BF16 989 TFLOPS, TF32 495, FP32 67, 141 GB HBM3e at 4.8 TB/s,
   NVLink 900 GB/s.
+- H100 NVL / H200 NVL (PCIe boards at lower clocks and power): NVIDIA's datasheets: BF16 835 TFLOPS,
+  TF32 418, FP32 60, 94 GB HBM3 at 3.9 TB/s / 141 GB HBM3e at 4.8 TB/s; their NVLink bridges join
+  two (or four) boards, so a group of a node talks over PCIe Gen5 x16, as the H100 PCIe's.
 - A100 SXM 40 / 80 GB: NVIDIA A100 datasheet: BF16 312 TFLOPS, TF32 156, FP32 19.5, HBM2(e) at
   1.555 / 2.039 TB/s, NVLink 600 GB/s (300 each way).
 - B200: NVIDIA HGX B200 / DGX B200 datasheets: 180 GB HBM3e at 8 TB/s, FP8 72 PFLOPS sparse per
@@ -111,6 +114,8 @@ HARDWARE: dict[str, Hardware] = {
     "h100-sxm": _gpu("h100-sxm", 989, 495, 80, 3.35, 450, 50, 67),
     "h100-pcie": _gpu("h100-pcie", 756, 378, 80, 2.0, 64, 50, 51),
     "h200": _gpu("h200", 989, 495, 141, 4.8, 450, 50, 67),
+    "h100-nvl": _gpu("h100-nvl", 835, 418, 94, 3.9, 64, 50, 60),
+    "h200-nvl": _gpu("h200-nvl", 835, 418, 141, 4.8, 64, 50, 60),
     "a100-40gb": _gpu("a100-40gb", 312, 156, 40, 1.555, 300, 25, 19.5),
     "a100-80gb": _gpu("a100-80gb", 312, 156, 80, 2.039, 300, 25, 19.5),
     "b200": _gpu("b200", 2250, 1100, 180, 8.0, 900, 50, 75),
@@ -135,8 +140,10 @@ def hardware(name: str) -> Hardware:
 # the table's entry for a device name as `torch.cuda.get_device_name` reports it, most specific first
 DEVICE_NAMES = (
     ("h100 pcie", "h100-pcie"),
+    ("h100 nvl", "h100-nvl"),
     ("h100", "h100-sxm"),
-    ("h200", "h200"),
+    ("h200 nvl", "h200-nvl"),
+    ("h200", "h200"),  # and GH200
     ("a100-sxm4-40gb", "a100-40gb"),
     ("a100-pcie-40gb", "a100-40gb"),
     ("a100", "a100-80gb"),

@@ -83,28 +83,26 @@ def local_hardware(config: PretrainConfig) -> Hardware:
     """`+cluster.gpu`, else the visible GPU's table entry, else this CPU, measured. The visible
     GPU's entry gets the host's cost per block measured on it (`hardware.at_hand`) where one
     process plans: under torchrun/srun every rank plans, and measurements would differ."""
-    if config.cluster.gpu is not None:
-        if config.cluster.gpu != "cpu" and not torch.cuda.is_available():
-            raise UsageError(
-                f"+cluster.gpu={config.cluster.gpu} but this machine has no GPU: the run would be on its CPU; drop "
-                "+cluster.gpu (the CPU is measured), or plan for that GPU with scripts/plan.py"
-            )
-        hw = hardware(config.cluster.gpu)
-    elif not torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name() if cuda else None
+    visible = table_name(device) if device is not None else None
+    name = config.cluster.gpu
+    if name is None and not cuda:
         return hardware("cpu")
-    else:
-        device = torch.cuda.get_device_name()
-        name = table_name(device)
-        if name is None:
-            raise UsageError(
-                f"the planner has no figures for this GPU ({device}); name the nearest with +cluster.gpu=<h100-sxm|"
-                "h100-pcie|h200|a100-40gb|a100-80gb|b200>"
-            )
-        hw = hardware(name)
-    visible = torch.cuda.is_available() and table_name(torch.cuda.get_device_name()) == hw.name
-    if visible and detect_environment() is None:
-        return at_hand(hw, torch.device("cuda", torch.cuda.current_device()))
-    return hw
+    if name is None and visible is None:
+        raise UsageError(
+            f"the planner has no figures for this GPU ({device}); name the nearest with +cluster.gpu=<h100-sxm|"
+            "h100-pcie|h200|a100-40gb|a100-80gb|b200>"
+        )
+    if name is not None and name != "cpu" and not cuda:
+        raise UsageError(
+            f"+cluster.gpu={name} but this machine has no GPU: the run would be on its CPU; drop "
+            "+cluster.gpu (the CPU is measured), or plan for that GPU with scripts/plan.py"
+        )
+    name = name or visible
+    if name == visible and detect_environment() is None:
+        return at_hand(hardware(name), torch.device("cuda", torch.cuda.current_device()))
+    return hardware(name)
 
 
 def choose_layout(config: PretrainConfig, world: int, hw: Hardware, pinned: dict[str, Any]) -> Prediction:

@@ -2,7 +2,8 @@
 
 The fused head + loss (`models/fused_loss.py`) against ``F.cross_entropy`` on full logits, the
 RoPE, RMSNorm and SwiGLU autograd Functions against the plain-op versions (which `torch.compile`
-uses), and the CPU MLP's regrouped projection against the stride-2 unbinding.
+uses), the CPU MLP's regrouped projection against the stride-2 unbinding, and the CPU's chunked
+causal attention against ``F.scaled_dot_product_attention``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanolight.models import LlamaConfig
+import nanolight.models.attention as attention
+from nanolight.models import LlamaConfig, LlamaForCausalLM
 from nanolight.models.fused_loss import linear_cross_entropy
 from nanolight.models.llama import RMSNorm, SwiGLU, _rms_plain, _SwiGLU
 from nanolight.models.llama_rope import _Rope, apply_rope, rope_cos_sin, rope_inv_freq, rope_qkv
@@ -196,3 +198,64 @@ def test_swiglu_function_matches_autograd_bit_for_bit(interleaved):
     ref, (g_ref,) = _grads(plain, gate_up)
     out, (g_out,) = _grads(lambda: _SwiGLU.apply(gate_up, interleaved), gate_up)
     assert torch.equal(out, ref) and torch.equal(g_out, g_ref)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "T", "dtype"),
+    [
+        (5, 1, 256, torch.float32),  # multi-query, whole chunks
+        (6, 2, 200, torch.float32),  # grouped-query, a short last chunk
+        (3, 3, 130, torch.float32),  # full multi-head
+        (4, 4, 64, torch.float32),  # one chunk: SDPA itself
+        (4, 2, 150, torch.bfloat16),
+    ],
+)
+def test_chunked_causal_attention_matches_sdpa(heads, kv_heads, T, dtype):
+    """Chunks of queries over their key prefixes give SDPA's causal attention: output and all
+    three gradients (key and value gradients summed over chunks in fp32)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(2, n, T, 32, generator=g).to(dtype).requires_grad_() for n in (heads, kv_heads, kv_heads)
+    )
+    ref, g_ref = _grads(
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads), q, k, v
+    )
+    out, g_out = _grads(lambda: attention.causal_cpu(q, k, v), q, k, v)
+    assert out.dtype == dtype and [t.dtype for t in g_out] == [dtype] * 3
+    tol = {"rtol": 1.3e-6, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(out, ref, **tol)
+    for a, b in zip(g_out, g_ref, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_the_models_cpu_attention_runs_one_kernel_call_per_query_chunk(monkeypatch):
+    """The model's SDPA attention on CPU takes the chunked path: one CPU flash call per chunk of 64
+    queries over the keys up to the chunk's end (not one 200 x 200 call, which below ~1k tokens
+    costs as much as non-causal attention), in forward and in backward."""
+    shapes = {"forward": [], "backward": []}
+    kernel, kernel_backward = attention.cpu_flash, attention.cpu_flash_backward
+
+    def forward(q, k, v, causal, bias=None, scale=None):
+        shapes["forward"].append((q.shape[2], k.shape[2], causal))
+        return kernel(q, k, v, causal, bias, scale)
+
+    def backward(grad, q, k, v, out, lse, causal, bias=None, scale=None):
+        shapes["backward"].append((q.shape[2], k.shape[2], causal))
+        return kernel_backward(grad, q, k, v, out, lse, causal, bias, scale)
+
+    monkeypatch.setattr(attention, "cpu_flash", forward)
+    monkeypatch.setattr(attention, "cpu_flash_backward", backward)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 200))
+    model(ids, labels=ids).backward()
+    chunks = [(64, 64, True), (64, 128, False), (64, 192, False), (8, 200, False)]
+    assert shapes == {"forward": chunks, "backward": chunks}

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanolight.models.attention import Documents
+from nanolight.models.attention import Documents, cpu_flash, cpu_flash_backward
 from nanolight.parallel.p2p import post
 
 
@@ -217,9 +217,7 @@ class CpuFlashKernel:
     def forward(self, b: Block) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v, causal, same, scale = b.q, b.k, b.v, b.causal, b.same, b.scale
         bias = None if same is None else _additive(same, q.dtype)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=bias, scale=scale
-        )
+        out, lse = cpu_flash(q, k, v, causal, bias, scale)
         if same is not None:
             sees = _visible(causal, same, q.shape[2], q.device).any(-1)  # (B, 1, c)
             lse = lse.masked_fill(~sees, float("-inf"))
@@ -230,18 +228,7 @@ class CpuFlashKernel:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v, causal, same, scale = b.q, b.k, b.v, b.causal, b.same, b.scale
         bias = None if same is None else _additive(same, q.dtype)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do.to(q.dtype).contiguous(),
-            q,
-            k,
-            v,
-            out.to(q.dtype).contiguous(),
-            lse.contiguous(),
-            0.0,
-            causal,
-            attn_mask=bias,
-            scale=scale,
-        )
+        dq, dk, dv = cpu_flash_backward(do.to(q.dtype), q, k, v, out.to(q.dtype), lse, causal, bias, scale)
         return dq.float(), dk.float(), dv.float()
 
 

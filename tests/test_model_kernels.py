@@ -201,26 +201,38 @@ def test_swiglu_function_matches_autograd_bit_for_bit(interleaved):
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "T", "dtype"),
+    ("heads", "kv_heads", "T", "dtype", "packed"),
     [
-        (5, 1, 256, torch.float32),  # multi-query, whole chunks
-        (6, 2, 200, torch.float32),  # grouped-query, a short last chunk
-        (3, 3, 130, torch.float32),  # full multi-head
-        (4, 4, 64, torch.float32),  # one chunk: SDPA itself
-        (4, 2, 150, torch.bfloat16),
+        (5, 1, 256, torch.float32, False),  # multi-query, whole chunks
+        (6, 2, 200, torch.float32, False),  # grouped-query, a short last chunk
+        (3, 3, 130, torch.float32, False),  # full multi-head
+        (4, 4, 64, torch.float32, False),  # one chunk: SDPA itself
+        (4, 2, 150, torch.bfloat16, False),
+        (6, 2, 200, torch.float32, True),  # packed documents: their mask, a chunk's rows at a time
+        (4, 2, 150, torch.bfloat16, True),
     ],
 )
-def test_chunked_causal_attention_matches_sdpa(heads, kv_heads, T, dtype):
-    """Chunks of queries over their key prefixes give SDPA's causal attention: output and all
-    three gradients (key and value gradients summed over chunks in fp32)."""
+def test_chunked_causal_attention_matches_sdpa(heads, kv_heads, T, dtype, packed):
+    """Chunks of queries over their key prefixes give SDPA's causal attention (with packed
+    documents: SDPA under the documents' dense mask): output and all three gradients (key and
+    value gradients summed over chunks in fp32)."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (
         torch.randn(2, n, T, 32, generator=g).to(dtype).requires_grad_() for n in (heads, kv_heads, kv_heads)
     )
+    allowed = None
+    if packed:  # documents of random lengths, one starting in the middle of a chunk
+        allowed = attention.Documents((torch.rand(2, T, generator=g) < 0.03).cumsum(1)).mask()
+    gqa = heads != kv_heads
     ref, g_ref = _grads(
-        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads), q, k, v
+        lambda: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, is_causal=allowed is None, enable_gqa=gqa
+        ),
+        q,
+        k,
+        v,
     )
-    out, g_out = _grads(lambda: attention.causal_cpu(q, k, v), q, k, v)
+    out, g_out = _grads(lambda: attention.causal_cpu(q, k, v, allowed), q, k, v)
     assert out.dtype == dtype and [t.dtype for t in g_out] == [dtype] * 3
     tol = {"rtol": 1.3e-6, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(out, ref, **tol)
@@ -231,7 +243,7 @@ def test_chunked_causal_attention_matches_sdpa(heads, kv_heads, T, dtype):
 def test_the_models_cpu_attention_runs_one_kernel_call_per_query_chunk(monkeypatch):
     """The model's SDPA attention on CPU takes the chunked path: one CPU flash call per chunk of 64
     queries over the keys up to the chunk's end (not one 200 x 200 call, which below ~1k tokens
-    costs as much as non-causal attention), in forward and in backward."""
+    costs as much as non-causal attention), in forward and in backward, with packed documents too."""
     shapes = {"forward": [], "backward": []}
     kernel, kernel_backward = attention.cpu_flash, attention.cpu_flash_backward
 
@@ -258,4 +270,10 @@ def test_the_models_cpu_attention_runs_one_kernel_call_per_query_chunk(monkeypat
     ids = torch.randint(0, 64, (2, 200))
     model(ids, labels=ids).backward()
     chunks = [(64, 64, True), (64, 128, False), (64, 192, False), (8, 200, False)]
+    assert shapes == {"forward": chunks, "backward": chunks}
+    shapes = {"forward": [], "backward": []}  # packed documents: every chunk under their mask
+    model(
+        ids, labels=ids, document_ids=torch.arange(200).div(50, rounding_mode="floor").expand(2, 200)
+    ).backward()
+    chunks = [(64, 64, False), (64, 128, False), (64, 192, False), (8, 200, False)]
     assert shapes == {"forward": chunks, "backward": chunks}

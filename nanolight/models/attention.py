@@ -17,10 +17,11 @@ flash_attention_2; on a GPU with SDPA, FlexAttention with a block mask built fro
 starts (O(T) memory: no T x T mask, fully masked tiles skipped); else (CPU, eager) a dense
 block-diagonal causal mask, the reference the others are tested against.
 
-Causal attention on CPU (SDPA, no documents) runs PyTorch's CPU flash kernel on chunks of
+Causal attention on CPU (SDPA, documents or not) runs PyTorch's CPU flash kernel on chunks of
 `CPU_CAUSAL_CHUNK` queries, each over the keys up to its last query (`causal_cpu`): the kernel
-tiles keys by 512 and skips only whole tiles past the diagonal, so below ~1k tokens one causal
-call costs what a full (non-causal) one does; the chunks skip the masked half.
+tiles keys by 512 and skips only whole tiles past the diagonal, and visits every key with a mask,
+so below ~1k tokens one causal call costs what a full (non-causal) one does; the chunks skip the
+masked half, and a documents' mask is read a chunk's rows at a time.
 
 flash-attn takes only fp16/bf16 and one dtype for q, k and v: the model hands it q, k, v in the
 projections' dtype (RoPE keeps its input's dtype), and under fp32 (`32-true`) the kernel runs in
@@ -206,7 +207,8 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Document
 
 # query rows per call of the CPU flash kernel in `causal_cpu`. fwd+bwd, B=4, one thread, torch
 # 2.13, AMD EPYC, as a share of one causal call: 5 heads / 1 kv head at T=256: 0.77 (chunks of
-# 32: 0.78, 128: 0.90); 6 / 2 at 256: 0.77; 3 / 3 at 256: 0.89; 5 / 1 at 512: 0.64; 9 / 3 at 1024: 0.88
+# 32: 0.78, 128: 0.90); 6 / 2 at 256: 0.77; 3 / 3 at 256: 0.89; 5 / 1 at 512: 0.64; 9 / 3 at 1024:
+# 0.88. With a documents' mask (two threads) 9 / 3 at 1024: 0.61 of one masked call, 512: 0.64
 CPU_CAUSAL_CHUNK = 64
 CPU_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what PyTorch's CPU flash kernel takes
 
@@ -254,44 +256,52 @@ def cpu_flash_backward(
     )
 
 
-def _chunk_bias(start: int, stop: int, like: torch.Tensor) -> torch.Tensor | None:
-    """Additive mask of queries [start, stop) over keys [0, stop): query i sees key j <= i.
-    None for the first chunk, whose top-left causal call is already right."""
-    if start == 0:
+def _chunk_bias(
+    start: int, stop: int, like: torch.Tensor, allowed: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Additive mask of queries [start, stop) over keys [0, stop): query i sees key j <= i, or
+    what `allowed` ((B, 1, T, T) bool, causal already) says. None for the first chunk without
+    documents, whose top-left causal call is already right."""
+    if allowed is not None:
+        sees = allowed[:, :, start:stop, :stop]
+    elif start == 0:
         return None
-    sees = torch.ones(stop - start, stop, dtype=torch.bool, device=like.device).tril(start)
+    else:
+        sees = torch.ones(stop - start, stop, dtype=torch.bool, device=like.device).tril(start)
     return torch.zeros(sees.shape, dtype=like.dtype, device=like.device).masked_fill_(~sees, float("-inf"))
 
 
 class _ChunkedCausal(torch.autograd.Function):
     """`causal_cpu`: one CPU flash call per chunk of queries, over the keys up to the chunk's last
-    query. Forward writes each chunk's output into one (B, T, H, D) buffer (heads then merge
+    query (with documents, their mask's rows and columns for that chunk). Forward writes each chunk's output into one (B, T, H, D) buffer (heads then merge
     without a copy); backward adds each chunk's key and value gradients into whole-length fp32 buffers."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> torch.Tensor:
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, chunk: int
+    ) -> torch.Tensor:
         B, H, T, D = q.shape
         y = q.new_empty(B, T, H, D)
         saved = []
         for start in range(0, T, chunk):
             stop = min(start + chunk, T)
-            bias = _chunk_bias(start, stop, q)
+            bias = _chunk_bias(start, stop, q, allowed)
             out, lse = cpu_flash(q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], bias is None, bias)
             y[:, start:stop] = out.transpose(1, 2)
             saved += [out, lse]
-        ctx.save_for_backward(q, k, v, *saved)
+        ctx.save_for_backward(q, k, v, allowed, *saved)
         ctx.chunk = chunk
         return y.transpose(1, 2)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
-        q, k, v, *saved = ctx.saved_tensors
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+        q, k, v, allowed, *saved = ctx.saved_tensors
         T = q.shape[2]
         dq = torch.empty_like(q)
         dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (k, v))  # summed over chunks in fp32
         for i, start in enumerate(range(0, T, ctx.chunk)):
             stop = min(start + ctx.chunk, T)
-            bias = _chunk_bias(start, stop, q)
+            bias = _chunk_bias(start, stop, q, allowed)
             out, lse = saved[2 * i], saved[2 * i + 1]
             rows, keys = slice(start, stop), slice(0, stop)
             gq, gk, gv = cpu_flash_backward(
@@ -300,23 +310,31 @@ class _ChunkedCausal(torch.autograd.Function):
             dq[:, :, rows] = gq
             dk[:, :, keys] += gk
             dv[:, :, keys] += gv
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def causal_cpu(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int = CPU_CAUSAL_CHUNK
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None = None,
+    chunk: int = CPU_CAUSAL_CHUNK,
 ) -> torch.Tensor:
     """Causal attention on CPU in chunks of `chunk` queries (module doc): (B, H, T, D) queries,
-    (B, kv_heads, T, D) keys and values -> (B, H, T, D), SDPA's result."""
+    (B, kv_heads, T, D) keys and values -> (B, H, T, D), SDPA's result; `allowed` (B, 1, T, T)
+    bool: packed documents' mask (`Documents.mask`), None for plain causal attention."""
     if q.shape[2] <= chunk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.size(1) != k.size(1))
-    return _ChunkedCausal.apply(q, k, v, chunk)
+        gqa = q.size(1) != k.size(1)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, is_causal=allowed is None, enable_gqa=gqa
+        )
+    return _ChunkedCausal.apply(q, k, v, allowed, chunk)
 
 
 def _chunked_causal_applies(q: torch.Tensor, implementation: str, documents: Documents | None) -> bool:
     return (
         implementation == "sdpa"
-        and documents is None
+        and (documents is None or documents.kernel == "dense")
         and q.device.type == "cpu"
         and q.dtype in CPU_FLASH_DTYPES
         and not torch.compiler.is_compiling()  # inductor lowers SDPA itself
@@ -332,10 +350,10 @@ def attend(
         documents.prepare(implementation)
     if documents is not None and documents.kernel == "flex":
         return _flex(q, k, v, documents)
-    if _chunked_causal_applies(q, implementation, documents):
-        return causal_cpu(q, k, v)
-    r = q.size(1) // k.size(1)
     mask = documents.mask() if documents is not None else None
+    if _chunked_causal_applies(q, implementation, documents):
+        return causal_cpu(q, k, v, mask)
+    r = q.size(1) // k.size(1)
     if implementation == "sdpa" and _SDPA_HAS_GQA:
         # sdpa maps query head h to kv head h // r itself, without materialising copies of k, v.
         return F.scaled_dot_product_attention(

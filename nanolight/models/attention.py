@@ -241,13 +241,15 @@ def cpu_flash_backward(
     bias: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`cpu_flash`'s gradients (dq, dk, dv) from the forward's output and log-sum-exp."""
+    """`cpu_flash`'s gradients (dq, dk, dv) from the forward's output and log-sum-exp. The kernel
+    reads `grad` and `out` through their strides (its own output is (B, L, H, D) in memory):
+    a chunk of rows or a transposed view needs no copy."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad.contiguous(),
+        grad,
         q,
         k,
         v,
-        out.contiguous(),
+        out,
         lse.contiguous(),
         0.0,
         causal,

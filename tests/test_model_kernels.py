@@ -277,3 +277,43 @@ def test_the_models_cpu_attention_runs_one_kernel_call_per_query_chunk(monkeypat
     ).backward()
     chunks = [(64, 64, False), (64, 128, False), (64, 192, False), (8, 200, False)]
     assert shapes == {"forward": chunks, "backward": chunks}
+    # longer than one key tile: causal attention is one SDPA call (the kernel's tiles skip most of
+    # the masked half), a documents' mask still chunks (a masked call visits every key)
+    ids = torch.randint(0, 64, (1, 520))
+    shapes = {"forward": [], "backward": []}
+    model(ids, labels=ids).backward()
+    assert shapes == {"forward": [], "backward": []}
+    model(ids, labels=ids, document_ids=torch.zeros_like(ids)).backward()
+    assert len(shapes["forward"]) == len(shapes["backward"]) == 9
+
+
+def test_chunked_causal_attention_holds_what_one_sdpa_call_holds():
+    """For backward the chunks keep what one SDPA call keeps (q, k, v, the output, the log-sum-exp):
+    the chunks' outputs are written into one output buffer, laid out as the kernel's own (tokens
+    before heads), and read back from it; the output projection's input is a view of it, as of
+    SDPA's output, not a copy."""
+
+    def saved_bytes(fn):
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        return sum(storages.values())
+
+    g = torch.Generator().manual_seed(0)
+    # laid out as the model's: (B, T, heads, D) in memory, seen as (B, heads, T, D)
+    q, k, v = (torch.randn(2, 200, n, 32, generator=g).transpose(1, 2).requires_grad_() for n in (6, 2, 2))
+    o_proj = torch.nn.Linear(6 * 32, 8, bias=False)
+
+    def layer(attend):  # what the model's attention layer does with the result: heads merged, projected
+        return lambda: o_proj(attend().transpose(1, 2).reshape(2, 200, 6 * 32))
+
+    sdpa = saved_bytes(
+        layer(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    )
+    chunked = saved_bytes(layer(lambda: attention.causal_cpu(q, k, v)))
+    assert chunked == sdpa

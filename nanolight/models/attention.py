@@ -17,11 +17,12 @@ flash_attention_2; on a GPU with SDPA, FlexAttention with a block mask built fro
 starts (O(T) memory: no T x T mask, fully masked tiles skipped); else (CPU, eager) a dense
 block-diagonal causal mask, the reference the others are tested against.
 
-Causal attention on CPU (SDPA, documents or not) runs PyTorch's CPU flash kernel on chunks of
-`CPU_CAUSAL_CHUNK` queries, each over the keys up to its last query (`causal_cpu`): the kernel
-tiles keys by 512 and skips only whole tiles past the diagonal, and visits every key with a mask,
-so below ~1k tokens one causal call costs what a full (non-causal) one does; the chunks skip the
-masked half, and a documents' mask is read a chunk's rows at a time.
+Causal attention on CPU (SDPA) runs PyTorch's CPU flash kernel on chunks of `CPU_CAUSAL_CHUNK`
+queries, each over the keys up to its last query (`causal_cpu`), where one call wastes work: the
+kernel tiles keys by 512 and skips only whole tiles past the diagonal, and visits every key when
+given a mask, so up to 512 tokens a causal call, and at any length a documents' masked call, costs
+what full (non-causal) attention does. The chunks skip the masked half, and a documents' mask is
+read a chunk's rows at a time.
 
 flash-attn takes only fp16/bf16 and one dtype for q, k and v: the model hands it q, k, v in the
 projections' dtype (RoPE keeps its input's dtype), and under fp32 (`32-true`) the kernel runs in
@@ -207,9 +208,14 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Document
 
 # query rows per call of the CPU flash kernel in `causal_cpu`. fwd+bwd, B=4, one thread, torch
 # 2.13, AMD EPYC, as a share of one causal call: 5 heads / 1 kv head at T=256: 0.77 (chunks of
-# 32: 0.78, 128: 0.90); 6 / 2 at 256: 0.77; 3 / 3 at 256: 0.89; 5 / 1 at 512: 0.64; 9 / 3 at 1024:
-# 0.88. With a documents' mask (two threads) 9 / 3 at 1024: 0.61 of one masked call, 512: 0.64
+# 32: 0.78, 128: 0.90); 6 / 2 at 256: 0.77; 3 / 3 at 256: 0.89; 5 / 1 at 512: 0.64. With a
+# documents' mask (two threads), 9 heads / 3 kv at T=1024: 0.61 of one masked call, 512: 0.64
 CPU_CAUSAL_CHUNK = 64
+# keys per tile of the CPU kernel: a causal call skips the tiles wholly past its queries and
+# nothing within one, so only up to one tile is all of it wasted. Longer, chunks measured 0.88-1.03
+# of one call at T=1024 and 1.15-1.27 at 2048-4096 (B=1-4, 4-9 heads): causal attention chunks
+# only up to here
+CPU_FLASH_KEY_TILE = 512
 CPU_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what PyTorch's CPU flash kernel takes
 
 
@@ -275,39 +281,46 @@ def _chunk_bias(
 
 class _ChunkedCausal(torch.autograd.Function):
     """`causal_cpu`: one CPU flash call per chunk of queries, over the keys up to the chunk's last
-    query (with documents, their mask's rows and columns for that chunk). Forward writes each chunk's output into one (B, T, H, D) buffer (heads then merge
-    without a copy); backward adds each chunk's key and value gradients into whole-length fp32 buffers."""
+    query (with documents, their mask's rows and columns for that chunk). Each chunk's output is
+    written into one (B, T, H, D) buffer, the layout the kernel itself returns (heads then merge
+    without a copy), which is also what backward reads: the same tensors held as one SDPA call's.
+    Key and value gradients are summed over chunks in fp32."""
 
     @staticmethod
     def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, chunk: int
     ) -> torch.Tensor:
         B, H, T, D = q.shape
-        y = q.new_empty(B, T, H, D)
-        saved = []
+        y = q.new_empty(B, T, H, D).transpose(1, 2)  # (B, H, T, D), tokens before heads in memory
+        lses = []
         for start in range(0, T, chunk):
             stop = min(start + chunk, T)
             bias = _chunk_bias(start, stop, q, allowed)
             out, lse = cpu_flash(q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], bias is None, bias)
-            y[:, start:stop] = out.transpose(1, 2)
-            saved += [out, lse]
-        ctx.save_for_backward(q, k, v, allowed, *saved)
+            y[:, :, start:stop] = out
+            lses.append(lse)
+        ctx.save_for_backward(q, k, v, allowed, y, *lses)
         ctx.chunk = chunk
-        return y.transpose(1, 2)
+        return y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
-        q, k, v, allowed, *saved = ctx.saved_tensors
-        T = q.shape[2]
+        q, k, v, allowed, y, *lses = ctx.saved_tensors
         dq = torch.empty_like(q)
         dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (k, v))  # summed over chunks in fp32
-        for i, start in enumerate(range(0, T, ctx.chunk)):
-            stop = min(start + ctx.chunk, T)
+        for start, lse in zip(range(0, q.shape[2], ctx.chunk), lses, strict=True):
+            stop = min(start + ctx.chunk, q.shape[2])
             bias = _chunk_bias(start, stop, q, allowed)
-            out, lse = saved[2 * i], saved[2 * i + 1]
             rows, keys = slice(start, stop), slice(0, stop)
             gq, gk, gv = cpu_flash_backward(
-                grad[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out, lse, bias is None, bias
+                grad[:, :, rows],
+                q[:, :, rows],
+                k[:, :, keys],
+                v[:, :, keys],
+                y[:, :, rows],
+                lse,
+                bias is None,
+                bias,
             )
             dq[:, :, rows] = gq
             dk[:, :, keys] += gk
@@ -334,13 +347,14 @@ def causal_cpu(
 
 
 def _chunked_causal_applies(q: torch.Tensor, implementation: str, documents: Documents | None) -> bool:
-    return (
-        implementation == "sdpa"
-        and (documents is None or documents.kernel == "dense")
-        and q.device.type == "cpu"
-        and q.dtype in CPU_FLASH_DTYPES
-        and not torch.compiler.is_compiling()  # inductor lowers SDPA itself
-    )
+    """SDPA on CPU, eager, where one call wastes work: with a documents' mask (a masked call visits
+    every key), or causal within one key tile (longer, the kernel's own tiles skip most of it)."""
+    cpu_sdpa = implementation == "sdpa" and q.device.type == "cpu" and q.dtype in CPU_FLASH_DTYPES
+    if not cpu_sdpa or torch.compiler.is_compiling():  # inductor lowers SDPA itself
+        return False
+    if documents is not None:
+        return documents.kernel == "dense"
+    return q.shape[2] <= CPU_FLASH_KEY_TILE
 
 
 def attend(

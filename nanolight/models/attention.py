@@ -264,6 +264,12 @@ def cpu_flash_backward(
     )
 
 
+def additive_mask(sees: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True: the key is seen) as the additive bias the fused kernels take: 0 where
+    seen, -inf where not."""
+    return torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill_(~sees, float("-inf"))
+
+
 def _chunk_bias(
     start: int, stop: int, like: torch.Tensor, allowed: torch.Tensor | None
 ) -> torch.Tensor | None:
@@ -276,7 +282,7 @@ def _chunk_bias(
         return None
     else:
         sees = torch.ones(stop - start, stop, dtype=torch.bool, device=like.device).tril(start)
-    return torch.zeros(sees.shape, dtype=like.dtype, device=like.device).masked_fill_(~sees, float("-inf"))
+    return additive_mask(sees, like.dtype)
 
 
 class _ChunkedCausal(torch.autograd.Function):

@@ -29,7 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanolight.models.attention import Documents, cpu_flash, cpu_flash_backward
+from nanolight.models.attention import (
+    CPU_FLASH_DTYPES,
+    Documents,
+    additive_mask,
+    cpu_flash,
+    cpu_flash_backward,
+)
 from nanolight.parallel.p2p import post
 
 
@@ -216,7 +222,7 @@ class CpuFlashKernel:
 
     def forward(self, b: Block) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v, causal, same, scale = b.q, b.k, b.v, b.causal, b.same, b.scale
-        bias = None if same is None else _additive(same, q.dtype)
+        bias = None if same is None else additive_mask(same, q.dtype)
         out, lse = cpu_flash(q, k, v, causal, bias, scale)
         if same is not None:
             sees = _visible(causal, same, q.shape[2], q.device).any(-1)  # (B, 1, c)
@@ -227,7 +233,7 @@ class CpuFlashKernel:
         self, b: Block, do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v, causal, same, scale = b.q, b.k, b.v, b.causal, b.same, b.scale
-        bias = None if same is None else _additive(same, q.dtype)
+        bias = None if same is None else additive_mask(same, q.dtype)
         dq, dk, dv = cpu_flash_backward(do.to(q.dtype), q, k, v, out.to(q.dtype), lse, causal, bias, scale)
         return dq.float(), dk.float(), dv.float()
 
@@ -277,14 +283,9 @@ class CudaFlashKernel:
         return dq.float(), dk.float(), dv.float()
 
 
-def _additive(same: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool mask as the additive bias the fused kernels take (0 seen, -inf not)."""
-    return torch.zeros(same.shape, dtype=dtype, device=same.device).masked_fill(~same, float("-inf"))
-
-
 def block_kernel(q: torch.Tensor, masked: bool) -> MathKernel | CpuFlashKernel | CudaFlashKernel:
     """The fused kernel PyTorch has for these inputs, else the exact math one."""
-    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
+    if q.device.type == "cpu" and q.dtype in CPU_FLASH_DTYPES:
         return CpuFlashKernel()
     if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and not masked:
         return CudaFlashKernel()

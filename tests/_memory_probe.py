@@ -8,8 +8,8 @@ storages still alive are summed at every save; the peak of that sum over the ste
 Selective recompute keeps its saved matmul outputs in its own cache, out of the hooks' sight, so
 `SelectiveCache` adds them (the recompute policy is told each op's output).
 
-`SentTensors` records the tensors a pipeline stage sends: they stay alive until the step's end
-(`StageP2P.finish` waits for the sends), so they are a buffer the schedule holds.
+`SentTensors` records the tensors a pipeline stage sends: they stay alive until their batch is
+complete (`StageP2P`), so they are a buffer the schedule holds.
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ class SentTensors(LiveStorages):
 
         def exchange(stage: Any, sends: list, recvs: list) -> None:
             for _, _, t in sends:
-                probe.add(t)
+                if t is not None:
+                    probe.add(t)
             original(stage, sends, recvs)
 
         p2p.StageP2P.exchange = exchange

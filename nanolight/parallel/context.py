@@ -119,23 +119,20 @@ class ParallelContext:
                 made[key] = self._new_groups(partition)
             self._groups[name] = made[key]
             self._ranks[name] = next(ranks for ranks in partition if self.global_rank in ranks)
-        # The pipeline's two point-to-point streams (activations forward, gradients backward), one
-        # group each so that each is one FIFO per direction (`pipeline/p2p.py`); none without pp.
-        pp_partition = group_ranks(self.mesh, "pp")
-        self.pp_p2p_groups = (
-            (self._new_groups(pp_partition), self._new_groups(pp_partition)) if pp > 1 else (None, None)
-        )
-        for group in self.pp_p2p_groups:
-            if group is not None:
-                # every stage of this pipeline joins one all-reduce of a zero on each stream's group,
-                # so that the group's first operation has all its ranks (torch's rule for a first
-                # batch_isend_irecv; under NCCL it creates the group's communicator with all of them)
-                dist.all_reduce(torch.zeros(1, device=self.device), group=group)
+        # The pipeline's point-to-point traffic, both directions, on one group of its own (one NCCL
+        # communicator: `pipeline/p2p.py`); none without pp.
+        self.pp_p2p_group = self._new_groups(group_ranks(self.mesh, "pp")) if pp > 1 else None
+        if self.pp_p2p_group is not None:
+            # every stage of this pipeline joins one all-reduce of a zero on the group, so that the
+            # group's first operation has all its ranks (torch's rule for a first
+            # batch_isend_irecv; under NCCL it creates the group's communicator with all of them)
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.pp_p2p_group)
         # Host-side agreements (pre-emption flags, picklable objects) travel on the CPU: a gloo
-        # group over the whole world, or the world itself when it is gloo (None names it). Not the
-        # rendezvous store: under torchrun the agent hosts it, and workers whose agent was killed
-        # must still agree to save (tests/test_faults_distributed.py).
-        self.host_group = None if self.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+        # group over the whole world, also when the world itself is gloo, so that the device
+        # groups carry the same operations on CPU as on GPUs. Not the rendezvous store: under
+        # torchrun the agent hosts it, and workers whose agent was killed must still agree to save
+        # (tests/test_faults_distributed.py).
+        self.host_group = dist.new_group(backend="gloo", timeout=timeout)
 
     @classmethod
     def from_config(
@@ -315,8 +312,8 @@ class Agreed:
 
 
 class PendingMax:
-    """The maximum of each rank's `value`, all-reduced over `group` (a gloo group; None: the
-    world, itself gloo), in flight until `wait`. `guard` wraps the start and the wait (e.g. a
+    """The maximum of each rank's `value`, all-reduced over `group` (a gloo group), in flight
+    until `wait`. `guard` wraps the start and the wait (e.g. a
     heartbeat watch that names a silent peer)."""
 
     def __init__(

@@ -19,8 +19,8 @@ activations     what autograd saves per decoder block (`block_activation_bytes`,
                 norm and loss.
 communication   pipeline sends: a sent activation is the chunk's output, alive until that
                 micro-batch's backward (the schedule's in-flight outputs); a sent gradient is
-                dropped as its send completes (`parallel/p2p.SendsInFlight`): at most two, a
-                bound (how many are held at once depends on the peer's timing).
+                held until its batch is complete: at most two, counted from the stage's
+                program (`schedules.held_sends`).
 transient       what lives only for a moment at the peak: under recompute, one block's full
                 activations rebuilt in backward; ring attention's (cp > 1) buffers of one block's
                 backward (`ring_transient_bytes`); after backward, ZeRO-1's all-gather buffers
@@ -52,11 +52,10 @@ from functools import cache, lru_cache
 
 from nanolight.models.llama_config import LlamaConfig, stage_costs
 from nanolight.parallel.data_parallel import DEFAULT_BUCKET_BYTES
-from nanolight.parallel.pipeline.schedules import BACKWARD, FORWARD, stage_schedule
+from nanolight.parallel.pipeline.schedules import BACKWARD, FORWARD, held_sends, stage_program, stage_schedule
 from nanolight.parallel.pipeline.split import balanced_layer_split
 from nanolight.planner.layout import PRECISION_BYTES, Layout
 
-SEND_BOUND_GRADIENTS = 2  # sent gradients held at once, at most (see `schedule_peaks`)
 ALLOCATOR_MARGIN = {"cuda": 0.08, "cpu": 0.0}  # of the rest: an allowance, not measured (no GPU here)
 PARTS = (
     "parameters",
@@ -91,6 +90,12 @@ def _chunk_layers(layers: int, costs: tuple[float, float, float], p: int, v: int
         return [[range(layers)]]
     ranges = balanced_layer_split(layers, p * v, *costs)
     return [[ranges[r + c * p] for c in range(v)] for r in range(p)]
+
+
+@lru_cache(maxsize=4096)
+def _held_gradients(name: str, m: int, p: int, stage: int, v: int) -> int:
+    """Sent gradients the stage holds at once, running its program (`schedules.held_sends`)."""
+    return held_sends(stage_program(name, m, p, stage, v), p, stage, v)[1]
 
 
 @lru_cache(maxsize=4096)
@@ -215,10 +220,8 @@ def schedule_peaks(work: Workload, layout: Layout, stage: int) -> tuple[int, int
         sent = max(sent, outputs)
     # A sent activation is the chunk's output, which the stage keeps for that micro-batch's
     # backward anyway: the forward stream holds the in-flight outputs, exactly. A sent gradient is
-    # dropped once its send completes (`parallel/p2p.SendsInFlight`); the previous stage posts its
-    # receives ahead, so one is in transit and at most one more issued before that completion is
-    # seen: a bound (`SEND_BOUND_GRADIENTS`), the one part that depends on the peer's timing.
-    sent += SEND_BOUND_GRADIENTS * boundary if sends_back and m > 0 else 0
+    # held until its batch is complete, which the stage's program says exactly (`held_sends`).
+    sent += _held_gradients(layout.pp_schedule, m, p, stage, v) * boundary if sends_back and m > 0 else 0
     return peak, sent
 
 

@@ -1,22 +1,23 @@
-"""`StepRun`: one optimizer step of a pipeline stage -- its stage-level schedule, run as far as the
-trainer's inputs allow.
+"""`StepRun`: one optimizer step of a pipeline stage -- its program, run as far as the trainer's
+inputs allow.
 
-The schedule (`schedules.stage_schedule`) is a list of chunk forwards and backwards. Two kinds of
-action wait for the trainer: micro-batch i's first chunk forward needs the arguments of its
-model call (`call`), its first chunk backward the loss the trainer back-propagates (`backward`).
-After each input `advance` runs the list up to the next action still waiting (or to its end):
+The program (`schedules.stage_program`) is the stage's chunk forwards and backwards with the
+plan's exchanges between them. Two kinds of action wait for the trainer: micro-batch i's first
+chunk forward needs the arguments of its model call (`call`), its first chunk backward the loss
+the trainer back-propagates (`backward`). After each input `advance` runs the program up to the
+next action still waiting (or to its end):
 
-    chunk forward   receive the activation (not on virtual stage 0) -> the chunk -> send it on
-                    (on the last virtual stage: the model's own loss, or logits)
-    chunk backward  receive d loss / d output (not on the last virtual stage) -> autograd ->
-                    send d loss / d input (not on virtual stage 0)
+    exchange        post one batch: the outputs computed for it, the receives of later actions
+    chunk forward   wait for the activation (not on virtual stage 0) -> the chunk -> its output
+                    kept for the next exchange (on the last virtual stage: the loss, or logits)
+    chunk backward  wait for d loss / d output (not on the last virtual stage) -> autograd ->
+                    d loss / d input kept for the next exchange (not on virtual stage 0)
 
-Communication overlaps compute (`p2p.py`): before computing action k the receive of action k+1
-is posted, the send of action k goes out in one batch with the receive of action k+2, and a
-receive is waited for only when its action runs. A receive can be posted only once its shape is
-known -- its micro-batch's model call has happened (and, the very first time, the sender's
-metadata has arrived) -- and each stream is a FIFO, so receives are posted strictly in the
-list's order: posting stops at the first that cannot go up yet and resumes when it can.
+A receive is posted when its sender computes it (the plan's time) and waited for when its action
+runs, so transfers overlap compute. Its shape must be known when it is posted, often before its
+micro-batch's model call on this rank: the step's activations take the shape of micro-batch 0's
+(its call comes before any exchange on every rank), and a later micro-batch of another shape is
+an error.
 
 The loss. The model call returns the real loss when the last virtual stage ran inside it
 (always with one chunk per rank); otherwise a *placeholder* -- a zero scalar whose backward
@@ -38,12 +39,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from nanolight.errors import UsageError
 from nanolight.parallel.pipeline.p2p import Recv, StageP2P
-from nanolight.parallel.pipeline.schedules import BACKWARD, FORWARD, ChunkAction
+from nanolight.parallel.pipeline.schedules import BACKWARD, FORWARD, Exchange, Message, Run, Step
 from nanolight.parallel.pipeline.split import PipelineSplit, StageLayers
-
-UNKNOWN = object()  # a receive whose micro-batch has not been called yet: its shape is unknown
-
 
 # ---- one chunk of a stage through the model's own forward ------------------------------------
 #
@@ -146,7 +145,6 @@ class _Micro:
     """One micro-batch of the step, from its model call to its last chunk backward."""
 
     call: tuple[torch.Tensor, tuple, dict]  # the model call's (input_ids, args, kwargs)
-    key: Hashable  # its input shape: the activations' shapes follow from it
     grad_enabled: bool
     placeholder: torch.Tensor | None = None  # what the call returned, when not the real loss
     slot: GradSlot = field(default_factory=GradSlot)
@@ -155,14 +153,14 @@ class _Micro:
 
 
 class StepRun:
-    """Stage `chunks`'s step of `actions` over `n` micro-batches, talking through `p2p`;
-    `before_backward(last)` runs before each chunk backward (`last`: the chunk's last of the
+    """Stage `chunks`'s `program` (`schedules.stage_program`) over `n` micro-batches, talking through
+    `p2p`; `before_backward(last)` runs before each chunk backward (`last`: the chunk's last of the
     step), every chunk forward inside `compute_context()`. `check` asks, once, whether training_step
     returned the placeholder unchanged."""
 
     def __init__(
         self,
-        actions: list[ChunkAction],
+        program: list[Step],
         n: int,
         chunks: StageChunks,
         p2p: StageP2P,
@@ -170,16 +168,19 @@ class StepRun:
         compute_context: Callable[[], AbstractContextManager],
         check: bool,
     ) -> None:
-        self.actions, self.n, self.chunks, self.p2p = actions, n, chunks, p2p
+        self.program, self.n, self.chunks, self.p2p = program, n, chunks, p2p
         self.before_backward, self.compute_context, self.check = before_backward, compute_context, check
-        self.pos = 0  # the next action to run
+        self.pos = 0  # the next step of the program
         self.max_in_flight = 0  # most chunk activations alive at once
+        self.key: Hashable | None = None  # the step's input shape (micro-batch 0's): its activations'
         self._micro: dict[int, _Micro] = {}
         self._saved: dict[tuple[int, int], tuple[torch.Tensor | None, Any]] = {}  # (input, output)
-        self._recvs: dict[int, Recv] = {}  # posted receives by action index
-        self._posted = -1  # the receives of the actions up to here are posted (or they have none)
+        self._outbox: dict[Message, torch.Tensor | None] = {}  # computed, for the next exchange
+        self._inbox: dict[Message, Recv] = {}  # posted receives
+        self._before_last = p2p.posted  # batches posted before the previous action
+        actions = [step.action for step in program if isinstance(step, Run)]
         last = {(kind, c): k for k, (kind, _, c) in enumerate(actions)}
-        self._last_backward = {k for (kind, _), k in last.items() if kind == BACKWARD}
+        self._last_backward = {actions[k] for (kind, _), k in last.items() if kind == BACKWARD}
         self._first_backward_chunk = len(chunks.virtual_stages) - 1
 
     # ---- the trainer's inputs -----------------------------------------------------------------
@@ -188,7 +189,16 @@ class StepRun:
 
     def call(self, i: int, input_ids: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         """Micro-batch i's model call: run on; the real loss if it is known now, else a placeholder."""
-        micro = _Micro((input_ids, args, kwargs), tuple(input_ids.shape), torch.is_grad_enabled())
+        key = tuple(input_ids.shape)
+        if self.key is None:
+            self.key = key
+        elif key != self.key:
+            raise UsageError(
+                f"under pipeline parallelism every micro-batch of an optimizer step must have the shape of "
+                f"the first (the stages post their receives ahead): micro-batch {i}'s input is {key}, the "
+                f"first's {self.key}; drop the last incomplete batch (drop_last=True) or pad it"
+            )
+        micro = _Micro((input_ids, args, kwargs), torch.is_grad_enabled())
         self._micro[i] = micro
         self.advance()
         if micro.loss is not None:  # the last virtual stage ran inside this call
@@ -202,76 +212,60 @@ class StepRun:
         self.advance()
 
     def advance(self) -> None:
-        """Run the list until an action needs an input the trainer has not given yet."""
-        while self.pos < len(self.actions):
-            kind, i, c = self.actions[self.pos]
-            micro = self._micro.get(i)
-            if micro is None:  # its first chunk forward waits for training_step(i)'s model call
-                return
-            if kind == BACKWARD and c == self._first_backward_chunk and micro.seed is None:
-                return  # its first chunk backward waits for the trainer's backward(i)
-            self._run(self.pos)
+        """Run the program until an action needs an input the trainer has not given yet."""
+        while self.pos < len(self.program):
+            step = self.program[self.pos]
+            if isinstance(step, Exchange):
+                if self.key is None:  # the shapes are known from micro-batch 0's model call on
+                    return
+                self._exchange(step)
+            else:
+                kind, i, c = step.action
+                micro = self._micro.get(i)
+                if micro is None:  # its first chunk forward waits for training_step(i)'s model call
+                    return
+                if kind == BACKWARD and c == self._first_backward_chunk and micro.seed is None:
+                    return  # its first chunk backward waits for the trainer's backward(i)
+                posted = self.p2p.posted
+                self.p2p.complete_first(self._before_last)  # sends two actions old: let them go
+                self._before_last = posted
+                if kind == FORWARD:
+                    self._chunk_forward(i, c)
+                else:
+                    self.before_backward(step.action in self._last_backward)
+                    self._chunk_backward(i, c)
             self.pos += 1
 
-    # ---- one action ----------------------------------------------------------------------------
-    def _run(self, k: int) -> None:
-        kind, i, c = self.actions[k]
-        self.p2p.exchange([], self._next_recvs(k + 1))  # the next action's receive, before this compute
-        recv = self._recvs.pop(k, None) or self._recv_of(k)
-        self._posted = max(self._posted, k)
-        received = self.p2p.wait(recv) if isinstance(recv, Recv) else None
-        if kind == FORWARD:
-            sends = self._chunk_forward(i, c, received)
-        else:
-            self.before_backward(k in self._last_backward)
-            sends = self._chunk_backward(i, c, received)
-        self.p2p.exchange(sends, self._next_recvs(k + 2))  # this send, with the receive after next
+    # ---- the program's steps -------------------------------------------------------------------
+    def _exchange(self, step: Exchange) -> None:
+        """Post the plan's batch: what was computed for it, and the receives of later actions."""
+        sends = [(kind, (self.key, b), self._outbox.pop((kind, i, b))) for kind, i, b in step.sends]
+        recvs = [Recv(kind, (self.key, b)) for kind, _, b in step.recvs]
+        self._inbox.update(zip(step.recvs, recvs, strict=True))
+        self.p2p.exchange(sends, recvs)
 
-    def _recv_of(self, k: int) -> Recv | None | object:
-        """Action k's receive: None if it has none, UNKNOWN if its micro-batch has no call yet."""
-        kind, i, c = self.actions[k]
-        micro, g = self._micro.get(i), self.chunks.virtual_stages[c]
-        if (kind == FORWARD and g == 0) or (kind == BACKWARD and g == self.chunks.num_chunks - 1):
-            return None
-        if micro is None:
-            return UNKNOWN
-        if kind == FORWARD:
-            return self.p2p.recv_forward((micro.key, g))  # our input: virtual stage g-1's output
-        return self.p2p.recv_backward((micro.key, g + 1))  # d loss / d our output (g+1's input)
-
-    def _next_recvs(self, upto: int) -> list[Recv]:
-        """The receives after the last posted one, through action `upto`, that can go up now: in
-        order, stopping at the first that cannot (each stream is a FIFO)."""
-        out = []
-        while self._posted < min(upto, len(self.actions) - 1):
-            recv = self._recv_of(self._posted + 1)
-            if recv is UNKNOWN or (isinstance(recv, Recv) and not self.p2p.postable(recv)):
-                break
-            if isinstance(recv, Recv):
-                self._recvs[self._posted + 1] = recv
-                out.append(recv)
-            self._posted += 1
-        return out
-
-    def _chunk_forward(self, i: int, c: int, x: torch.Tensor | None) -> list:
+    def _chunk_forward(self, i: int, c: int) -> None:
         micro, g = self._micro[i], self.chunks.virtual_stages[c]
         input_ids, args, kwargs = micro.call
-        if x is not None:
+        if g > 0:  # (B, T, C): virtual stage g-1's output
+            x = self.p2p.wait(self._inbox.pop((FORWARD, i, g)))
             x.requires_grad_(micro.grad_enabled)  # a leaf: its .grad is what we send back
             kwargs = {**kwargs, "hidden_states": x}
+        else:
+            x = None
         with torch.set_grad_enabled(micro.grad_enabled), self.compute_context():
             out = self.chunks.forward(c, input_ids, args, kwargs)
         self._saved[(i, c)] = (x, out)
         self.max_in_flight = max(self.max_in_flight, len(self._saved))
         if g < self.chunks.num_chunks - 1:
-            return self.p2p.send_forward(out, (micro.key, g + 1))  # (B, T, C) to the next virtual stage
+            self._outbox[(FORWARD, i, g + 1)] = out  # to the next virtual stage
+            return
         micro.loss = out
         if micro.placeholder is not None:  # the user holds the placeholder: it takes the loss's value
             with torch.no_grad():
                 micro.placeholder.copy_(_scalar(out))
-        return []
 
-    def _chunk_backward(self, i: int, c: int, grad: torch.Tensor | None) -> list:
+    def _chunk_backward(self, i: int, c: int) -> None:
         micro, g = self._micro[i], self.chunks.virtual_stages[c]
         last = g == self.chunks.num_chunks - 1
         x, out = self._saved.pop((i, c))
@@ -280,17 +274,17 @@ class StepRun:
             if last and micro.placeholder is not None:
                 self._check_returned(i, micro)
                 torch.autograd.backward(out, micro.slot.grad)  # the real loss, scaled as the trainer's
-        if not last:
-            torch.autograd.backward(out, grad)  # d loss / d output from the next virtual stage
+        if not last:  # d loss / d output from the next virtual stage
+            torch.autograd.backward(out, self.p2p.wait(self._inbox.pop((BACKWARD, i, g + 1))))
         if g == 0:
-            return []
+            return
         grad, x.grad = x.grad, None
         # The received input is a leaf of a graph whose root -- the loss, kept for the step's
         # metrics by the trainer and `micro.loss` -- outlives this backward, and the root's nodes
         # reference their leaves: without this the last stage would hold every micro-batch's input
         # (and its gradient) until the step ends. Nothing reads x again.
         x.data = torch.empty(0, dtype=x.dtype, device=x.device)
-        return self.p2p.send_backward(grad, (micro.key, g))  # d loss / d input to the previous one
+        self._outbox[(BACKWARD, i, g)] = grad  # d loss / d input, to the previous virtual stage
 
     def _check_returned(self, i: int, micro: _Micro) -> None:
         """Once per run: the trainer back-propagates the placeholder unchanged (now the loss)."""
@@ -309,8 +303,9 @@ class StepRun:
     def finish(self) -> None:
         """End of the step: nothing may be left to run."""
         self.advance()
-        if self.pos < len(self.actions):
-            kind, i, c = self.actions[self.pos]
+        if self.pos < len(self.program):
+            left = [step.action for step in self.program[self.pos :] if isinstance(step, Run)]
+            kind, i, c = left[0] if left else (FORWARD, 0, 0)
             raise RuntimeError(
                 f"the pipeline step ended with chunk {c}'s {'forward' if kind == FORWARD else 'backward'} of "
                 f"micro-batch {i} still to run: the trainer did not hand the stage every micro-batch"

@@ -27,6 +27,8 @@ for v times as many messages and a few more live activations (`max_in_flight`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from nanolight.errors import UsageError
 
 FORWARD, BACKWARD = "F", "B"
@@ -171,3 +173,148 @@ def max_in_flight(schedule: list[Action] | list[ChunkAction]) -> int:
 def bubble_fraction(num_micro_batches: int, pp_size: int, virtual: int = 1) -> float:
     """Ideal idle fraction of a step for equal-cost stages: (p-1)/(v*m+p-1)."""
     return (pp_size - 1) / (virtual * num_micro_batches + pp_size - 1)
+
+
+# ---- the exchange plan: when each message crosses between neighbours ---------------------------
+#
+# NCCL runs every operation of a communicator in the order the rank issued it, and a batched
+# exchange finishes only when every send and receive in it has met the peer's. A stage that posts
+# its receives "as early as it can" lets a later send queue behind its own receive while the peer's
+# send queues behind *its* receive: a cycle (interleaving closes the ring, so one group carries
+# both directions). The plan rules that out by construction. All ranks replay the same step on a
+# clock (`_timeline`: a forward takes 1, a backward 2, each action as soon as its input exists)
+# and every message is given the time its producer finishes. At that time the sender posts its
+# send and the receiver its receive, each in one batch holding everything it exchanges at that
+# time (Megatron's ``_communicate`` does the same). Every rank posts its batches in time order,
+# and a batch meets only batches of the same time, so by induction on time every batch finishes:
+# the ops issued before time t's batch wait only for batches of earlier times. The clock decides
+# only the order of the batches, not when anything runs.
+
+Message = tuple[str, int, int]  # (F: activation | B: its gradient, micro-batch, boundary b): b's input
+COST = {FORWARD: 1, BACKWARD: 2}
+
+
+@dataclass(frozen=True)
+class Run:
+    """Run one chunk action (receives it needs were posted by an earlier `Exchange`)."""
+
+    action: ChunkAction
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One batch with both neighbours at plan time `time`: what this rank sends and receives."""
+
+    time: int
+    sends: tuple[Message, ...]
+    recvs: tuple[Message, ...]
+
+
+Step = Run | Exchange
+
+
+def stage_program(
+    name: str, num_micro_batches: int, pp_size: int, pp_rank: int, virtual: int = 1
+) -> list[Step]:
+    """Rank `pp_rank`'s step: its chunk actions with the exchanges of the plan between them."""
+    lists = [stage_schedule(name, num_micro_batches, pp_size, r, virtual) for r in range(pp_size)]
+    return _program(lists, pp_size, virtual, pp_rank)
+
+
+def forward_program(pp_size: int, pp_rank: int, virtual: int = 1) -> list[Step]:
+    """One forward pass through every chunk (validation, inference), as a plan of one micro-batch."""
+    lists = [[(FORWARD, 0, c) for c in range(virtual)] for _ in range(pp_size)]
+    return _program(lists, pp_size, virtual, pp_rank)
+
+
+def message_ranks(message: Message, pp_size: int) -> tuple[int, int]:
+    """(sender, receiver) pipeline ranks of `message`: an activation goes from the rank of
+    virtual stage b-1 to b's, its gradient back."""
+    kind, _, b = message
+    before, after = (b - 1) % pp_size, b % pp_size
+    return (before, after) if kind == FORWARD else (after, before)
+
+
+def _timeline(lists: list[list[ChunkAction]], p: int, v: int) -> dict[tuple[str, int, int], tuple[int, int]]:
+    """(kind, micro-batch, virtual stage) -> (start, end) of every rank's actions on the clock."""
+    last, times = p * v - 1, {}
+    pos, free = [0] * p, [0] * p
+    while any(pos[r] < len(lists[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while pos[r] < len(lists[r]):
+                kind, i, c = lists[r][pos[r]]
+                g = c * p + r
+                if kind == FORWARD:
+                    needs = (FORWARD, i, g - 1) if g > 0 else None
+                else:
+                    needs = (BACKWARD, i, g + 1) if g < last else (FORWARD, i, g)
+                if needs is not None and needs not in times:
+                    break  # its input comes from an action not placed yet
+                start = max(free[r], times[needs][1] if needs else 0)
+                free[r] = start + COST[kind]
+                times[(kind, i, g)] = (start, free[r])
+                pos[r] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError("the pipeline schedules wait for each other: no rank can run its next action")
+    return times
+
+
+def _program(lists: list[list[ChunkAction]], p: int, v: int, rank: int) -> list[Step]:
+    last, times = p * v - 1, _timeline(lists, p, v)
+    sends: dict[int, list[Message]] = {}
+    recvs: dict[int, list[Message]] = {}
+    for (kind, i, g), (_, end) in times.items():
+        if kind == FORWARD and g < last:
+            message: Message = (FORWARD, i, g + 1)  # g's output: g+1's input
+        elif kind == BACKWARD and g > 0:
+            message = (BACKWARD, i, g)  # the gradient of g's input, back to g-1
+        else:
+            continue
+        sender, receiver = message_ranks(message, p)
+        if sender == rank:
+            sends.setdefault(end, []).append(message)
+        if receiver == rank:
+            recvs.setdefault(end, []).append(message)
+    timed: list[tuple[int, int, Step]] = [
+        (t, 0, Exchange(t, tuple(sorted(sends.get(t, ()))), tuple(sorted(recvs.get(t, ())))))
+        for t in sorted(set(sends) | set(recvs))
+    ]  # at equal times the exchange comes first: the action starting then may need what it receives
+    timed += [(times[(kind, i, c * p + rank)][0], 1, Run((kind, i, c))) for kind, i, c in lists[rank]]
+    return [step for _, _, step in sorted(timed, key=lambda x: (x[0], x[1]))]
+
+
+def held_sends(program: list[Step], pp_size: int, pp_rank: int, virtual: int = 1) -> tuple[int, int]:
+    """The most activations and gradients rank `pp_rank` holds for sends at once, running
+    `program`: a batch's sends are let go when the wait for a later receive completes it (every
+    earlier batch with it), or before the action after next (`p2p.StageP2P`), the rest at the
+    step's end."""
+    last = pp_size * virtual - 1
+    posted: list[tuple[int, int]] = []  # per exchange: (activations, gradients) sent
+    posted_at: dict[Message, int] = {}  # a receive -> its exchange
+    done, held, peak, before_last = 0, [0, 0], [0, 0], 0
+
+    def complete(count: int) -> None:
+        nonlocal done, held
+        while done < count:
+            held = [held[0] - posted[done][0], held[1] - posted[done][1]]
+            done += 1
+
+    for step in program:
+        if isinstance(step, Exchange):
+            sent = (sum(k == FORWARD for k, _, _ in step.sends), sum(k == BACKWARD for k, _, _ in step.sends))
+            posted.append(sent)
+            held = [held[0] + sent[0], held[1] + sent[1]]
+            peak = [max(peak[0], held[0]), max(peak[1], held[1])]
+            posted_at.update((m, len(posted) - 1) for m in step.recvs)
+            continue
+        complete(before_last)
+        before_last = len(posted)
+        kind, i, c = step.action
+        g = c * pp_size + pp_rank
+        needs = (FORWARD, i, g) if kind == FORWARD and g > 0 else None
+        needs = (BACKWARD, i, g + 1) if kind == BACKWARD and g < last else needs
+        if needs is not None:
+            complete(posted_at[needs] + 1)
+    return peak[0], peak[1]

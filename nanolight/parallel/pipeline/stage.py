@@ -39,8 +39,14 @@ import torch
 from torch import nn
 
 from nanolight.parallel.pipeline.p2p import StageP2P
-from nanolight.parallel.pipeline.runner import Placeholder, StageChunks, StepRun
-from nanolight.parallel.pipeline.schedules import Action, stage_schedule, trainer_schedule
+from nanolight.parallel.pipeline.runner import StageChunks, StepRun
+from nanolight.parallel.pipeline.schedules import (
+    Action,
+    Run,
+    forward_program,
+    stage_program,
+    trainer_schedule,
+)
 from nanolight.parallel.pipeline.split import PipelineSplit
 
 
@@ -60,7 +66,7 @@ class PipelineStage:
         self.compute_context = compute_context
         self.current: int | None = None  # micro-batch index during its training_step in the schedule
         self.steps = 0
-        self.run = StepRun([], 1, chunks, p2p, lambda last: None, compute_context, False)
+        self.run = StepRun([], 1, chunks, p2p, _nothing, compute_context, False)
         self.model.forward = self.forward  # instance attribute: nn.Module.__call__ (and its hooks) run it
 
     @classmethod
@@ -73,7 +79,7 @@ class PipelineStage:
     ) -> PipelineStage:
         """This rank's stage of `model` cut by `split`, talking to its ring neighbours in `ctx`
         (a `ParallelContext`)."""
-        p2p = StageP2P(*ctx.pp_ring, ctx.device, ctx.pp_p2p_groups)
+        p2p = StageP2P(*ctx.pp_ring, ctx.device, ctx.pp_p2p_group)
         return cls(StageChunks(model, split, ctx.pp_rank), p2p, compute_context)
 
     @property
@@ -89,11 +95,11 @@ class PipelineStage:
         and returns the projection the trainer walks. `before_backward(last)` is told before
         every chunk backward whether it is that chunk's last of the step (the dp reduction)."""
         v = len(self.chunks.virtual_stages)
-        actions = stage_schedule(schedule, n, self.pp_size, self.pp_rank, v)
+        program = stage_program(schedule, n, self.pp_size, self.pp_rank, v)
         check = self.steps == 0  # the first step checks what training_step returned
-        self.run = StepRun(actions, n, self.chunks, self.p2p, before_backward, self.compute_context, check)
+        self.run = StepRun(program, n, self.chunks, self.p2p, before_backward, self.compute_context, check)
         self.steps += 1
-        return trainer_schedule(actions, v)
+        return trainer_schedule([step.action for step in program if isinstance(step, Run)], v)
 
     @contextmanager
     def micro_batch(self, i: int) -> Iterator[None]:
@@ -136,17 +142,12 @@ class PipelineStage:
 
     # ---- outside a schedule -------------------------------------------------------------------
     def _plain_forward(self, input_ids: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
-        key, out, last = tuple(input_ids.shape), None, self.chunks.num_chunks - 1
-        for c, g in enumerate(self.chunks.virtual_stages):
-            kw = dict(kwargs)
-            if g > 0:  # (B, T, C) from the previous virtual stage
-                kw["hidden_states"] = self.p2p.wait(self.p2p.recv_forward((key, g)))
-            out = self.chunks.forward(c, input_ids, args, kw)
-            if g < last:  # on to the next virtual stage
-                self.p2p.exchange(self.p2p.send_forward(out, (key, g + 1)), [])
+        program = forward_program(self.pp_size, self.pp_rank, len(self.chunks.virtual_stages))
+        run = StepRun(program, 1, self.chunks, self.p2p, _nothing, self.compute_context, False)
+        out = run.call(0, input_ids, args, kwargs)  # every chunk in turn: receive, compute, send
         self.p2p.finish()
-        return (
-            out
-            if self.chunks.is_last(len(self.chunks.virtual_stages) - 1)
-            else Placeholder.make(input_ids.device)
-        )
+        return out
+
+
+def _nothing(last: bool) -> None:
+    """No dp reduction to start before a chunk backward."""

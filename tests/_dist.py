@@ -35,6 +35,12 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS)
 
 
+def pythonpath(*first: object) -> str:
+    """$PYTHONPATH for a process a test starts: `first`, then what is there already (which holds
+    the NCCL emulation's ``_nccl_site``, `conftest.py`)."""
+    return os.pathsep.join([*map(str, first), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -275,7 +275,8 @@ def recording() -> list[Op]:
 # ---- processes a test launches (``_nccl_site/sitecustomize.py``) ------------------------------
 def install_from_env() -> None:
     """With $NANOLIGHT_NCCL_RECORD set: record, and at a clean end of a rank (the world destroyed
-    by the main thread, no uncaught exception) write its recording there for the test to check."""
+    by the main thread, no uncaught exception nor ``sys.exit`` with an error) write its recording
+    there, at exit, for the test to check."""
     if not os.environ.get(ENV):
         return
     install()
@@ -286,6 +287,13 @@ def install_from_env() -> None:
         hook(*args)
 
     sys.excepthook = excepthook
+    exit_ = sys.exit
+
+    def exit(status: object = None) -> None:  # noqa: A001 - sys.exit(1) after an error is no clean end
+        _rec.failed = _rec.failed or status not in (None, 0)
+        exit_(status)
+
+    sys.exit = exit
     atexit.register(_write, Path(os.environ[ENV]), pid)
 
 

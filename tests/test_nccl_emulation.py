@@ -3,7 +3,11 @@ reported with the stuck ops named, and each safe neighbour of it is not (`_nccl_
 
 from __future__ import annotations
 
-from _nccl_emulation import Msg, Op, deadlocks, nccl_problems
+import pickle
+from pathlib import Path
+
+import pytest
+from _nccl_emulation import Msg, Op, assert_nccl_safe, deadlocks, nccl_problems, recorded_worlds
 
 SHAPE = (2, 3)
 PAIR = (0, 1)
@@ -128,3 +132,18 @@ def test_a_collective_one_rank_never_issues_is_stuck() -> None:
         "deadlock: rank 0 on group g: all_reduce (4,) torch.float32 (op 0) started, waits for a matching op "
         "that is never issued to start"
     ], found
+
+
+def test_only_worlds_all_of_whose_ranks_wrote_are_checked(tmp_path: Path) -> None:
+    """What `conftest.py` reads after a test: a world with a rank that never wrote (killed) is skipped."""
+    rank0, rank1 = Log(0), Log(1)
+    rank0.batch(("send", 1)), rank0.batch(("recv", 1))
+    rank1.batch(("send", 0)), rank1.batch(("recv", 0))
+    for key, ranks in (("a", (0, 1)), ("b", (0,))):
+        for r in ranks:
+            data = {"key": key, "rank": r, "world_size": 2, "ops": [rank0, rank1][r].ops}
+            (tmp_path / f"{key}-rank{r}.pkl").write_bytes(pickle.dumps(data))
+    worlds = recorded_worlds(tmp_path)
+    assert list(worlds) == ["a"]
+    with pytest.raises(AssertionError, match="2 problem"):
+        assert_nccl_safe(worlds["a"])

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from _dist import pythonpath
 from test_recipe_e2e import BASE_OVERRIDES, REPO
 from test_recipe_parallel import _children
 
@@ -30,7 +31,7 @@ def command(script: Path, run_dir: Path, cache: Path, *overrides: str) -> list[s
 
 def env() -> dict[str, str]:
     # this checkout's code, whatever an editable install elsewhere points at
-    return {**os.environ, "WANDB_SILENT": "true", "PYTHONPATH": str(REPO)}
+    return {**os.environ, "WANDB_SILENT": "true", "PYTHONPATH": pythonpath(REPO)}
 
 
 def descendants(pid: int) -> list[int]:

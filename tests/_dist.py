@@ -6,6 +6,11 @@ port with a short collective timeout and calls `fn(rank, world_size, *args)`. Th
 returns the per-rank return values, or raises with the first failing rank's traceback. A
 wall-clock deadline kills every child, so a deadlocked collective fails the test instead of
 hanging CI. `fn` must be a module-level function (it is pickled by name).
+
+Every rank runs under the NCCL emulation (``_nccl_emulation``, installed in the forkserver before
+torch.distributed's functions are bound anywhere): when every rank returns, the parent checks
+their recordings by NCCL's rules and fails the test with what NCCL would hang on
+(``check_nccl=False`` only for a test that breaks the rules on purpose).
 """
 
 from __future__ import annotations
@@ -18,13 +23,22 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing import forkserver
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _nccl_emulation import assert_nccl_safe, install, installed, recording
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(TESTS)
+
+
+def pythonpath(*first: object) -> str:
+    """$PYTHONPATH for a process a test starts: `first`, then what is there already (which holds
+    the NCCL emulation's ``_nccl_site``, `conftest.py`)."""
+    return os.pathsep.join([*map(str, first), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def free_port() -> int:
@@ -38,7 +52,19 @@ def _context() -> Any:
     milliseconds instead of re-importing torch (seconds), and still inherits no threads or
     process groups from the pytest process (plain fork would)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "nanolight.parallel"])
+    # the emulation first: nanolight binds some torch.distributed functions to names at import
+    ctx.set_forkserver_preload(["_nccl_preinstall", "torch", "torch.distributed", "nanolight.parallel"])
+    # the forkserver imports them before it has our sys.path: give it tests/ on $PYTHONPATH (it
+    # takes it off again, `_nccl_preinstall`)
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([TESTS, *([before] if before else [])])
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
     return ctx
 
 
@@ -61,6 +87,11 @@ def _worker(
         MASTER_PORT=str(port),
     )
     try:
+        if not installed():
+            raise RuntimeError(
+                "the forkserver did not preload _nccl_preinstall (tests/ not on its sys.path?)"
+            )
+        install()
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
@@ -71,7 +102,7 @@ def _worker(
         out = fn(rank, world_size, *args)
         # plain pickle bytes: a tensor put on the queue as it is would travel as a handle to this
         # process's shared memory, which is gone if the process exits before the parent reads it
-        results.put((rank, "ok", pickle.dumps(out)))
+        results.put((rank, "ok", pickle.dumps((out, recording()))))
     except BaseException:  # noqa: BLE001 - report everything to the parent, incl. assertion errors
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -80,9 +111,15 @@ def _worker(
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 90.0, pg_timeout: float = 30.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 90.0,
+    pg_timeout: float = 30.0,
+    check_nccl: bool = True,
 ) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank."""
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank, once
+    their recorded traffic is found NCCL-safe (`check_nccl`)."""
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
@@ -124,4 +161,6 @@ def run_distributed(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-    return [outputs[r] for r in range(world_size)]
+    if check_nccl:
+        assert_nccl_safe([outputs[r][1] for r in range(world_size)])
+    return [outputs[r][0] for r in range(world_size)]

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from _dist import pythonpath
+
 HERE = Path(__file__).resolve().parent
 PROGRAMS, FIXTURES = HERE / "lightning_programs", HERE / "fixtures" / "lightning"
 # The CPU kernels' code path, pinned for Lightning's recording and the ported run alike. MKL's sgemm
@@ -67,7 +69,7 @@ def run_ported(program: str, workdir: Path) -> dict[str, Any]:
     (workdir / "observe.py").write_text((PROGRAMS / "observe.py").read_text())
     out = workdir / "out"
     out.mkdir()
-    env = {**os.environ, **PINNED_KERNELS, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(workdir)])}
+    env = {**os.environ, **PINNED_KERNELS, "PYTHONPATH": pythonpath(HERE.parent, workdir)}
     proc = subprocess.run(
         [sys.executable, str(script), str(out)], capture_output=True, text=True, env=env, timeout=300
     )

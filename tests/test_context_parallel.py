@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from _dist import pythonpath
 from test_token_mean import GLOBAL, SEED, STEPS, _check_layout, _loader, _module, _single
 
 from nanolight.errors import UsageError
@@ -206,7 +207,7 @@ def test_recipe_refuses_what_cp_cannot_run_in_one_line(
     recipe = str(REPO / "recipes" / "smollm.py")
     cmd = [sys.executable, recipe, f"trainer.default_root_dir={tmp_path}", "+parallel.cp=2", *overrides]
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)}
+        cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": pythonpath(REPO)}
     )
     assert proc.returncode != 0
     lines = [text for text in proc.stderr.splitlines() if text.strip()]

@@ -13,6 +13,7 @@ import huggingface_hub.constants
 import pytest
 import transformers
 from _data_helpers import DOCS, prepared, write_docs
+from _dist import pythonpath
 
 from nanolight.data import BatchGeometry, DataConfig, DataError, build_datamodule, load_tokenizer
 
@@ -132,7 +133,7 @@ def test_the_recipe_prints_a_missing_data_path_as_one_line(tmp_path) -> None:
         f"trainer.default_root_dir={tmp_path / 'run'}",
         "logger=csv",
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": pythonpath(REPO)}
     cmd = [sys.executable, str(REPO / "recipes" / "smollm.py"), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert proc.returncode == 1, proc.stderr[-2000:]

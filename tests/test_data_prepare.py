@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _data_helpers import DOCS, expected_tokens, prepared, shard_bytes, write_docs
+from _dist import pythonpath
 
 from nanolight.data import DataConfig, DataError, PreparedData, load_tokenizer, token_file
 from nanolight.data.shards import PROGRESS
@@ -108,7 +109,7 @@ def test_sigkilled_cli_run_resumes_to_identical_bytes(tmp_path, tok_dir) -> None
         "--cache-dir",
         str(tmp_path / "c"),
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": pythonpath(REPO)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while time.time() < deadline and proc.poll() is None:
@@ -158,7 +159,10 @@ def test_sigkilled_cli_run_leaves_no_worker_behind(tmp_path, tok_dir) -> None:
     flags = ["--source", src, "--tokenizer", tok_dir, "--out", str(tmp_path / "out"), "--num-proc", "2"]
     cmd = [*script, *flags, "--chunk-docs", "400", "--cache-dir", str(tmp_path / "c")]
     proc = subprocess.Popen(
-        cmd, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        cmd,
+        env={**os.environ, "PYTHONPATH": pythonpath(REPO)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline, workers = time.time() + 120, []
     while time.time() < deadline and proc.poll() is None and len(workers) < 3:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from _data_helpers import prepared
+from _dist import pythonpath
 from test_recipe_e2e import BASE_OVERRIDES, REPO, losses, recipe
 
 from nanolight.data import DataConfig
@@ -79,6 +80,6 @@ def test_streaming_at_dp2_resumes_exactly_and_refuses_another_dp(tmp_path, cache
     (one / "checkpoints" / "last").write_text("step-2\n")
     cmd = [sys.executable, str(REPO / "recipes" / "smollm.py"), f"trainer.default_root_dir={one}"]
     cmd += [f"data.cache_dir={cache}", *BASE_OVERRIDES, *STEPS, *stream, "checkpoint.resume=last"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_SILENT": "true"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(REPO), "WANDB_SILENT": "true"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode != 0 and "saved at dp=2 and is resumed at dp=1" in proc.stdout + proc.stderr

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from _dist import pythonpath
 from test_recipe_e2e import REPO, losses, recipe
 
 
@@ -21,7 +22,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_recipe_dp2_zero1_matches_single_process_and_resumes_at_dp1(
     tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("PYTHONPATH", str(REPO))  # this checkout, whatever `pip install -e` points at
+    monkeypatch.setenv("PYTHONPATH", pythonpath(REPO))  # this checkout, whatever `pip install -e` points at
     steps = [
         "trainer.max_steps=6",
         "checkpoint.every_n_steps=3",

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _dist import pythonpath
 from _tiny import TinyLM, run_distributed, token_loader
 from test_recipe_e2e import BASE_OVERRIDES, REPO
 from test_recipe_parallel import _children
@@ -40,7 +41,7 @@ def test_each_local_rank_gets_its_share_of_the_cores(monkeypatch: pytest.MonkeyP
 def _recipe(run: Path, cache: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, str(REPO / "recipes" / "smollm.py"), f"trainer.default_root_dir={run}",
            f"data.cache_dir={cache}", *BASE_OVERRIDES, "logger=csv", *overrides]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    env = {**os.environ, "PYTHONPATH": pythonpath(REPO), **(env or {})}
     return subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=run.parent, env=env
     )
@@ -123,7 +124,7 @@ def test_workers_of_a_killed_torchrun_agent_stop(tmp_path: Path, cache_dir: Path
            str(REPO / "recipes" / "smollm.py"), f"trainer.default_root_dir={run}", f"data.cache_dir={cache_dir}",
            *BASE_OVERRIDES, "logger=csv", "trainer.max_steps=100000", "+parallel.tp=2"]  # fmt: skip
     agent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+                             env={**os.environ, "PYTHONPATH": pythonpath(REPO)})  # fmt: skip
     try:
         pids = _training(agent, run, 2, deadline=240)
         os.kill(agent.pid, signal.SIGKILL)  # as torchrun 2.13 dies of an unhandled SIGUSR1
@@ -174,7 +175,7 @@ def test_torchrun_prints_a_layout_error_once(tmp_path: Path, cache_dir: Path) ->
         text=True,
         timeout=180,
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": pythonpath(REPO)},
     )
     assert proc.returncode != 0
     ours = [line for line in proc.stderr.splitlines() if line.startswith("nanolight: error:")]

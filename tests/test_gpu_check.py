@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _dist import pythonpath
 
 from nanolight.planner.layout import Layout
 from nanolight.planner.search import Prediction
@@ -36,7 +37,7 @@ runpy.run_path({str(SCRIPT)!r}, run_name="__main__")
 
 def _run(*args: str, bare: bool = False) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-c", BARE_BOX, *args] if bare else [sys.executable, str(SCRIPT), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath(REPO)}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=500, cwd=REPO, env=env)
 
 

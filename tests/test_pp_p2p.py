@@ -1,8 +1,8 @@
 """The pipeline's point-to-point traffic keeps NCCL's rules and its schedule's memory bound (gloo, CPU).
 
-gloo forgives what NCCL hangs on, so `_p2p_recorder` records every op each rank issues and checks
-the recordings by NCCL's rules (see its docstring). First the checker itself is shown to catch
-each break, on hand-written recordings and on real torch calls; then every schedule's training
+gloo forgives what NCCL hangs on, so `_nccl_emulation` records every op each rank issues and checks
+the recordings by NCCL's rules (see its docstring; its order rules: `test_nccl_emulation.py`).
+First the checker itself is shown to catch each break, on hand-written recordings and on real torch calls; then every schedule's training
 run must come out clean. The same runs check what the stage reports about its traffic (bytes
 sent per stream and step) and what it held for sends at once: exactly what its program says
 (`schedules.held_sends`), whatever the peers' timing.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _p2p_recorder import Op, assert_nccl_safe, install, problems, recording
+from _nccl_emulation import Msg, Op, assert_nccl_safe, install, nccl_problems, recording
 from _tiny import run_distributed
 from test_pp_engine import SEED, B, T, Wrapper, _loader, pp_config
 
@@ -26,12 +26,14 @@ ACT = B * T * 64 * 4  # bytes of one activation (B, T, hidden 64) in fp32
 
 
 # ---- the checker, on recordings written by hand ------------------------------------------------
-def _op(
-    rank: int, seq: int, kind: str, peer: int | None, batched: bool = True, call: int | None = None, **kw
-) -> Op:  # noqa: ANN003
-    ranks = kw.pop("ranks", (0, 1))
-    return Op(rank, seq, kind, kw.pop("group", "g"), ranks, batched, seq if call is None else call, peer,
-              kw.pop("shape", (2, 3)), kw.pop("dtype", "torch.float32"), **kw)  # fmt: skip
+def _op(rank: int, seq: int, kind: str, peer: int | None, batched: bool = True, **kw) -> Op:  # noqa: ANN003
+    """One tensor sent or received, in a batch of its own or as a plain send / recv."""
+    msg = Msg(kind == "send", peer, kw.pop("shape", (2, 3)), kw.pop("dtype", "torch.float32"))
+    return Op(rank, seq, "batch" if batched else kind, kw.pop("group", "g"), kw.pop("ranks", (0, 1)), (msg,))
+
+
+def problems(recordings: list[list[Op]]) -> list[str]:
+    return nccl_problems(recordings)
 
 
 def test_checker_accepts_paired_batched_traffic() -> None:
@@ -66,12 +68,9 @@ def test_checker_finds_a_first_batched_call_not_joined_by_every_rank() -> None:
         [_op(1, 0, "recv", 0, ranks=ranks), _op(1, 1, "send", 2, ranks=ranks)],
         [_op(2, 0, "recv", 1, ranks=ranks)],
     ]
-    assert any("meets rank 1's call 1, not its first" in p for p in problems(rec)), problems(rec)
+    assert any("meets rank 1's op 1, not its first" in p for p in problems(rec)), problems(rec)
     assert any("not joined by rank(s) [2]" in p for p in problems(rec[:2] + [[]]))
-    warm = [
-        [_op(r, -1, "collective", None, False, call=-1, ranks=ranks, name="all_reduce"), *ops]
-        for r, ops in enumerate(rec)
-    ]
+    warm = [[Op(r, -1, "collective", "g", ranks, name="all_reduce"), *ops] for r, ops in enumerate(rec)]
     assert problems(warm) == []  # a collective first on every rank: any batched call may follow
 
 
@@ -96,7 +95,7 @@ def _raw_worker(rank: int, world: int, safe: bool) -> list[Op]:
 
 
 def test_recorder_catches_a_plain_recv_of_a_batched_send() -> None:
-    unsafe = problems(run_distributed(_raw_worker, 2, False))
+    unsafe = problems(run_distributed(_raw_worker, 2, False, check_nccl=False))
     assert any("received as a plain recv" in p for p in unsafe), unsafe
     assert any("first batched call" in p for p in unsafe), unsafe
     assert_nccl_safe(run_distributed(_raw_worker, 2, True))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from _dist import pythonpath
 from test_recipe_e2e import REPO, losses, recipe
 
 from nanolight.parallel.config import ParallelConfig
@@ -25,7 +26,7 @@ def test_recipe_pp2_matches_single_process(
 ) -> None:
     # the recipe runs in a fresh interpreter outside the repo: import this checkout's nanolight,
     # not whatever an editable install elsewhere points at
-    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("PYTHONPATH", pythonpath(REPO))
     steps = [
         "trainer.max_steps=4",
         "checkpoint.every_n_steps=2",

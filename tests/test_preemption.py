@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _dist import pythonpath
 from _resume_run import DropoutMLP
 from _trainer_helpers import make_data
 from torch.utils.data import DataLoader
@@ -194,7 +195,7 @@ def _recipe_cmd(run_dir: Path, cache: Path, *overrides: str) -> list[str]:
 
 def _env() -> dict[str, str]:
     drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID")
-    return {**{k: v for k, v in os.environ.items() if k not in drop}, "PYTHONPATH": str(REPO)}
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, "PYTHONPATH": pythonpath(REPO)}
 
 
 def _recipe(run_dir: Path, cache: Path, *overrides: str) -> None:

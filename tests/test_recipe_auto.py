@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from _dist import pythonpath
 from test_recipe_e2e import REPO, losses, recipe
 
 from nanolight.errors import UsageError
@@ -193,7 +194,7 @@ def test_no_fit_is_one_line(tmp_path: Path) -> None:
         sys.executable, str(REPO / "recipes" / "smollm.py"), "+parallel=auto", "model=smollm-1.7b",
         f"model.num_hidden_layers={_no_fit_layers()}", f"trainer.default_root_dir={tmp_path / 'run'}",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": pythonpath(REPO)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _dist import pythonpath
 from hydra import compose, initialize_config_dir
 
 from nanolight.pretrain import ConfigError, PretrainConfig, load_config
@@ -81,7 +82,7 @@ def test_bad_config_exits_fast_and_writes_nothing(tmp_path: Path) -> None:
             text=True,
             timeout=120,
             cwd=tmp_path,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+            env={**os.environ, "PYTHONPATH": pythonpath(REPO)},
         )
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert proc.stderr.startswith("nanolight: error: ") and "Traceback" not in proc.stderr

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from _dist import pythonpath
 
 from nanolight import load_pretrained
 
@@ -48,7 +49,7 @@ def recipe(run_dir: Path, cache: Path, *overrides: str, timeout: float = 300) ->
         *overrides,
     ]
     # this checkout's code, whatever an editable install elsewhere points at
-    env = {**os.environ, "WANDB_SILENT": "true", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "WANDB_SILENT": "true", "PYTHONPATH": pythonpath(REPO)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=run_dir.parent, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -79,7 +80,7 @@ def test_recipe_runs_and_resumes_exactly(tmp_path: Path, cache_dir: Path) -> Non
     convert = [sys.executable, str(REPO / "scripts" / "convert_nanolight_to_hf.py")]
     last, hf_dir = full / "checkpoints" / "last", tmp_path / "hf"
     args = [*convert, "--checkpoint-path", str(last), "--save-path", str(hf_dir)]
-    done = subprocess.run(args, capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = subprocess.run(args, capture_output=True, env={**os.environ, "PYTHONPATH": pythonpath(REPO)})
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     ids = torch.randint(0, 8192, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _dist import pythonpath
 from test_recipe_e2e import REPO, losses, recipe
 
 
@@ -62,7 +63,7 @@ def test_killed_rank_ends_the_job(tmp_path: Path, cache_dir: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": pythonpath(REPO)},
     )
     try:
         deadline = time.monotonic() + 180

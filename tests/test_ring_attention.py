@@ -4,7 +4,7 @@ The reference is PyTorch's own `scaled_dot_product_attention` over the whole seq
 with the packed documents' mask), its gradients from autograd. Each cp rank gets its zigzag share
 of q, k, v, the document ids and the output gradient; the outputs and q/k/v gradients the ranks
 return, put back in sequence order, must equal the reference's. Every exchange is recorded and
-checked by NCCL's pairing rules (`_p2p_recorder`).
+checked by NCCL's rules (`_nccl_emulation`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _dist import run_distributed
-from _p2p_recorder import assert_nccl_safe, install, recording
+from _nccl_emulation import assert_nccl_safe, install, recording
 
 from nanolight.models.attention import Documents
 from nanolight.parallel.ring_attention import (

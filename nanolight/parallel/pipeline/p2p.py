@@ -161,7 +161,9 @@ class StageP2P:
             batch.held[stream] += nbytes
             self._held[stream] += nbytes
             self.traffic.sent_bytes[stream] += nbytes
-            self.traffic.peak_held_bytes[stream] = max(self.traffic.peak_held_bytes[stream], self._held[stream])
+            self.traffic.peak_held_bytes[stream] = max(
+                self.traffic.peak_held_bytes[stream], self._held[stream]
+            )
         self._pending.append(batch)
         self._posted += 1
 

@@ -18,6 +18,7 @@ import yaml
 
 from nanolight.callbacks import (
     Callback,
+    DivergenceCheck,
     GreedySamples,
     LearningRateMonitor,
     ModelCheckpoint,
@@ -138,6 +139,8 @@ def build_trainer(config: PretrainConfig, strategy: Strategy, root: Path, *extra
     loggers = build_loggers(config, root)
     # LearningRateMonitor needs a logger (as Lightning's, it raises without one)
     callbacks = [*([LearningRateMonitor()] if loggers else []), ThroughputMonitor(), *extra]
+    if t.stop_on_divergence:  # checked where the step reads values anyway (no sync per step)
+        callbacks.append(DivergenceCheck())
     if c.every_n_steps is not None or c.save_last:
         callbacks.append(
             ModelCheckpoint(  # the recipe's layout, explicitly: <root>/checkpoints/step-<N>

@@ -33,8 +33,9 @@ from nanolight.loggers.wandb_logger import has_wandb_credentials
 from nanolight.parallel.launcher import detect_environment
 from nanolight.parallel.pipeline import check_micro_batches, check_pipeline_layout
 from nanolight.precision import Precision
-from nanolight.pretrain.auto import PredictionCheck, auto_layout
+from nanolight.pretrain.auto import Prediction, PredictionCheck, auto_layout
 from nanolight.pretrain.config import ConfigError, PretrainConfig, to_dict
+from nanolight.pretrain.lock import run_lock
 from nanolight.pretrain.module import CausalLMPretrain, held_out
 from nanolight.strategies import Parallel3DStrategy, SingleDeviceStrategy, Strategy
 from nanolight.trainer import NanoTrainer
@@ -189,6 +190,12 @@ def run(config: PretrainConfig, overrides: list[str] | None = None) -> NanoTrain
     if config.auto_parallel:
         config, prediction = auto_layout(config, list(overrides or ()))
     check_layout(config)
+    with run_lock(Path(config.trainer.default_root_dir)):  # before anything is written there
+        return _run(config, prediction)
+
+
+def _run(config: PretrainConfig, prediction: Prediction | None) -> NanoTrainer:
+    """`run`'s body, under the run directory's lock."""
     root = check_run_dir(config)
     dm = build_data(config)  # tokenizes into the cache once, before any rank is spawned
     heldout = held_out(dm.val_loader, dm.tokenizer) if dm.val_loader is not None else None  # the whole split

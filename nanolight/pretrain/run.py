@@ -158,7 +158,7 @@ def build_trainer(config: PretrainConfig, strategy: Strategy, root: Path, *extra
                 save_on_train_end=True,  # the end of a run is always saved
             )
         )
-    return NanoTrainer(
+    trainer = NanoTrainer(
         max_steps=t.max_steps,
         max_epochs=t.max_epochs,
         accumulate_grad_batches=t.accumulate_grad_batches,
@@ -176,6 +176,8 @@ def build_trainer(config: PretrainConfig, strategy: Strategy, root: Path, *extra
         seed=config.seed,
         deterministic=t.deterministic,
     )
+    trainer.preemption.save_on_interrupt = True  # the recipe's Ctrl-C: save, then stop (exit 130)
+    return trainer
 
 
 def save_config(config: PretrainConfig, root: Path) -> None:

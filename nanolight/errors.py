@@ -17,3 +17,8 @@ class NanolightError(Exception):
 
 class UsageError(NanolightError, ValueError):
     """A setting or input that cannot work (a layout, a loader, a return value); says the fix."""
+
+
+class TrainingDiverged(NanolightError, RuntimeError):
+    """The loss or gradient norm stopped being finite: training on would only spread NaN, and a
+    checkpoint of that state would rotate the last good one away."""

@@ -6,7 +6,8 @@
     torchrun --nproc_per_node=8 recipes/smollm.py model=smollm-1.7b +parallel.tp=8
 
 Configs live in conf/; every key is validated (nanolight/pretrain/config.py) before anything runs.
-Errors are one line (``nanolight: error: ...``); ``--debug`` shows their traceback.
+Errors are one line (``nanolight: error: ...``); ``--debug`` shows their traceback. Ctrl-C saves the
+current step, then exits 130; a second Ctrl-C stops at once.
 """
 
 import sys
@@ -23,7 +24,9 @@ DEBUG = take_debug_flag(sys.argv)
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     with reported_errors(DEBUG):
-        run(load_config(cfg), sys.argv[1:])  # the command line: the knobs +parallel=auto keeps
+        trainer = run(load_config(cfg), sys.argv[1:])  # the command line: the knobs +parallel=auto keeps
+    if trainer.preempted_by == "SIGINT":  # Ctrl-C: saved (the line says where), but not finished
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,13 @@ from nanolight.callbacks.base import Callback
 from nanolight.callbacks.early_stopping import EarlyStopping
 from nanolight.callbacks.lr_monitor import LearningRateMonitor
 from nanolight.callbacks.model_checkpoint import ModelCheckpoint
-from nanolight.callbacks.nan_guard import NaNGuard
+from nanolight.callbacks.nan_guard import DivergenceCheck, NaNGuard
 from nanolight.callbacks.progress import GreedySamples, RichProgressBar
 from nanolight.callbacks.throughput import ThroughputMonitor
 
 __all__ = [
     "Callback",
+    "DivergenceCheck",
     "EarlyStopping",
     "GreedySamples",
     "LearningRateMonitor",

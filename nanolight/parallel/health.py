@@ -24,6 +24,7 @@ import torch.distributed as dist
 from nanolight.errors import NanolightError
 
 KEY = "nanolight/heartbeat/{}"
+STORE_TIMEOUT_S = 2.0  # the longest the beating thread may spend in one store call (see `_beat`)
 F = TypeVar("F", bound=Callable[..., Any])
 _SIGNS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "peer", "aborted")
 
@@ -70,13 +71,19 @@ class Heartbeat:
         return dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=timeout))
 
     def _beat(self) -> None:
-        try:
-            store = self._store(timeout=30)
-            while not self._stop.is_set():
+        """Every call into the store is bounded by `STORE_TIMEOUT_S`, so `close` always joins this
+        thread: a daemon thread still inside a C++ call when the interpreter finalizes is ended by
+        a forced unwind through pybind11's noexcept GIL guard -- "terminate called without an
+        active exception", exit 134 -- e.g. waiting 30 s on a store whose host (rank 0) is
+        stopped or has just exited."""
+        store = None
+        while not self._stop.is_set():
+            try:
+                store = store or self._store(timeout=STORE_TIMEOUT_S)
                 store.set(KEY.format(self.rank), repr(time.time()))
-                self._stop.wait(self.interval)
-        except Exception:  # the store went away (the job is ending): nothing left to report to
-            return
+            except Exception:  # the store is slow, stopped or gone: try again at the next beat
+                store = None
+            self._stop.wait(self.interval)
 
     def silent_ranks(self) -> str:
         """Which ranks stopped beating, in words (asked after a collective failed)."""
@@ -109,7 +116,7 @@ class Heartbeat:
         process groups (and rank 0's store) are torn down at exit."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.interval + 5)
+            self._thread.join(timeout=2 * STORE_TIMEOUT_S + 1)  # a connect and a set at most: it ends
 
 
 def watched(what: str) -> Callable[[F], F]:

@@ -7,7 +7,9 @@ with their status:
 
 * one child failing stops the others at once, so a crashed rank never leaves its peers blocked;
 * SIGTERM/SIGUSR1 to the parent (pre-emption) are passed on, and the parent keeps waiting while
-  the children finish their step and save (``nanolight/trainer/loops.py``);
+  the children finish their step and save (``nanolight/trainer/loops.py``); so is a first Ctrl-C
+  (the children run in their own process groups, so the terminal's reaches the parent alone), and
+  a second one kills them at once;
 * each child gets ``cores // N`` threads (``OMP_NUM_THREADS``) unless the user set it: N ranks
   of torch's default (every core each) oversubscribe the machine several times over.
 
@@ -74,6 +76,7 @@ class SubprocessLauncher:
     def __init__(self, world_size: int, grace_s: float = 5.0, poll_s: float = 0.1) -> None:
         self.world_size, self.grace_s, self.poll_s = world_size, grace_s, poll_s
         self.started = 0.0  # when the children were started (dump files older than that are stale)
+        self.interrupts = 0  # Ctrl-C presses seen while the children run
 
     def command(self) -> list[str]:
         cmd = _script_command()
@@ -112,15 +115,22 @@ class SubprocessLauncher:
                 "choose another count)",
                 file=sys.stderr,
             )
-        self.started = time.time()
-        children = [subprocess.Popen(cmd, env=self.child_env(r, port)) for r in range(self.world_size)]
+        self.started, self.interrupts = time.time(), 0
+        # each child in a process group of its own: a terminal's Ctrl-C reaches the parent only, which
+        # passes each press on once (from the terminal too, a rank would see two and stop unsaved)
+        children = [
+            subprocess.Popen(cmd, env=self.child_env(r, port), **_OWN_GROUP) for r in range(self.world_size)
+        ]
         # Pre-emption (SIGTERM, SLURM's SIGUSR1) must reach the children, which finish their step,
-        # save and exit 0: pass it on and keep waiting. Ctrl-C (SIGINT) reaches them from the
-        # terminal and stops the parent with KeyboardInterrupt: `_stop` ends them.
+        # save and exit 0: pass it on and keep waiting. Ctrl-C: the first is passed on (the recipe's
+        # ranks save and exit 130), the second ends them at once (`_wait`).
         previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in _FORWARDED_SIGNALS:
                 previous[sig] = signal.signal(sig, lambda signum, frame: _forward(children, signum))
+            previous[signal.SIGINT] = signal.signal(
+                signal.SIGINT, lambda signum, frame: self._interrupt(children)
+            )
         try:
             return self._wait(children)
         finally:
@@ -128,10 +138,21 @@ class SubprocessLauncher:
                 signal.signal(sig, handler)
             self._stop(children)
 
+    def _interrupt(self, children: list[subprocess.Popen]) -> None:
+        self.interrupts += 1
+        if self.interrupts == 1:
+            _forward(children, signal.SIGINT)
+
     def _wait(self, children: list[subprocess.Popen]) -> int:
         while True:
             codes = [c.poll() for c in children]
-            failed = [code for code in codes if code not in (None, 0)]
+            if self.interrupts > 1:  # Ctrl-C twice: the user will not wait for a save
+                for child in children:
+                    child.kill()
+                print("nanolight: Ctrl-C again: stopped every rank at once, nothing saved", file=sys.stderr)
+                return 130
+            done = (0, 130) if self.interrupts else (0,)  # 130: a rank stopped by Ctrl-C, as asked
+            failed = [code for code in codes if code not in (None, *done)]
             if failed:  # a dead rank: its peers would block in the next collective; stop them
                 code = failed[0]
                 rank = codes.index(code)
@@ -142,8 +163,8 @@ class SubprocessLauncher:
                     file=sys.stderr,
                 )
                 return code if code > 0 else 128 - code  # killed by signal N -> 128 + N
-            if all(code == 0 for code in codes):
-                return 0
+            if all(code in done for code in codes):
+                return max(codes)  # 130 once a Ctrl-C stopped the ranks
             time.sleep(self.poll_s)
 
     def _stop(self, children: list[subprocess.Popen]) -> None:
@@ -159,6 +180,7 @@ class SubprocessLauncher:
                 child.wait()
 
 
+_OWN_GROUP: dict = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 _FORWARDED_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name)]
 
 

@@ -48,6 +48,7 @@ class TrainConfig:
     activation_checkpointing: Recompute = "none"
     activation_checkpointing_every: int = 1
     compile: bool = False
+    stop_on_divergence: bool = True  # `DivergenceCheck`: a non-finite loss/grad norm ends the run, unsaved
 
     @property
     def run_precision(self) -> str:

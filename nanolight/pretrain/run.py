@@ -18,6 +18,7 @@ import yaml
 
 from nanolight.callbacks import (
     Callback,
+    DivergenceCheck,
     GreedySamples,
     LearningRateMonitor,
     ModelCheckpoint,
@@ -32,8 +33,9 @@ from nanolight.loggers.wandb_logger import has_wandb_credentials
 from nanolight.parallel.launcher import detect_environment
 from nanolight.parallel.pipeline import check_micro_batches, check_pipeline_layout
 from nanolight.precision import Precision
-from nanolight.pretrain.auto import PredictionCheck, auto_layout
+from nanolight.pretrain.auto import Prediction, PredictionCheck, auto_layout
 from nanolight.pretrain.config import ConfigError, PretrainConfig, to_dict
+from nanolight.pretrain.lock import run_lock
 from nanolight.pretrain.module import CausalLMPretrain, held_out
 from nanolight.strategies import Parallel3DStrategy, SingleDeviceStrategy, Strategy
 from nanolight.trainer import NanoTrainer
@@ -138,6 +140,8 @@ def build_trainer(config: PretrainConfig, strategy: Strategy, root: Path, *extra
     loggers = build_loggers(config, root)
     # LearningRateMonitor needs a logger (as Lightning's, it raises without one)
     callbacks = [*([LearningRateMonitor()] if loggers else []), ThroughputMonitor(), *extra]
+    if t.stop_on_divergence:  # checked where the step reads values anyway (no sync per step)
+        callbacks.append(DivergenceCheck())
     if c.every_n_steps is not None or c.save_last:
         callbacks.append(
             ModelCheckpoint(  # the recipe's layout, explicitly: <root>/checkpoints/step-<N>
@@ -154,7 +158,7 @@ def build_trainer(config: PretrainConfig, strategy: Strategy, root: Path, *extra
                 save_on_train_end=True,  # the end of a run is always saved
             )
         )
-    return NanoTrainer(
+    trainer = NanoTrainer(
         max_steps=t.max_steps,
         max_epochs=t.max_epochs,
         accumulate_grad_batches=t.accumulate_grad_batches,
@@ -172,6 +176,8 @@ def build_trainer(config: PretrainConfig, strategy: Strategy, root: Path, *extra
         seed=config.seed,
         deterministic=t.deterministic,
     )
+    trainer.preemption.save_on_interrupt = True  # the recipe's Ctrl-C: save, then stop (exit 130)
+    return trainer
 
 
 def save_config(config: PretrainConfig, root: Path) -> None:
@@ -186,6 +192,12 @@ def run(config: PretrainConfig, overrides: list[str] | None = None) -> NanoTrain
     if config.auto_parallel:
         config, prediction = auto_layout(config, list(overrides or ()))
     check_layout(config)
+    with run_lock(Path(config.trainer.default_root_dir)):  # before anything is written there
+        return _run(config, prediction)
+
+
+def _run(config: PretrainConfig, prediction: Prediction | None) -> NanoTrainer:
+    """`run`'s body, under the run directory's lock."""
     root = check_run_dir(config)
     dm = build_data(config)  # tokenizes into the cache once, before any rank is spawned
     heldout = held_out(dm.val_loader, dm.tokenizer) if dm.val_loader is not None else None  # the whole split

@@ -168,9 +168,19 @@ def _rank() -> int:
 @contextmanager
 def reported_errors(debug: bool = False) -> Iterator[None]:
     """Run the body; a `NanolightError` becomes one line on stderr and exit status 2 (a config
-    error) or 1. With `debug` the traceback is printed as usual."""
+    error) or 1, Ctrl-C one line and 130. With `debug` the traceback is printed as usual."""
     try:
         yield
+    except KeyboardInterrupt:  # Ctrl-C outside training (inside, `Preemption` saves first)
+        if debug:
+            raise
+        if _rank() == 0:
+            print(
+                "nanolight: interrupted (Ctrl-C); checkpoints saved so far are kept",
+                file=sys.stderr,
+                flush=True,
+            )
+        sys.exit(130)
     except NanolightError as err:
         if debug:
             raise

@@ -23,6 +23,7 @@ checkpoint time are restored *after* the skip, so the run continues as an uninte
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import threading
@@ -349,15 +350,20 @@ def restore_epoch_start(loader: Any, state: dict[str, Any]) -> None:
 
 
 SIGNALS = ("SIGTERM", "SIGUSR1")  # SIGUSR1: SLURM's usual `--signal=USR1@<seconds>`; absent on Windows
-CODES = {None: 0, "SIGUSR1": 1, "SIGTERM": 2}  # what a rank sends; the maximum wins (SIGTERM)
+CODES = {None: 0, "SIGUSR1": 1, "SIGTERM": 2, "SIGINT": 3}  # what a rank sends; the maximum wins
 NAMES = {code: name for name, code in CODES.items() if name}
 
 
 class Preemption:
-    """Context manager around ``fit``: records SIGTERM/SIGUSR1 instead of dying of them."""
+    """Context manager around ``fit``: records SIGTERM/SIGUSR1 instead of dying of them.
+
+    Ctrl-C (SIGINT) keeps Lightning's meaning (``KeyboardInterrupt``: ``on_exception``, nothing
+    saved) unless `save_on_interrupt` is set (the recipe sets it: "nothing lost"): then it is a
+    pre-emption too, and a second one stops the process at once, unsaved, with status 130."""
 
     def __init__(self, trainer: NanoTrainer) -> None:
         self.trainer = trainer
+        self.save_on_interrupt = False
         self.received: str | None = None  # name of the first signal this process got
         self._previous: dict[int, Any] = {}
         self._pending: Any = None  # the agreement started at the last check, read at the next
@@ -366,7 +372,7 @@ class Preemption:
         self.received = self.trainer.preempted_by = None
         self._pending = None
         if threading.current_thread() is threading.main_thread():
-            for name in SIGNALS:
+            for name in SIGNALS + (("SIGINT",) if self.save_on_interrupt else ()):
                 sig = getattr(signal, name, None)
                 if sig is not None:
                     self._previous[sig] = signal.signal(sig, self._record)
@@ -379,6 +385,9 @@ class Preemption:
         self._previous.clear()
 
     def _record(self, signum: int, frame: object) -> None:
+        if signum == signal.SIGINT and self.received == "SIGINT":  # Ctrl-C twice: the user will not wait
+            print("nanolight: Ctrl-C again: stopped at once, nothing saved", file=sys.stderr, flush=True)
+            os._exit(130)  # what a shell reports for SIGINT; the checkpoints saved so far are complete
         self.received = self.received or signal.Signals(signum).name
 
     def check(self) -> None:

@@ -7,7 +7,7 @@ a check batch (an int ``val_check_interval`` counts batches, a float is a fracti
 epoch), plateau schedulers with interval "step", then `max_time` and pre-emption checks (with
 several ranks the latter reads the agreement the previous step started: `Preemption` below).
 At an epoch's end: epoch values published, ``on_train_epoch_end`` (monitoring callbacks after
-the module), plateau schedulers (only after a complete epoch), the epoch row. Stopping: max
+the module, with what it logged there published first), plateau schedulers (only after a complete epoch), the epoch row. Stopping: max
 steps/epochs, or ``should_stop`` once ``min_steps``/``min_epochs`` are met (with one extra
 validation right then, as Lightning).
 
@@ -285,7 +285,9 @@ class FitLoop:
         trainer = self.trainer
         metrics = trainer.metrics
         metrics.publish(metrics.train, on_step=False)  # epoch values first: the hooks read them
-        trainer.hooks.call("on_train_epoch_end")
+        trainer.hooks.call("on_train_epoch_end", monitoring=False)
+        metrics.publish(metrics.train, on_step=False)  # + what those hooks logged, for the monitors
+        trainer.hooks.call("on_train_epoch_end", monitoring=True)
         if complete:
             batch_idx = trainer.progress["batch_idx"] - 1
             trainer.optimization.update_lr_schedulers("epoch", plateau=True, batch_idx=batch_idx)

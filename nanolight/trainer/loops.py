@@ -45,8 +45,26 @@ if TYPE_CHECKING:
     from nanolight.trainer.trainer import NanoTrainer
 
 
+def _limit(name: str) -> property:
+    """A loop limit read and set on the fit loop, as Lightning's ``trainer.fit_loop.max_epochs = 4``
+    (kept in the trainer's config, where the rest of the trainer reads it)."""
+
+    def get(self: FitLoop) -> Any:
+        return getattr(self.trainer.config, name)
+
+    def set_(self: FitLoop, value: Any) -> None:
+        setattr(self.trainer.config, name, value)
+
+    return property(get, set_, doc=f"``trainer.config.{name}``")
+
+
 class FitLoop:
     """Runs `fit`'s epochs; `state_dict` / `load_state_dict` are its part of a checkpoint."""
+
+    max_epochs = _limit("max_epochs")
+    min_epochs = _limit("min_epochs")
+    max_steps = _limit("max_steps")
+    min_steps = _limit("min_steps")
 
     def __init__(self, trainer: NanoTrainer) -> None:
         self.trainer = trainer
@@ -87,6 +105,11 @@ class FitLoop:
         return resume is not None and (self.trainer.config.max_steps != -1 or bool(resume.get("batch_idx")))
 
     # ---- data ------------------------------------------------------------------------------
+    def forget_data(self) -> None:
+        """A new fit: its loaders are requested again (Lightning's ``attach_dataloaders``)."""
+        self.train_loader = self.val_loaders = None
+        self.max_batches, self.val_check_batch = math.inf, math.inf
+
     def ensure_train_data(self) -> int | float:
         """The train loader (requested once per fit) and its number of batches per epoch."""
         trainer = self.trainer
@@ -130,8 +153,12 @@ class FitLoop:
     # ---- stopping --------------------------------------------------------------------------
     @property
     def can_stop_early(self) -> bool:
+        """``min_epochs`` and ``min_steps`` are met. ``min_steps`` alone implies ``min_epochs=1``
+        (Lightning's ``loops/utilities.py::_parse_loop_limits``), so a stop asked for in the first
+        epoch finishes that epoch."""
         cfg, trainer = self.trainer.config, self.trainer
-        met_epochs = trainer.current_epoch >= cfg.min_epochs if cfg.min_epochs else True
+        min_epochs = cfg.min_epochs if cfg.min_epochs is not None else int(cfg.min_steps is not None)
+        met_epochs = trainer.current_epoch >= min_epochs if min_epochs else True
         met_steps = trainer.global_step >= cfg.min_steps if cfg.min_steps else True
         return met_epochs and met_steps
 

@@ -171,6 +171,7 @@ class NanoTrainer(TrainerProperties):
         if isinstance(train_dataloaders, NanoDataModule):
             datamodule, train_dataloaders = train_dataloaders, None
         self.data.attach(model, datamodule, train=train_dataloaders, val=val_dataloaders)
+        self.fit_loop.forget_data()
         with self.preemption:  # SIGTERM/SIGUSR1: finish the step, save, stop (loops.py)
             self._run("fit", model, ckpt_path, self._fit_stage)
 

@@ -73,12 +73,21 @@ def load_model(
         for n in reader.names("model/" + stored_prefix)
     }
     check_matches(expected, {k: s for k, s in stored.items() if k not in aliases})
-    tensors = module.state_dict(keep_vars=True)
     with torch.no_grad():
         for key in keys:
-            offset, shape = layout.block(key, tensors[key].shape)
+            tensor = own_tensor(module, key)
+            offset, shape = layout.block(key, tensor.shape)
             name = f"model/{stored_prefix}{key.removeprefix(strip)}"
-            tensors[key].copy_(reader.read(name, offset, shape))
+            tensor.copy_(reader.read(name, offset, shape))
+
+
+def own_tensor(module: nn.Module, key: str) -> torch.Tensor:
+    """The parameter or buffer a state-dict key names, itself (to copy into). Not through
+    ``state_dict(keep_vars=True)``: a module may override ``state_dict`` without that argument."""
+    try:
+        return module.get_parameter(key)
+    except AttributeError:
+        return module.get_buffer(key)
 
 
 def load_optimizers(

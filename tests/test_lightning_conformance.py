@@ -21,6 +21,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _check(observed: dict[str, Any], section: str) -> None:
     want, got = fixture(PROGRAM)[section], observed[section]
+    assert "error" not in got, f"{section} raised under nanolight: {got['error']}"
     diffs = differences(want, got)
     assert not diffs, f"{section}: {len(diffs)} differences from Lightning:\n" + "\n".join(diffs[:20])
 

@@ -200,7 +200,13 @@ class FitLoop:
         if self._validates_epoch():
             self.ensure_val_data()
         self._t0 = time.monotonic()
-        trainer.lightning_module.train()
+        # Lightning leaves the modes as they are (no train() call a module could see) and warns
+        frozen = [name for name, sub in trainer.lightning_module.named_modules() if not sub.training]
+        if frozen:
+            rank_zero_warn(
+                f"{len(frozen)} module(s) are in eval mode at the start of training ({', '.join(frozen[:3]) or 'the module'}"
+                f"{', ...' if len(frozen) > 3 else ''}): they train in eval mode; ignore this if intended"
+            )
         trainer.hooks.call("on_train_start")
         while not self.done:
             self._epoch()

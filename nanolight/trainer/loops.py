@@ -6,10 +6,10 @@ the step (`step.py`), its logger row, validation if one of the window's batches 
 a check batch (an int ``val_check_interval`` counts batches, a float is a fraction of the
 epoch), plateau schedulers with interval "step", then `max_time` and pre-emption checks (with
 several ranks the latter reads the agreement the previous step started: `Preemption` below).
-At an epoch's end: epoch values published, ``on_train_epoch_end`` (monitoring callbacks after
-the module, with what it logged there published first), plateau schedulers (only after a complete epoch), the epoch row. Stopping: max
-steps/epochs, or ``should_stop`` once ``min_steps``/``min_epochs`` are met (with one extra
-validation right then, as Lightning).
+At an epoch's end: epoch values published, ``on_train_epoch_end`` (monitoring callbacks after the
+module, what it logged published for them), plateau schedulers (only after a complete epoch), the
+epoch row. Stopping: max steps/epochs, or ``should_stop`` once ``min_steps``/``min_epochs`` are
+met (with one extra validation right then, as Lightning).
 
 Where training stands in its data is `FitLoop`'s state, so a resumed run continues from the next
 unseen batch: loaders with ``state_dict()/load_state_dict()`` (the nanolight data loader) are
@@ -46,25 +46,18 @@ if TYPE_CHECKING:
 
 
 def _limit(name: str) -> property:
-    """A loop limit read and set on the fit loop, as Lightning's ``trainer.fit_loop.max_epochs = 4``
-    (kept in the trainer's config, where the rest of the trainer reads it)."""
-
-    def get(self: FitLoop) -> Any:
-        return getattr(self.trainer.config, name)
-
-    def set_(self: FitLoop, value: Any) -> None:
-        setattr(self.trainer.config, name, value)
-
-    return property(get, set_, doc=f"``trainer.config.{name}``")
+    """A loop limit set on the fit loop (``trainer.fit_loop.max_epochs = 4``, Lightning), kept in the config."""
+    return property(
+        lambda self: getattr(self.trainer.config, name), lambda self, v: setattr(self.trainer.config, name, v)
+    )
 
 
 class FitLoop:
     """Runs `fit`'s epochs; `state_dict` / `load_state_dict` are its part of a checkpoint."""
 
-    max_epochs = _limit("max_epochs")
-    min_epochs = _limit("min_epochs")
-    max_steps = _limit("max_steps")
-    min_steps = _limit("min_steps")
+    max_epochs, min_epochs, max_steps, min_steps = map(
+        _limit, ("max_epochs", "min_epochs", "max_steps", "min_steps")
+    )
 
     def __init__(self, trainer: NanoTrainer) -> None:
         self.trainer = trainer
@@ -153,9 +146,8 @@ class FitLoop:
     # ---- stopping --------------------------------------------------------------------------
     @property
     def can_stop_early(self) -> bool:
-        """``min_epochs`` and ``min_steps`` are met. ``min_steps`` alone implies ``min_epochs=1``
-        (Lightning's ``loops/utilities.py::_parse_loop_limits``), so a stop asked for in the first
-        epoch finishes that epoch."""
+        """``min_epochs``/``min_steps`` met; ``min_steps`` alone implies ``min_epochs=1`` (Lightning's
+        ``_parse_loop_limits``): a stop asked for in the first epoch finishes it."""
         cfg, trainer = self.trainer.config, self.trainer
         min_epochs = cfg.min_epochs if cfg.min_epochs is not None else int(cfg.min_steps is not None)
         met_epochs = trainer.current_epoch >= min_epochs if min_epochs else True
@@ -201,11 +193,12 @@ class FitLoop:
             self.ensure_val_data()
         self._t0 = time.monotonic()
         # Lightning leaves the modes as they are (no train() call a module could see) and warns
-        frozen = [name for name, sub in trainer.lightning_module.named_modules() if not sub.training]
+        frozen = [
+            name or "the module" for name, sub in trainer.lightning_module.named_modules() if not sub.training
+        ]
         if frozen:
             rank_zero_warn(
-                f"{len(frozen)} module(s) are in eval mode at the start of training ({', '.join(frozen[:3]) or 'the module'}"
-                f"{', ...' if len(frozen) > 3 else ''}): they train in eval mode; ignore this if intended"
+                f"modules in eval mode at the start of training (ignore if intended): {frozen[:5]}"
             )
         trainer.hooks.call("on_train_start")
         while not self.done:

@@ -45,8 +45,9 @@ from nanolight.trainer.hooks import HookCaller, merge_model_callbacks
 from nanolight.trainer.loops import FitLoop, Preemption
 from nanolight.trainer.metrics import MetricStore
 from nanolight.trainer.optimization import Optimization
-from nanolight.trainer.properties import TrainerProperties, TrainerState
+from nanolight.trainer.properties import TrainerProperties
 from nanolight.trainer.state import build_state, resolve_ckpt_path, restore_state, restore_training_state
+from nanolight.trainer.states import TrainerState
 
 # the counters of `trainer.progress`: optimizer steps, epochs, batches in the epoch, samples and
 # tokens seen (over dp), batches that stepped (the logger's step), batches over all epochs
@@ -264,7 +265,7 @@ class NanoTrainer(TrainerProperties):
                 self.state.status = "finished"
                 for lg in self.loggers if self.is_global_zero else []:
                     lg.finalize("success")
-                self.hooks.setup("teardown", fn)
+                self.hooks.setup("teardown", self.state.fn)
                 return result
             except BaseException as exc:
                 self.state.status = "interrupted"
@@ -284,7 +285,7 @@ class NanoTrainer(TrainerProperties):
         if self.seed is not None:
             seed_everything(self.seed, verbose=False)
         self._prepare_data()
-        self.hooks.setup("setup", fn)
+        self.hooks.setup("setup", self.state.fn)  # TrainerFn, as Lightning
         # Lightning calls configure_model (as prepare_data) only when the class overrides it
         if is_overridden("configure_model", module, NanoModule):
             with strategy.model_init_context():  # every call, as Lightning (it must be idempotent)

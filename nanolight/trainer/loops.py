@@ -100,8 +100,7 @@ class FitLoop:
     # ---- data ------------------------------------------------------------------------------
     def forget_data(self) -> None:
         """A new fit: its loaders are requested again (Lightning's ``attach_dataloaders``)."""
-        self.train_loader = self.val_loaders = None
-        self.max_batches, self.val_check_batch = math.inf, math.inf
+        self.train_loader = self.val_loaders = None  # (ensure_train_data sets the limits again)
 
     def ensure_train_data(self) -> int | float:
         """The train loader (requested once per fit) and its number of batches per epoch."""
@@ -192,10 +191,8 @@ class FitLoop:
         if self._validates_epoch():
             self.ensure_val_data()
         self._t0 = time.monotonic()
-        # Lightning leaves the modes as they are (no train() call a module could see) and warns
-        frozen = [
-            name or "the module" for name, sub in trainer.lightning_module.named_modules() if not sub.training
-        ]
+        # Lightning leaves the train/eval modes as they are (no train() call a module could see); it warns
+        frozen = [n or "the module" for n, m in trainer.lightning_module.named_modules() if not m.training]
         if frozen:
             rank_zero_warn(
                 f"modules in eval mode at the start of training (ignore if intended): {frozen[:5]}"
@@ -241,8 +238,10 @@ class FitLoop:
         if every and trainer.current_epoch and trainer.current_epoch % every == 0:
             self.train_loader = None  # Lightning: ask for the train loader again
             self.ensure_train_data()
+        mid_epoch = bool((self._resume or {}).get("batch_idx"))  # resumed: its start hooks ran before
         iterator = self._iterator()
-        trainer.hooks.call("on_train_epoch_start")
+        if not mid_epoch:
+            trainer.hooks.call("on_train_epoch_start")
         manual = not trainer.lightning_module.automatic_optimization
         step = ManualStep(trainer) if manual else AutomaticStep(trainer)
         window = 1 if manual else cfg.accumulate_grad_batches

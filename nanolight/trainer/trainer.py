@@ -4,7 +4,7 @@ over a `Strategy` that owns every question of parallel layout (the trainer has n
 The trainer holds its parts as objects, each with its own state (Lightning's connectors; the
 package docstring names them). This file is one call from start to end: the environment,
 ``prepare_data`` / ``setup``, the model set up on the strategy, the optimizers, the checkpoint
-restored, hparams logged; then the stage (fit: the sanity check and the fit loop); then teardown,
+restored (for fit, its optimizers and loop progress after ``on_fit_start``, as Lightning), hparams logged; then the stage (fit: the sanity check and the fit loop); then teardown,
 loggers finalised, or ``on_exception``.
 """
 
@@ -296,12 +296,13 @@ class NanoTrainer(TrainerProperties):
         if fn == "fit":
             self.optimization.setup(module)
         path = resolve_ckpt_path(self, ckpt_path, fn, model_given)
+        self._training_state: tuple[Path, dict[str, Any]] | None = None  # restored after on_fit_start
         self.ckpt_path = str(path) if path is not None else None
         if path is not None:
             rank_zero_info(f"Restoring from checkpoint {path}")
             state = restore_state(self, path)
             if fn == "fit":
-                restore_training_state(self, path, state)
+                self._training_state = path, state
         self._log_hyperparams(module)
 
     def _prepare_data(self) -> None:
@@ -339,6 +340,8 @@ class NanoTrainer(TrainerProperties):
     def _fit_stage(self) -> None:
         with torch.autograd.set_detect_anomaly(self.detect_anomaly):  # as Lightning (False: off)
             self.hooks.call("on_fit_start")
+            if self._training_state is not None:  # optimizers and loop progress (Lightning's _run)
+                restore_training_state(self, *self._training_state)
             self.lightning_module.zero_grad()  # before the stage, as for validate/test/predict
             if (
                 self.enable_validation

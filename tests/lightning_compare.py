@@ -46,6 +46,7 @@ PROGRAM_NAMES = [  # every ported program, in the order they were added (record.
     "checkpointing_page",
     "state_flags",
     "checkpoint_names",
+    "conformance",
 ]
 RENAMES = [  # the whole port (regular expressions, applied in order)
     (r"\blightning\.pytorch\b", "nanolight"),  # callbacks, loggers, demos, utilities, core, ...

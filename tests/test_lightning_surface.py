@@ -113,3 +113,13 @@ def test_test_and_predict_with_ckpt_path_best_restore_the_monitored_best(tmp_pat
     assert len(predictions) == len(want)
     for got, expected in zip(predictions, want, strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_model_summary_is_exported_and_replaces_the_default() -> None:
+    """``lightning.pytorch.callbacks.ModelSummary``: a user's instance is the only one (Lightning's
+    ``callback_connector._configure_model_summary_callback`` adds its default only when none is given)."""
+    from nanolight.callbacks import ModelSummary  # ImportError before it was exported
+
+    mine = ModelSummary(max_depth=2)
+    trainer = NanoTrainer(callbacks=[mine], logger=False, enable_checkpointing=False)
+    assert [cb for cb in trainer.callbacks if isinstance(cb, ModelSummary)] == [mine]

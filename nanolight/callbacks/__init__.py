@@ -4,6 +4,7 @@ from nanolight.callbacks.base import Callback
 from nanolight.callbacks.early_stopping import EarlyStopping
 from nanolight.callbacks.lr_monitor import LearningRateMonitor
 from nanolight.callbacks.model_checkpoint import ModelCheckpoint
+from nanolight.callbacks.model_summary import ModelSummary
 from nanolight.callbacks.nan_guard import DivergenceCheck, NaNGuard
 from nanolight.callbacks.progress import GreedySamples, RichProgressBar
 from nanolight.callbacks.throughput import ThroughputMonitor
@@ -15,6 +16,7 @@ __all__ = [
     "GreedySamples",
     "LearningRateMonitor",
     "ModelCheckpoint",
+    "ModelSummary",
     "NaNGuard",
     "RichProgressBar",
     "ThroughputMonitor",

@@ -53,9 +53,15 @@ def check_matches(expected: dict[str, tuple[int, ...]], stored: dict[str, tuple[
 
 
 def load_model(
-    reader: CheckpointReader, module: nn.Module, layout: Any, strip: str = "", stored_prefix: str = ""
-) -> None:
-    """Copy this rank's blocks of the stored weights into `module` (in place, no reallocation).
+    reader: CheckpointReader,
+    module: nn.Module,
+    layout: Any,
+    strip: str = "",
+    stored_prefix: str = "",
+    strict: bool = True,
+) -> tuple[list[str], list[str]]:
+    """Copy this rank's blocks of the stored weights into `module` (in place, no reallocation);
+    returns the (missing, unexpected) keys, which only ``strict=False`` allows (shapes must match).
 
     A model directory names the causal LM's tensors, while a training module holds the LM under
     an attribute: `strip` is the module's key prefix of the part to load (keys outside it are not
@@ -72,13 +78,33 @@ def load_model(
         n.removeprefix("model/" + stored_prefix): reader.shape(n)
         for n in reader.names("model/" + stored_prefix)
     }
-    check_matches(expected, {k: s for k, s in stored.items() if k not in aliases})
-    tensors = module.state_dict(keep_vars=True)
+    stored = {k: s for k, s in stored.items() if k not in aliases}
+    missing = [k for k in expected if k not in stored]
+    unexpected = [k for k in stored if k not in expected]
+    if strict:
+        check_matches(expected, stored)
+    else:  # Lightning's load_state_dict(strict=False): absent keys allowed, shapes still checked
+        check_matches(
+            {k: v for k, v in expected.items() if k in stored},
+            {k: stored[k] for k in stored if k in expected},
+        )
+        keys = [k for k in keys if k.removeprefix(strip) in stored]
     with torch.no_grad():
         for key in keys:
-            offset, shape = layout.block(key, tensors[key].shape)
+            tensor = own_tensor(module, key)
+            offset, shape = layout.block(key, tensor.shape)
             name = f"model/{stored_prefix}{key.removeprefix(strip)}"
-            tensors[key].copy_(reader.read(name, offset, shape))
+            tensor.copy_(reader.read(name, offset, shape))
+    return missing, unexpected
+
+
+def own_tensor(module: nn.Module, key: str) -> torch.Tensor:
+    """The parameter or buffer a state-dict key names, itself (to copy into). Not through
+    ``state_dict(keep_vars=True)``: a module may override ``state_dict`` without that argument."""
+    try:
+        return module.get_parameter(key)
+    except AttributeError:
+        return module.get_buffer(key)
 
 
 def load_optimizers(

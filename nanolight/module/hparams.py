@@ -11,6 +11,7 @@ and is left out of checkpoints with a warning; `load_from_checkpoint` then takes
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import types
 from collections.abc import Mapping
@@ -95,11 +96,13 @@ class HyperparametersMixin:
         ones (strings), or a dict / namespace. `ignore` drops names; ``logger=False`` keeps them
         out of the loggers' hparams."""
         caller = frame or inspect.currentframe().f_back  # type: ignore[union-attr]
+        init = self._init_args(caller)
         if args and len(args) == 1 and not isinstance(args[0], str):
             given = args[0]
             values = dict(vars(given)) if isinstance(given, types.SimpleNamespace) else dict(given)
+            # the __init__ argument it came in as: load_from_checkpoint passes it back under that name
+            hparams_name = next((k for k, v in init.items() if v is given), None)
         else:
-            init = _caller_init_args(caller) if caller is not None else {}
             missing = [a for a in args if a not in init]
             if missing:
                 raise UsageError(
@@ -107,6 +110,7 @@ class HyperparametersMixin:
                     f"{type(self).__name__}.__init__ (its arguments: {sorted(init)})"
                 )
             values = {a: init[a] for a in args} if args else init
+            hparams_name = "kwargs" if values else None
         drop = {ignore} if isinstance(ignore, str) else set(ignore or ())
         for name, value in values.items():
             if isinstance(value, nn.Module) and name not in drop:
@@ -118,6 +122,21 @@ class HyperparametersMixin:
         self.hparams.update(values)
         object.__setattr__(self, "_hparams_initial", copy.copy(self.hparams))
         object.__setattr__(self, "_log_hyperparams", logger)
+        object.__setattr__(self, "_hparams_name", hparams_name)
+
+    def _init_args(self, caller: types.FrameType | None) -> dict[str, Any]:
+        """The constructor's arguments: a dataclass's init fields (save_hyperparameters runs in
+        its ``__post_init__``, as Lightning documents), else the calling ``__init__``'s."""
+        if dataclasses.is_dataclass(self):
+            return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        return _caller_init_args(caller) if caller is not None else {}
+
+    @property
+    def hparams_name(self) -> str | None:
+        """How the hparams were given: the ``__init__`` argument holding a dict / namespace passed
+        to ``save_hyperparameters`` (reloading passes them back under it), else ``"kwargs"``
+        (Lightning's ``hparams_name`` checkpoint entry)."""
+        return self.__dict__.get("_hparams_name")
 
     @property
     def hparams(self) -> AttributeDict:

@@ -25,6 +25,7 @@ One process is the trivial layout (`ModelLayout.whole`): every block is the whol
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import torch
@@ -34,11 +35,22 @@ from torch import nn
 from nanolight.parallel.tensor_parallel.apply import shard_dims
 
 
+def live_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Key -> the module's own parameter or buffer object, tied ones under each of their names.
+    Read from ``named_parameters`` / ``named_buffers`` rather than ``state_dict(keep_vars=True)``:
+    a module may override ``state_dict`` without that argument, as Lightning's docs show."""
+    params = module.named_parameters(remove_duplicate=False)
+    return dict(chain(params, module.named_buffers(remove_duplicate=False)))
+
+
 def tied_aliases(module: nn.Module) -> dict[str, str]:
     """State-dict key -> the first key naming the same tensor (e.g. lm_head -> embed_tokens)."""
     first: dict[int, str] = {}
     aliases = {}
-    for key, tensor in module.state_dict(keep_vars=True).items():
+    keys = set(module.state_dict())
+    for key, tensor in live_tensors(module).items():
+        if key not in keys:  # a non-persistent buffer
+            continue
         if id(tensor) in first:
             aliases[key] = first[id(tensor)]
         else:

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 # the module has no hook of these names
 CALLBACK_ONLY = frozenset({"on_sanity_check_start", "on_sanity_check_end", "on_exception"})
+# callbacks that watch a metric: at a train epoch's end they run after the module (Lightning)
+MONITORING = (ModelCheckpoint, EarlyStopping)
 BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 
 
@@ -74,32 +76,33 @@ class HookCaller:
         finally:
             metrics.hook = previous
 
-    def call(self, name: str, *args: Any, returns: bool = False) -> Any:
-        """Callbacks then the module (resolved once per trainer call: a step fires many hooks)."""
+    def call(self, name: str, *args: Any, returns: bool = False, monitoring: bool | None = None) -> Any:
+        """Callbacks then the module (resolved once per trainer call: a step fires many hooks).
+        `monitoring`: True runs only the monitoring callbacks (ModelCheckpoint, EarlyStopping),
+        False everything else, None all (Lightning's ``monitoring_callbacks``)."""
         trainer = self.trainer
         targets = self._targets.get(name)
         if targets is None:
             targets = self._targets[name] = self._resolve(name)
         result = None
         with self._running(name):
-            for fn, is_callback in targets:
+            for fn, is_callback, monitors in targets:
+                if monitoring is not None and monitors != monitoring:
+                    continue
                 out = fn(trainer, trainer.lightning_module, *args) if is_callback else fn(*args)
                 if not is_callback:
                     result = out
         return result if returns else None
 
-    def _resolve(self, name: str) -> list[tuple[Callable[..., Any], bool]]:
+    def _resolve(self, name: str) -> list[tuple[Callable[..., Any], bool, bool]]:
+        """(hook, is a callback's, is a monitoring callback's) in calling order."""
         module = self.trainer.lightning_module
-        monitoring = (ModelCheckpoint, EarlyStopping)
         cbs = [cb for cb in self.trainer.callbacks if defines(cb, name, Callback)]
-        targets = [(getattr(cb, name), True) for cb in cbs]
+        targets = [(getattr(cb, name), True, isinstance(cb, MONITORING)) for cb in cbs]
         if name not in CALLBACK_ONLY and defines(module, name, NanoModule):
-            targets.append((getattr(module, name), False))
+            targets.append((getattr(module, name), False, False))
         if name == "on_train_epoch_end":  # monitoring callbacks see what the module logged there
-            targets = [
-                t for t, cb in zip(targets, cbs + [None], strict=False) if not isinstance(cb, monitoring)
-            ]
-            targets += [(getattr(cb, name), True) for cb in cbs if isinstance(cb, monitoring)]
+            targets = [t for t in targets if not t[2]] + [t for t in targets if t[2]]
         return targets
 
     def module(self, name: str, *args: Any) -> Any:

@@ -6,10 +6,10 @@ the step (`step.py`), its logger row, validation if one of the window's batches 
 a check batch (an int ``val_check_interval`` counts batches, a float is a fraction of the
 epoch), plateau schedulers with interval "step", then `max_time` and pre-emption checks (with
 several ranks the latter reads the agreement the previous step started: `Preemption` below).
-At an epoch's end: epoch values published, ``on_train_epoch_end`` (monitoring callbacks after
-the module), plateau schedulers (only after a complete epoch), the epoch row. Stopping: max
-steps/epochs, or ``should_stop`` once ``min_steps``/``min_epochs`` are met (with one extra
-validation right then, as Lightning).
+At an epoch's end: epoch values published, ``on_train_epoch_end`` (monitoring callbacks after the
+module, what it logged published for them), plateau schedulers (only after a complete epoch), the
+epoch row. Stopping: max steps/epochs, or ``should_stop`` once ``min_steps``/``min_epochs`` are
+met (with one extra validation right then, as Lightning).
 
 Where training stands in its data is `FitLoop`'s state, so a resumed run continues from the next
 unseen batch: loaders with ``state_dict()/load_state_dict()`` (the nanolight data loader) are
@@ -46,8 +46,19 @@ if TYPE_CHECKING:
     from nanolight.trainer.trainer import NanoTrainer
 
 
+def _limit(name: str) -> property:
+    """A loop limit set on the fit loop (``trainer.fit_loop.max_epochs = 4``, Lightning), kept in the config."""
+    return property(
+        lambda self: getattr(self.trainer.config, name), lambda self, v: setattr(self.trainer.config, name, v)
+    )
+
+
 class FitLoop:
     """Runs `fit`'s epochs; `state_dict` / `load_state_dict` are its part of a checkpoint."""
+
+    max_epochs, min_epochs, max_steps, min_steps = map(
+        _limit, ("max_epochs", "min_epochs", "max_steps", "min_steps")
+    )
 
     def __init__(self, trainer: NanoTrainer) -> None:
         self.trainer = trainer
@@ -88,6 +99,10 @@ class FitLoop:
         return resume is not None and (self.trainer.config.max_steps != -1 or bool(resume.get("batch_idx")))
 
     # ---- data ------------------------------------------------------------------------------
+    def forget_data(self) -> None:
+        """A new fit: its loaders are requested again (Lightning's ``attach_dataloaders``)."""
+        self.train_loader = self.val_loaders = None  # (ensure_train_data sets the limits again)
+
     def ensure_train_data(self) -> int | float:
         """The train loader (requested once per fit) and its number of batches per epoch."""
         trainer = self.trainer
@@ -131,8 +146,11 @@ class FitLoop:
     # ---- stopping --------------------------------------------------------------------------
     @property
     def can_stop_early(self) -> bool:
+        """``min_epochs``/``min_steps`` met; ``min_steps`` alone implies ``min_epochs=1`` (Lightning's
+        ``_parse_loop_limits``): a stop asked for in the first epoch finishes it."""
         cfg, trainer = self.trainer.config, self.trainer
-        met_epochs = trainer.current_epoch >= cfg.min_epochs if cfg.min_epochs else True
+        min_epochs = cfg.min_epochs if cfg.min_epochs is not None else int(cfg.min_steps is not None)
+        met_epochs = trainer.current_epoch >= min_epochs if min_epochs else True
         met_steps = trainer.global_step >= cfg.min_steps if cfg.min_steps else True
         return met_epochs and met_steps
 
@@ -174,7 +192,12 @@ class FitLoop:
         if self._validates_epoch():
             self.ensure_val_data()
         self._t0 = time.monotonic()
-        trainer.lightning_module.train()
+        # Lightning leaves the train/eval modes as they are (no train() call a module could see); it warns
+        frozen = [n or "the module" for n, m in trainer.lightning_module.named_modules() if not m.training]
+        if frozen:
+            rank_zero_warn(
+                f"modules in eval mode at the start of training (ignore if intended): {frozen[:5]}"
+            )
         trainer.hooks.call("on_train_start")
         while not self.done:
             self._epoch()
@@ -216,8 +239,10 @@ class FitLoop:
         if every and trainer.current_epoch and trainer.current_epoch % every == 0:
             self.train_loader = None  # Lightning: ask for the train loader again
             self.ensure_train_data()
+        mid_epoch = bool((self._resume or {}).get("batch_idx"))  # resumed: its start hooks ran before
         iterator = self._iterator()
-        trainer.hooks.call("on_train_epoch_start")
+        if not mid_epoch:
+            trainer.hooks.call("on_train_epoch_start")
         manual = not trainer.lightning_module.automatic_optimization
         step = ManualStep(trainer) if manual else AutomaticStep(trainer)
         window = 1 if manual else cfg.accumulate_grad_batches
@@ -286,7 +311,9 @@ class FitLoop:
         trainer = self.trainer
         metrics = trainer.metrics
         metrics.publish(metrics.train, on_step=False)  # epoch values first: the hooks read them
-        trainer.hooks.call("on_train_epoch_end")
+        trainer.hooks.call("on_train_epoch_end", monitoring=False)
+        metrics.publish(metrics.train, on_step=False)  # + what those hooks logged, for the monitors
+        trainer.hooks.call("on_train_epoch_end", monitoring=True)
         if complete:
             batch_idx = trainer.progress["batch_idx"] - 1
             trainer.optimization.update_lr_schedulers("epoch", plateau=True, batch_idx=batch_idx)

@@ -12,7 +12,8 @@ Names follow Lightning: ``name_step`` / ``name_epoch`` when logged both ways, an
 
 Publishing: values reach ``callback_metrics`` / ``progress_bar_metrics`` / ``logged_metrics``
 after every batch (step values) and when an epoch ends -- before the epoch-end hooks, so a
-callback's ``on_validation_epoch_end`` sees this pass's values.
+callback's ``on_validation_epoch_end`` sees this pass's values (and, at a train epoch's end, again
+before the monitoring callbacks, which see what the module logged in ``on_train_epoch_end``).
 
 Rows for the loggers, at Lightning's ``step``: a training row after each optimizer step when due
 (`NanoTrainer.should_log`), at ``log_step`` (``global_step - 1``; under manual optimization once

@@ -120,8 +120,9 @@ class Optimization:
     def clip_gradients(
         self, optimizer: Any, value: float | None, algorithm: str | None
     ) -> torch.Tensor | None:
-        """Lightning's ``clip_gradients`` rules; the norm goes through the strategy (summed over
-        every parallel rank), returned and kept as the trainer's `grad_norm`."""
+        """Lightning's ``clip_gradients`` rules: `optimizer`'s parameters only (Lightning's
+        ``Precision.main_params``); the norm goes through the strategy (summed over every parallel
+        rank), returned and kept as the trainer's `grad_norm`."""
         trainer, cfg = self.trainer, self.trainer.config
         if value is None:
             value = cfg.gradient_clip_val or 0.0
@@ -136,7 +137,7 @@ class Optimization:
         if algorithm == "value":
             trainer.strategy.clip_gradients_value(value, optimizer)
             return None
-        trainer.grad_norm = trainer.strategy.clip_gradients(value)
+        trainer.grad_norm = trainer.strategy.clip_gradients(value, optimizer)  # that optimizer's parameters
         return trainer.grad_norm
 
     # ---- LR schedulers -------------------------------------------------------------------

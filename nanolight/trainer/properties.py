@@ -1,12 +1,12 @@
 """The read-only attributes Lightning users read from a trainer (``trainer.global_step``,
 ``trainer.callback_metrics``, ``trainer.max_epochs``, ...), mixed into `NanoTrainer`: each
 answered by the part that holds it (the strategy, the metric store, the fit loop, the config);
-and ``trainer.state`` (what the trainer is doing: Lightning's ``TrainerFn`` / ``RunningStage``)."""
+the stage flags read ``trainer.state`` (`states.py`)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from lightning_utilities.core.overrides import is_overridden
@@ -19,16 +19,6 @@ from nanolight.trainer.arguments import TrainerConfig
 if TYPE_CHECKING:
     from nanolight.loggers.base import Logger
     from nanolight.trainer.trainer import NanoTrainer
-
-
-@dataclass
-class TrainerState:
-    """``fn``: the running entry point ("fit", "validate", "test", "predict"); ``stage``: the loop
-    running inside it ("train", "sanity_check", "validate", "test", "predict")."""
-
-    fn: str | None = None
-    stage: str | None = None
-    status: str = "initializing"  # "running", "finished", "interrupted"
 
 
 def _stage_flag(stage: str) -> property:

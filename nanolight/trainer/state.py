@@ -23,7 +23,7 @@ from nanolight.checkpoint.atomic import (
 from nanolight.checkpoint.reader import TRAINER_FILE, newest_intact
 from nanolight.errors import UsageError
 from nanolight.module.hparams import plain_hparams
-from nanolight.module.loading import HPARAMS_KEY
+from nanolight.module.loading import HPARAMS_KEY, HPARAMS_NAME_KEY
 from nanolight.seed import capture_rng_state
 
 if TYPE_CHECKING:
@@ -43,9 +43,11 @@ def build_state(trainer: NanoTrainer, weights_only: bool = False) -> dict[str, A
         "global_step": trainer.global_step,
         "weights_only": weights_only,
         HPARAMS_KEY: plain_hparams(module.hparams, type(module).__name__),
+        HPARAMS_NAME_KEY: module.hparams_name,
     }
     if dm is not None:
         state["datamodule_hyper_parameters"] = plain_hparams(dm.hparams, type(dm).__name__)
+        state["datamodule_hparams_name"] = dm.hparams_name
     if not weights_only:
         state.update(
             progress=_progress(trainer),

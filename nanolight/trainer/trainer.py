@@ -4,7 +4,7 @@ over a `Strategy` that owns every question of parallel layout (the trainer has n
 The trainer holds its parts as objects, each with its own state (Lightning's connectors; the
 package docstring names them). This file is one call from start to end: the environment,
 ``prepare_data`` / ``setup``, the model set up on the strategy, the optimizers, the checkpoint
-restored, hparams logged; then the stage (fit: the sanity check and the fit loop); then teardown,
+restored (for fit, its optimizers and loop progress after ``on_fit_start``, as Lightning), hparams logged; then the stage (fit: the sanity check and the fit loop); then teardown,
 loggers finalised, or ``on_exception``.
 """
 
@@ -45,8 +45,9 @@ from nanolight.trainer.hooks import HookCaller, merge_model_callbacks
 from nanolight.trainer.loops import FitLoop, Preemption
 from nanolight.trainer.metrics import MetricStore
 from nanolight.trainer.optimization import Optimization
-from nanolight.trainer.properties import TrainerProperties, TrainerState
+from nanolight.trainer.properties import TrainerProperties
 from nanolight.trainer.state import build_state, resolve_ckpt_path, restore_state, restore_training_state
+from nanolight.trainer.states import TrainerState
 
 # the counters of `trainer.progress`: optimizer steps, epochs, batches in the epoch, samples and
 # tokens seen (over dp), batches that stepped (the logger's step), batches over all epochs
@@ -171,6 +172,7 @@ class NanoTrainer(TrainerProperties):
         if isinstance(train_dataloaders, NanoDataModule):
             datamodule, train_dataloaders = train_dataloaders, None
         self.data.attach(model, datamodule, train=train_dataloaders, val=val_dataloaders)
+        self.fit_loop.forget_data()
         with self.preemption:  # SIGTERM/SIGUSR1: finish the step, save, stop (loops.py)
             self._run("fit", model, ckpt_path, self._fit_stage)
 
@@ -263,7 +265,7 @@ class NanoTrainer(TrainerProperties):
                 self.state.status = "finished"
                 for lg in self.loggers if self.is_global_zero else []:
                     lg.finalize("success")
-                self.hooks.setup("teardown", fn)
+                self.hooks.setup("teardown", self.state.fn)
                 return result
             except BaseException as exc:
                 self.state.status = "interrupted"
@@ -283,7 +285,7 @@ class NanoTrainer(TrainerProperties):
         if self.seed is not None:
             seed_everything(self.seed, verbose=False)
         self._prepare_data()
-        self.hooks.setup("setup", fn)
+        self.hooks.setup("setup", self.state.fn)  # TrainerFn, as Lightning
         # Lightning calls configure_model (as prepare_data) only when the class overrides it
         if is_overridden("configure_model", module, NanoModule):
             with strategy.model_init_context():  # every call, as Lightning (it must be idempotent)
@@ -294,12 +296,13 @@ class NanoTrainer(TrainerProperties):
         if fn == "fit":
             self.optimization.setup(module)
         path = resolve_ckpt_path(self, ckpt_path, fn, model_given)
+        self._training_state: tuple[Path, dict[str, Any]] | None = None  # restored after on_fit_start
         self.ckpt_path = str(path) if path is not None else None
         if path is not None:
             rank_zero_info(f"Restoring from checkpoint {path}")
             state = restore_state(self, path)
             if fn == "fit":
-                restore_training_state(self, path, state)
+                self._training_state = path, state
         self._log_hyperparams(module)
 
     def _prepare_data(self) -> None:
@@ -337,6 +340,8 @@ class NanoTrainer(TrainerProperties):
     def _fit_stage(self) -> None:
         with torch.autograd.set_detect_anomaly(self.detect_anomaly):  # as Lightning (False: off)
             self.hooks.call("on_fit_start")
+            if self._training_state is not None:  # optimizers and loop progress (Lightning's _run)
+                restore_training_state(self, *self._training_state)
             self.lightning_module.zero_grad()  # before the stage, as for validate/test/predict
             if (
                 self.enable_validation

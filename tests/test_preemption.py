@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from nanolight.callbacks import Callback, ModelCheckpoint
 from nanolight.trainer import NanoTrainer
-from nanolight.trainer.loops import Preemption
+from nanolight.trainer.preemption import Preemption
 
 
 class SignalAt(Callback):

@@ -7,7 +7,7 @@ with their status:
 
 * one child failing stops the others at once, so a crashed rank never leaves its peers blocked;
 * SIGTERM/SIGUSR1 to the parent (pre-emption) are passed on, and the parent keeps waiting while
-  the children finish their step and save (``nanolight/trainer/loops.py``); so is a first Ctrl-C
+  the children finish their step and save (``nanolight/trainer/preemption.py``); so is a first Ctrl-C
   (the children run in their own process groups, so the terminal's reaches the parent alone), and
   a second one kills them at once;
 * each child gets ``cores // N`` threads (``OMP_NUM_THREADS``) unless the user set it: N ranks

@@ -42,9 +42,10 @@ from nanolight.trainer.arguments import (
 from nanolight.trainer.data import DataConnector
 from nanolight.trainer.evaluation import run_evaluation, run_predict
 from nanolight.trainer.hooks import HookCaller, merge_model_callbacks
-from nanolight.trainer.loops import FitLoop, Preemption
+from nanolight.trainer.loops import FitLoop
 from nanolight.trainer.metrics import MetricStore
 from nanolight.trainer.optimization import Optimization
+from nanolight.trainer.preemption import Preemption
 from nanolight.trainer.properties import TrainerProperties
 from nanolight.trainer.state import build_state, resolve_ckpt_path, restore_state, restore_training_state
 from nanolight.trainer.states import TrainerState
@@ -173,7 +174,7 @@ class NanoTrainer(TrainerProperties):
             datamodule, train_dataloaders = train_dataloaders, None
         self.data.attach(model, datamodule, train=train_dataloaders, val=val_dataloaders)
         self.fit_loop.forget_data()
-        with self.preemption:  # SIGTERM/SIGUSR1: finish the step, save, stop (loops.py)
+        with self.preemption:  # SIGTERM/SIGUSR1: finish the step, save, stop (preemption.py)
             self._run("fit", model, ckpt_path, self._fit_stage)
 
     def validate(

@@ -49,25 +49,25 @@ def run_lock(root: Path) -> Iterator[None]:
     fd = os.open(root, os.O_RDONLY)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RunDirectoryInUse(
-                f"run directory {root} is in use by another run ({_holder(fd)}); wait for it to end or "
-                "stop it, or start this run with trainer.default_root_dir=<another dir>"
-            ) from None
+            _lock(fd, root)
         except OSError:  # this filesystem cannot lock a directory: lock a file in it
             os.close(fd)
             fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise RunDirectoryInUse(
-                    f"run directory {root} is in use by another run ({root / LOCK_NAME} is locked); wait for "
-                    "it to end or stop it, or start this run with trainer.default_root_dir=<another dir>"
-                ) from None
+            _lock(fd, root)
         yield
     finally:
         os.close(fd)  # releases the lock (the kernel does the same when the process dies)
+
+
+def _lock(fd: int, root: Path) -> None:
+    """Lock `fd` (the run directory or its lock file) or say who holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RunDirectoryInUse(
+            f"run directory {root} is in use by another run ({_holder(fd)}); wait for it to end or "
+            "stop it, or start this run with trainer.default_root_dir=<another dir>"
+        ) from None
 
 
 def _holder(fd: int) -> str:

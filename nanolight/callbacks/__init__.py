@@ -1,5 +1,7 @@
 """Callbacks: the `Callback` base (Lightning's hook names) and the built-ins."""
 
+from typing import Any
+
 from nanolight.callbacks.base import Callback
 from nanolight.callbacks.early_stopping import EarlyStopping
 from nanolight.callbacks.lambda_function import LambdaCallback
@@ -10,6 +12,7 @@ from nanolight.callbacks.nan_guard import DivergenceCheck, NaNGuard
 from nanolight.callbacks.progress import GreedySamples, RichProgressBar
 from nanolight.callbacks.throughput import ThroughputMonitor
 from nanolight.callbacks.timer import Timer
+from nanolight.errors import missing_name
 
 __all__ = [
     "Callback",
@@ -25,3 +28,8 @@ __all__ = [
     "ThroughputMonitor",
     "Timer",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Lightning's names nanolight lacks fail with what to use instead (`errors.LIGHTNING_ONLY`)."""
+    raise missing_name(__name__, name)

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from nanolight.trainer import NanoTrainer
 
 
-_SUBPACKAGES = ("callbacks", "core", "demos", "loggers", "utilities")  # ``L.demos.BoringModel``
+_SUBPACKAGES = ("callbacks", "core", "demos", "loggers", "profilers", "utilities")  # ``L.demos.BoringModel``
 
 _LOGO = """
    +---------------------------------------+

@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("strategies",),
     ("module", "loggers"),
     ("callbacks",),
-    ("core", "demos", "utilities"),  # Lightning's import paths, over what they re-export
+    ("core", "demos", "profilers", "utilities"),  # Lightning's import paths, over what they re-export
     ("trainer",),
     ("pretrain",),
     ("",),

@@ -47,6 +47,7 @@ PROGRAM_NAMES = [  # every ported program, in the order they were added (record.
     "state_flags",
     "checkpoint_names",
     "conformance",
+    "lm_surface",
 ]
 RENAMES = [  # the whole port (regular expressions, applied in order)
     (r"\blightning\.pytorch\b", "nanolight"),  # callbacks, loggers, demos, utilities, core, ...

@@ -46,7 +46,7 @@ LIGHTNING_FIT_ORDER = [
 
 def _recorder(calls: list[str], prefix: str = ""):
     def make(hook: str):
-        def fn(self, trainer, pl_module, *args):
+        def fn(self, trainer, pl_module, *args, **kwargs):  # setup/teardown: stage= (Lightning)
             suffix = f"({args[-1]})" if hook in ("on_train_batch_start", "on_train_batch_end") else ""
             calls.append(prefix + hook + suffix)
 

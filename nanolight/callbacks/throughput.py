@@ -11,11 +11,13 @@ model owns that arithmetic) or the constructor. MFU needs the device's peak: the
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from nanolight.callbacks.base import Callback
+from nanolight.callbacks.batch_throughput import BatchRates
 from nanolight.planner.hardware import HARDWARE, table_name
 
 
@@ -78,21 +80,99 @@ class StepTimer(Callback):
 
 
 class ThroughputMonitor(StepTimer):
-    """Logs ``throughput/{tokens,samples}_per_sec``, ``throughput/tflops_per_device`` and
-    ``throughput/mfu`` on logging steps, averaged over the steps since the previous log."""
+    """Two ways, by the arguments:
 
-    def __init__(self, flops_per_token: float | None = None, peak_flops: float | None = None) -> None:
+    - nanolight's (no `batch_size_fn`): ``throughput/{tokens,samples}_per_sec``,
+      ``throughput/tflops_per_device`` and ``throughput/mfu`` on logging steps, averaged over the
+      steps since the previous log, from the trainer's token count and ``flops_per_token``.
+    - Lightning's (``ThroughputMonitor(batch_size_fn, length_fn=None, window_size=100,
+      separator="/")``): ``train/samples``, ``train/device/samples_per_sec``, ``validate/...``,
+      ``test/...`` over a rolling window of batches, FLOPs from the module's ``flops_per_batch``
+      (`batch_throughput.py`).
+    """
+
+    def __init__(
+        self,
+        batch_size_fn: Callable[[Any], int] | None = None,
+        length_fn: Callable[[Any], int] | None = None,
+        *,
+        window_size: int = 100,
+        separator: str = "/",
+        flops_per_token: float | None = None,
+        peak_flops: float | None = None,
+    ) -> None:
         super().__init__()
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self._tokens0 = self._samples0 = 0
+        self.rates = (
+            None if batch_size_fn is None else BatchRates(batch_size_fn, length_fn, window_size, separator)
+        )
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self.rates is not None:
+            device, mode = trainer.strategy.root_device, trainer.strategy.precision.mode
+            self.rates.setup(trainer, self.peak_flops or lookup_peak_flops(device, mode))
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.rates is not None:
+            if trainer.is_global_zero:
+                self.rates.start(trainer)
+            return
         if self.flops_per_token is None and callable(getattr(pl_module, "flops_per_token", None)):
             self.flops_per_token = float(pl_module.flops_per_token())
         if self.peak_flops is None:
             self.peak_flops = lookup_peak_flops(trainer.strategy.root_device, trainer.strategy.precision.mode)
         super().on_train_start(trainer, pl_module)
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.rates is None:
+            return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if not trainer.is_global_zero:
+            return
+        self.rates.update(trainer, pl_module, batch)
+        stepped = (batch_idx + 1) % trainer.config.accumulate_grad_batches == 0 or trainer.is_last_batch
+        if stepped and trainer.should_log:  # the window's optimizer step is done: its time counts
+            self.rates.log(trainer)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.rates is None:
+            return super().on_validation_start(trainer, pl_module)
+        if trainer.is_global_zero and not trainer.sanity_checking:
+            self.rates.start(trainer)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.rates is None:
+            return super().on_validation_end(trainer, pl_module)
+        if trainer.is_global_zero and not trainer.sanity_checking and trainer.state.fn == "fit":
+            self.rates.exclude_validation()
+
+    def _eval_batch_end(self, trainer: Any, pl_module: Any, batch: Any) -> None:
+        if self.rates is not None and trainer.is_global_zero and not trainer.sanity_checking:
+            self.rates.update(trainer, pl_module, batch)
+            if self.rates.eval_row_due(trainer):
+                self.rates.log(trainer, step=self.rates.run_batches)
+
+    def on_validation_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, *_: Any
+    ) -> None:
+        self._eval_batch_end(trainer, pl_module, batch)
+
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.rates is not None and trainer.is_global_zero:
+            self.rates.start(trainer)
+
+    def on_test_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, *_: Any) -> None:
+        self._eval_batch_end(trainer, pl_module, batch)
+
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.rates is not None and trainer.is_global_zero:
+            self.rates.start(trainer)
+
+    def on_predict_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, *_: Any) -> None:
+        self._eval_batch_end(trainer, pl_module, batch)
 
     def _mark(self, trainer: Any) -> None:
         super()._mark(trainer)

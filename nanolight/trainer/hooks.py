@@ -76,7 +76,9 @@ class HookCaller:
         finally:
             metrics.hook = previous
 
-    def call(self, name: str, *args: Any, returns: bool = False, monitoring: bool | None = None) -> Any:
+    def call(
+        self, name: str, *args: Any, returns: bool = False, monitoring: bool | None = None, **kwargs: Any
+    ) -> Any:
         """Callbacks then the module (resolved once per trainer call: a step fires many hooks).
         `monitoring`: True runs only the monitoring callbacks (ModelCheckpoint, EarlyStopping),
         False everything else, None all (Lightning's ``monitoring_callbacks``)."""
@@ -89,7 +91,11 @@ class HookCaller:
             for fn, is_callback, monitors in targets:
                 if monitoring is not None and monitors != monitoring:
                     continue
-                out = fn(trainer, trainer.lightning_module, *args) if is_callback else fn(*args)
+                out = (
+                    fn(trainer, trainer.lightning_module, *args, **kwargs)
+                    if is_callback
+                    else fn(*args, **kwargs)
+                )
                 if not is_callback:
                     result = out
         return result if returns else None
@@ -117,18 +123,19 @@ class HookCaller:
         takes_idx = is_param_in_hook_signature(fn, "batch_idx", min_args=2)
         return self.module(name, batch, *((batch_idx,) if takes_idx else ()), *extra)
 
-    def datamodule(self, name: str, *args: Any) -> Any:
+    def datamodule(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """The datamodule's hook, when it defines one."""
         dm = self.trainer.datamodule
         if dm is None or not defines(dm, name, NanoDataModule):
             return None
         with self._running(name):
-            return getattr(dm, name)(*args)
+            return getattr(dm, name)(*args, **kwargs)
 
     def setup(self, name: str, stage: str) -> None:
-        """``setup`` / ``teardown``: the datamodule, then callbacks, then the module (Lightning)."""
-        self.datamodule(name, stage)
-        self.call(name, stage)
+        """``setup`` / ``teardown``: the datamodule, then callbacks, then the module (Lightning),
+        `stage` passed by keyword as Lightning does (``LambdaCallback(setup=lambda *a, **kw: ...)``)."""
+        self.datamodule(name, stage=stage)
+        self.call(name, stage=stage)
 
     def transfer_batch(self, batch: Any, dataloader_idx: int = 0) -> Any:
         """Precision cast, the batch-transfer hooks (a datamodule's override wins), then this

@@ -158,7 +158,8 @@ class SubprocessLauncher:
                 rank = codes.index(code)
                 dumps = nccl_dumps(self.world_size, self.started)
                 print(
-                    f"[nanolight launcher] rank {rank} exited with {code}; stopping the others"
+                    f"[nanolight launcher] rank {rank} (pid {children[rank].pid}) {_exit_words(code)}; "
+                    "stopping the others"
                     + (f" (NCCL's flight recorder dumped {', '.join(dumps)})" if dumps else ""),
                     file=sys.stderr,
                 )
@@ -182,6 +183,18 @@ class SubprocessLauncher:
 
 _OWN_GROUP: dict = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 _FORWARDED_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name)]
+
+
+def _exit_words(code: int) -> str:
+    """How a child ended, in words: a negative status is the signal that killed it."""
+    if code >= 0:
+        return f"exited with {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    hint = " (sent by a user, a scheduler or the out-of-memory killer)" if name == "SIGKILL" else ""
+    return f"was killed by {name}{hint}"
 
 
 def _forward(children: list[subprocess.Popen], signum: int) -> None:

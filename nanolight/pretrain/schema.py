@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from nanolight.errors import NanolightError, UsageError
 from nanolight.parallel.environment import detect_environment
+from nanolight.parallel.health import PeerError, publish_error
 
 T = TypeVar("T")
 
@@ -182,6 +183,8 @@ def reported_errors(debug: bool = False) -> Iterator[None]:
             )
         sys.exit(130)
     except NanolightError as err:
+        if not isinstance(err, PeerError):  # a peer blocked on this rank prints it first
+            publish_error(str(err))
         if debug:
             raise
         if _rank() == 0 or err.rank_specific:

@@ -26,6 +26,7 @@ from nanolight.callbacks import (
 )
 from nanolight.checkpoint.atomic import atomic_directory, atomic_write_text
 from nanolight.checkpoint.pretrained import run_extras
+from nanolight.checkpoint.reader import CheckpointReader
 from nanolight.checkpoint.save import ExportExtras
 from nanolight.data import BatchGeometry, DataConfig, build_datamodule, vocab_size
 from nanolight.loggers import CSVLogger, Logger, WandbLogger
@@ -73,6 +74,8 @@ def check_run_dir(config: PretrainConfig) -> Path:
         )
     if resume is not None and resume != "last" and not Path(resume).exists():
         raise ConfigError(f"checkpoint.resume={resume!r}: no such checkpoint directory")
+    if resume is not None and resume != "last":
+        CheckpointReader.open(resume)  # a data or model directory is named now, not after tokenizing
     if config.checkpoint.init_from is not None:
         if resume is not None:
             raise ConfigError("checkpoint.init_from starts a fresh run from weights; drop it when resuming")

@@ -120,6 +120,8 @@ def test_ranks_of_a_killed_launcher_save_and_stop(tmp_path: Path, cache_dir: Pat
     saved = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
     assert saved, "the orphaned ranks stopped without saving"
     assert (run / "checkpoints" / "last").read_text().strip() == saved[-1]
+    err = proc.stderr.read()  # nobody sent a SIGTERM: the line names what happened
+    assert f"the launcher (pid {proc.pid}) is gone: finished step" in err and "SIGTERM" not in err, err
 
 
 @pytest.mark.slow

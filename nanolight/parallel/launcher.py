@@ -35,7 +35,13 @@ import torch
 import torch.distributed as dist
 
 from nanolight.errors import NanolightError, UsageError
-from nanolight.parallel.environment import PARENT_PID_VAR, ProcessEnv, detect_environment, free_port
+from nanolight.parallel.environment import (
+    PARENT_PID_VAR,
+    STOP_REASON_VAR,
+    ProcessEnv,
+    detect_environment,
+    free_port,
+)
 from nanolight.parallel.health import Heartbeat
 
 
@@ -209,10 +215,9 @@ def watch_launcher(parent_pid: int, rank: int, grace_s: float = 120.0, poll_s: f
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(poll_s)
-        print(
-            f"nanolight: rank {rank}: the launcher (pid {parent_pid}) is gone; saving and stopping",
-            file=sys.stderr,
-        )
+        reason = f"the launcher (pid {parent_pid}) is gone"
+        print(f"nanolight: rank {rank}: {reason}; saving and stopping", file=sys.stderr)
+        os.environ[STOP_REASON_VAR] = reason  # the pre-emption's line names it, not a SIGTERM nobody sent
         signal.raise_signal(signal.SIGTERM)
         time.sleep(grace_s)
         os._exit(1)

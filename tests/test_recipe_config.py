@@ -142,6 +142,14 @@ def _prepared_lookalike(tmp_path: Path) -> str:
     return str(data)
 
 
+def _hf_export(tmp_path: Path) -> str:
+    """What scripts/convert_nanolight_to_hf.py writes, as far as its config.json says."""
+    export = tmp_path / "hf-export"
+    export.mkdir()
+    (export / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
+    return str(export)
+
+
 # Every bad input tried, one line each: (script, arguments, what the line says). Each exits nonzero
 # in seconds with one `nanolight: error: ...` line and no traceback (`--debug` shows it).
 BAD_INPUTS = [
@@ -151,6 +159,7 @@ BAD_INPUTS = [
     ("smollm.py", ["trainer.seq_len=["], "cannot parse the override 'trainer.seq_len=['"),
     ("smollm.py", ["+parallel=foo"], "write +parallel=auto (the planner picks one) or set its keys"),
     ("smollm.py", ["checkpoint.resume={prepared}"], "prepared is not a checkpoint directory"),
+    ("smollm.py", ["checkpoint.init_from={hf_export}"], "convert_hf_to_nanolight.py"),
     ("plan.py", ["+plan.global_batch_tokens=0"], "+plan.global_batch_tokens=0 must be a positive integer"),
     ("plan.py", ["+plan.global_batch_tokens=-8"], "+plan.global_batch_tokens=-8 must be a positive integer"),
     ("plan.py", ["+plan.global_batch_tokens=8", "trainer.seq_len=abc"], "trainer.seq_len='abc' must be a"),
@@ -163,8 +172,9 @@ PLAN_CLUSTER = ["+cluster.gpus=2", "+cluster.gpu=h100-sxm"]
     ("script", "args", "fragment"), BAD_INPUTS, ids=[" ".join(a) for _, a, _ in BAD_INPUTS]
 )
 def test_each_bad_input_is_one_line(tmp_path: Path, script: str, args: list[str], fragment: str) -> None:
-    if any("{prepared}" in a for a in args):
-        args = [a.format(prepared=_prepared_lookalike(tmp_path)) for a in args]
+    if any("{" in a and "{path" not in a for a in args):
+        made = {"prepared": _prepared_lookalike(tmp_path), "hf_export": _hf_export(tmp_path)}
+        args = [a.format(**made) for a in args]
     if script == "plan.py":
         path, args = REPO / "scripts" / "plan.py", PLAN_CLUSTER + args
     else:

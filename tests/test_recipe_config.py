@@ -52,7 +52,7 @@ def test_parallel_keys_append_with_plus() -> None:
         (["trainer.precision=fp8"], "not one of"),
         (["trainer.seq_len=4096"], "above the model's maximum"),
         (["+parallel.tp=0"], "positive integer"),
-        (["optim.lr=-1"], "optim.lr must be > 0"),
+        (["optim.lr=-1"], "optim.lr must be a finite number > 0"),
         (["data.val_fraction=1.5"], "data.val_fraction"),
         (["model.num_attention_heads=5"], "model"),
     ],

@@ -127,7 +127,7 @@ def check_override_syntax(overrides: list[str]) -> None:
 
     parser = OverridesParser.create()
     for arg in overrides:
-        if arg.startswith("-"):
+        if arg.startswith("-") or "=" not in arg:  # Hydra's flags and their values (--cfg job)
             continue
         try:
             parser.parse_overrides([arg])

@@ -24,7 +24,9 @@ DEBUG = take_debug_flag(sys.argv)
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     with reported_errors(DEBUG):
-        trainer = run(load_config(cfg), sys.argv[1:])  # the command line: the knobs +parallel=auto keeps
+        trainer = run(
+            load_config(cfg, sys.argv[1:]), sys.argv[1:]
+        )  # the command line: the knobs +parallel=auto keeps
     if trainer.preempted_by == "SIGINT":  # Ctrl-C: saved (the line says where), but not finished
         sys.exit(130)
 

@@ -33,7 +33,7 @@ from nanolight.planner.memory import Workload  # noqa: E402
 from nanolight.planner.search import Prediction, no_fit_message, plan  # noqa: E402
 from nanolight.pretrain import load_config  # noqa: E402
 from nanolight.pretrain.auto import pinned_knobs  # noqa: E402
-from nanolight.pretrain.schema import reported_errors, take_debug_flag  # noqa: E402
+from nanolight.pretrain.schema import check_override_syntax, reported_errors, take_debug_flag  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GB = 1e9
@@ -41,6 +41,7 @@ GB = 1e9
 
 def parse(argv: list[str]) -> tuple[Workload, int, int, str, dict[str, Any], int | None]:
     """(workload, gpus, global batch tokens, gpu name, pinned knobs, rows) from the overrides."""
+    check_override_syntax(argv)
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="config", overrides=argv)
     raw = OmegaConf.to_container(cfg, resolve=True)
@@ -56,6 +57,14 @@ def parse(argv: list[str]) -> tuple[Workload, int, int, str, dict[str, Any], int
         raise UsageError(
             "give the cluster and the batch: +cluster.gpus=N +cluster.gpu=h100-sxm +plan.global_batch_tokens=T"
         )
+    for key, value in (
+        ("+cluster.gpus", cluster["gpus"]),
+        ("+plan.global_batch_tokens", plan_cfg["global_batch_tokens"]),
+        ("+plan.top", plan_cfg.get("top", 1)),
+        ("trainer.seq_len", raw["trainer"]["seq_len"]),  # compared below, before load_config checks it
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"{key}={value!r} must be a positive integer")
     seq_len = raw["trainer"]["seq_len"]
     if seq_len > raw["model"]["max_position_embeddings"]:  # planning a longer context than the preset's
         note = (

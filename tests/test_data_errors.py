@@ -166,3 +166,38 @@ def test_garbage_lines_are_one_message(tmp_path, tok_dir, capfd) -> None:
         build_datamodule(cfg, BatchGeometry(seq_len=8, micro_batch_size=1))
     out, err = capfd.readouterr()
     assert "garbage.jsonl" not in out + err, out + err
+
+
+@pytest.fixture
+def prep_dir(tmp_path, tok_dir) -> str:
+    """A small prepared directory (a few thousand tokens)."""
+    out = str(tmp_path / "prep")
+    prepared(write_docs(str(tmp_path / "docs.jsonl"), DOCS), out, tok_dir, cache_dir=str(tmp_path / "c"))
+    return out
+
+
+def test_token_ids_past_the_vocabulary_name_the_shard(prep_dir) -> None:
+    """A damaged shard's id past the vocabulary was an IndexError in the model's embedding, the file
+    never named: it is found as the sample is read."""
+    shard = os.path.join(prep_dir, "shard-00000.bin")
+    with open(shard, "r+b") as f:
+        f.seek(40)
+        f.write(b"\xff\xff")  # uint16 65535: past the test tokenizer's vocabulary
+    geometry = BatchGeometry(seq_len=8, micro_batch_size=1, seed=0)
+    cfg = DataConfig(path=prep_dir, val_fraction=0.0)
+    train, _, _ = build_datamodule(cfg, geometry)
+    with pytest.raises(DataError, match=r"shard-00000\.bin holds token id 65535 .*past the .* ids"):
+        for _ in train:
+            pass
+
+
+@pytest.mark.parametrize("mixture", [False, True], ids=["data.path", "mixture"])
+def test_a_source_too_small_for_one_sample_is_a_data_error(prep_dir, mixture) -> None:
+    """The messages were right but raised as ValueError: a traceback under the recipe."""
+    geometry = BatchGeometry(seq_len=4096, micro_batch_size=1)
+    if mixture:
+        cfg = DataConfig(mixture=[{"path": prep_dir, "weight": 1}, {"path": prep_dir, "weight": 2}])
+    else:
+        cfg = DataConfig(path=prep_dir)
+    with pytest.raises(DataError, match="no training sample of seq_len=4096|the training split has 0 blocks"):
+        build_datamodule(cfg, geometry)

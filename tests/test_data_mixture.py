@@ -172,7 +172,7 @@ def test_mixture_from_the_command_line_and_its_config_errors() -> None:
         typo = compose("config", ["data.mixture=[{path: /d/web, wieght: 1}]"])
     data = load_config(cfg).data
     assert [(m.path, m.weight) for m in data.mixture] == [("/d/web", 0.7), ("/d/code", 0.3)]
-    with pytest.raises(ConfigError, match=r"data.mixture\[1\].weight=0 must be a number > 0"):
+    with pytest.raises(ConfigError, match=r"data.mixture\[1\].weight=0 must be a finite number > 0"):
         load_config(bad)
     with pytest.raises(ConfigError, match=r"unknown key `data.mixture\[0\].wieght`. Did you mean `weight`"):
         load_config(typo)

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch.distributed as dist
 from _dist import pythonpath
 from _tiny import TinyLM, run_distributed, token_loader
 from test_recipe_e2e import BASE_OVERRIDES, REPO
@@ -20,6 +24,7 @@ from test_recipe_parallel import _children
 from nanolight import NanoTrainer
 from nanolight.errors import UsageError
 from nanolight.parallel.environment import free_port
+from nanolight.parallel.health import KEY, PID_KEY, Heartbeat, PeerError, publish_error
 from nanolight.parallel.launcher import SubprocessLauncher
 from nanolight.strategies.parallel3d import Parallel3DStrategy
 
@@ -115,6 +120,8 @@ def test_ranks_of_a_killed_launcher_save_and_stop(tmp_path: Path, cache_dir: Pat
     saved = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
     assert saved, "the orphaned ranks stopped without saving"
     assert (run / "checkpoints" / "last").read_text().strip() == saved[-1]
+    err = proc.stderr.read()  # nobody sent a SIGTERM: the line names what happened
+    assert f"the launcher (pid {proc.pid}) is gone: finished step" in err and "SIGTERM" not in err, err
 
 
 @pytest.mark.slow
@@ -181,3 +188,81 @@ def test_torchrun_prints_a_layout_error_once(tmp_path: Path, cache_dir: Path) ->
     ours = [line for line in proc.stderr.splitlines() if line.startswith("nanolight: error:")]
     assert len(ours) == 1 and "world size 3 != tp*pp*dp = 2*1*1 = 2" in ours[0], proc.stderr[-3000:]
     assert "ValueError" not in proc.stderr
+
+
+def _store_and_beat() -> tuple[Any, Heartbeat]:
+    """A rendezvous store and rank 0's heartbeat in it (world of 2), as `init_distributed` makes."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        host, number = probe.getsockname()
+    store = dist.TCPStore(host, number, is_master=True, timeout=timedelta(seconds=10))
+    store.set(KEY.format(1), repr(time.time()))  # rank 1 beat just now: not silent
+    return store, Heartbeat(host, number, rank=0, world_size=2)
+
+
+def test_a_peers_own_error_is_the_first_thing_said() -> None:
+    """A flipped byte in rank-00001.pt: rank 1 knows the damaged file, rank 0 only that its barrier
+    failed when rank 1 exited. Rank 1 leaves its error in the store; rank 0 prints it first."""
+    store, beat = _store_and_beat()
+    try:
+        beat.rank, beat.world_size = 1, 2  # speak as rank 1 for a moment
+        publish_error("checkpoint file step-4/rank-00001.pt is damaged: its checksum differs")
+        beat.rank = 0
+        message = str(PeerError.of(RuntimeError("Connection closed by peer"), "a barrier", beat))
+    finally:
+        beat.close()
+    assert message.startswith("rank 1: checkpoint file step-4/rank-00001.pt is damaged"), message
+    assert "still alive" not in message and "\n" not in message
+
+
+def test_a_killed_peer_is_named_dead_at_once() -> None:
+    """SIGKILL leaves no error and a heartbeat only a second old: the dead process itself says it."""
+    store, beat = _store_and_beat()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    store.set(PID_KEY.format(1), f"{socket.gethostname()} {dead.pid}")
+    try:
+        message = str(PeerError.of(RuntimeError("Connection closed by peer"), "the forward", beat))
+    finally:
+        beat.close()
+    assert message.startswith(f"rank 1 (pid {dead.pid}) died"), message
+    assert "still alive" not in message
+
+
+def _flip(file: Path) -> None:
+    data = file.read_bytes()
+    pos = len(data) - 10
+    file.write_bytes(data[:pos] + bytes([data[pos] ^ 1]) + data[pos + 1 :])
+
+
+@pytest.mark.slow
+def test_a_damaged_rank_file_is_the_first_line_at_cp2(tmp_path: Path, cache_dir: Path) -> None:
+    run = tmp_path / "run"
+    cp2 = ("+parallel.cp=2", "checkpoint.every_n_steps=2")
+    proc = _recipe(run, cache_dir, "trainer.max_steps=2", *cp2)
+    assert proc.wait(timeout=240) == 0, proc.stderr.read()
+    _flip(run / "checkpoints" / "step-2" / "rank-00001.pt")
+    proc = _recipe(run, cache_dir, "trainer.max_steps=4", "checkpoint.resume=last", *cp2)
+    _, err = proc.communicate(timeout=240)
+    errors = [line for line in err.splitlines() if line.startswith(("nanolight: error", "[nanolight"))]
+    assert proc.returncode == 1 and errors, err
+    assert errors[0].startswith("nanolight: error: rank 1: checkpoint file"), err
+    assert "rank-00001.pt is damaged" in errors[0] and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_dead(tmp_path: Path, cache_dir: Path) -> None:
+    run = tmp_path / "run"
+    proc = _recipe(run, cache_dir, "trainer.max_steps=100000", "+parallel.cp=2")
+    try:
+        pids = _training(proc, run, 2)
+        os.kill(pids[1], signal.SIGKILL)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "still alive" not in err and "Traceback" not in err, err
+    assert f"rank 1 (pid {pids[1]}) was killed by SIGKILL" in err, err
+    errors = [line for line in err.splitlines() if line.startswith("nanolight: error")]
+    assert all(line.startswith(f"nanolight: error: rank 1 (pid {pids[1]}) died") for line in errors), err

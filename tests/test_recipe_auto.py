@@ -238,3 +238,24 @@ def test_no_pick_the_strategy_refuses() -> None:
     lays = [r.layout for r in rows]
     assert not [lay for lay in lays if lay.precision == "bf16-master" and lay.zero_stage == 0 and lay.dp > 1]
     assert [lay for lay in lays if lay.precision == "bf16-master" and lay.zero_stage == 1 and lay.dp > 1]
+
+
+def test_a_pinned_parallel_key_is_planned_around() -> None:
+    """`+parallel=auto +parallel.tp=2`: Hydra composes `parallel: {tp: 2}` (the `auto` replaced);
+    the command line still asks for the planner, with tp pinned -- not a silent tp=2 run, unplanned."""
+    from hydra import compose, initialize_config_dir
+
+    argv = [
+        "+parallel=auto",
+        "+parallel.tp=2",
+        "+cluster.gpus=8",
+        "+cluster.gpu=h100-sxm",
+        "trainer.seq_len=256",
+    ]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        config = load_config(compose(config_name="config", overrides=argv), argv)
+    assert config.auto_parallel
+    pinned = pinned_knobs(config, argv)
+    assert pinned == {"tp": 2}
+    best = choose_layout(config, 8, HARDWARE["h100-sxm"], pinned)
+    assert best.layout.tp == 2 and best.layout.tp * best.layout.pp * best.layout.cp * best.layout.dp == 8

@@ -52,7 +52,7 @@ def test_parallel_keys_append_with_plus() -> None:
         (["trainer.precision=fp8"], "not one of"),
         (["trainer.seq_len=4096"], "above the model's maximum"),
         (["+parallel.tp=0"], "positive integer"),
-        (["optim.lr=-1"], "optim.lr must be > 0"),
+        (["optim.lr=-1"], "optim.lr must be a finite number > 0"),
         (["data.val_fraction=1.5"], "data.val_fraction"),
         (["model.num_attention_heads=5"], "model"),
     ],
@@ -132,3 +132,60 @@ def test_torchrun_world_without_layout_is_not_single_device(monkeypatch: pytest.
     assert isinstance(build_strategy(config), Parallel3DStrategy)
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert isinstance(build_strategy(config), SingleDeviceStrategy)
+
+
+def _prepared_lookalike(tmp_path: Path) -> str:
+    """A directory made by scripts/prepare_data.py, as far as its index says."""
+    data = tmp_path / "prepared"
+    data.mkdir()
+    (data / "index.json").write_text('{"format": "nanolight-tokens", "version": 1, "shards": []}')
+    return str(data)
+
+
+def _hf_export(tmp_path: Path) -> str:
+    """What scripts/convert_nanolight_to_hf.py writes, as far as its config.json says."""
+    export = tmp_path / "hf-export"
+    export.mkdir()
+    (export / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
+    return str(export)
+
+
+# Every bad input tried, one line each: (script, arguments, what the line says). Each exits nonzero
+# in seconds with one `nanolight: error: ...` line and no traceback (`--debug` shows it).
+BAD_INPUTS = [
+    ("smollm.py", ["optim.lr=nan"], "optim.lr must be a finite number > 0"),
+    ("smollm.py", ["data.mixture=[{path:/d/web,weight:inf}]"], "weight=inf must be a finite number > 0"),
+    ("smollm.py", ["trainer.seq_len=abc"], "`trainer.seq_len` = 'abc' must be an integer"),
+    ("smollm.py", ["trainer.seq_len=["], "cannot parse the override 'trainer.seq_len=['"),
+    ("smollm.py", ["+parallel=foo"], "write +parallel=auto (the planner picks one) or set its keys"),
+    ("smollm.py", ["checkpoint.resume={prepared}"], "prepared is not a checkpoint directory"),
+    ("smollm.py", ["checkpoint.init_from={hf_export}"], "convert_hf_to_nanolight.py"),
+    ("plan.py", ["+plan.global_batch_tokens=0"], "+plan.global_batch_tokens=0 must be a positive integer"),
+    ("plan.py", ["+plan.global_batch_tokens=-8"], "+plan.global_batch_tokens=-8 must be a positive integer"),
+    ("plan.py", ["+plan.global_batch_tokens=8", "trainer.seq_len=abc"], "trainer.seq_len='abc' must be a"),
+    ("plan.py", ["+plan.global_batch_tokens=8", "model=["], "cannot parse the override 'model=['"),
+]
+PLAN_CLUSTER = ["+cluster.gpus=2", "+cluster.gpu=h100-sxm"]
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "fragment"), BAD_INPUTS, ids=[" ".join(a) for _, a, _ in BAD_INPUTS]
+)
+def test_each_bad_input_is_one_line(tmp_path: Path, script: str, args: list[str], fragment: str) -> None:
+    if any("{" in a and "{path" not in a for a in args):
+        made = {"prepared": _prepared_lookalike(tmp_path), "hf_export": _hf_export(tmp_path)}
+        args = [a.format(**made) for a in args]
+    if script == "plan.py":
+        path, args = REPO / "scripts" / "plan.py", PLAN_CLUSTER + args
+    else:
+        path, args = REPO / "recipes" / script, [*args, f"trainer.default_root_dir={tmp_path / 'run'}"]
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(path), *args], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": pythonpath(REPO)},
+    )  # fmt: skip
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("nanolight: error: ") and fragment in lines[-1], proc.stderr[-3000:]
+    assert [line for line in lines if "error" in line.lower()] == lines[-1:], proc.stderr[-3000:]
+    assert time.monotonic() - start < 60  # seconds on an idle machine; generous for a loaded one

@@ -91,6 +91,12 @@ class CheckpointIndex:
     def from_json(cls, text: str, where: Path) -> CheckpointIndex:
         try:
             raw = json.loads(text)
+            if isinstance(raw.get("format"), str) and raw["format"] != FORMAT:  # another tool's index
+                raise CheckpointError(
+                    f"{where.parent} is not a checkpoint directory: its {where.name} is a "
+                    f"{raw['format']!r} index, not a checkpoint's; name a checkpoint (a step-N directory "
+                    "under a run's checkpoints/, or `last`)"
+                )
             if raw.get("format") != FORMAT:
                 raise ValueError(f"format is {raw.get('format')!r}, expected {FORMAT!r}")
             tensors = {
@@ -98,6 +104,8 @@ class CheckpointIndex:
                 for name, e in raw["tensors"].items()
             }
             return cls(**{**raw, "tensors": tensors})  # no "checksums" in indexes written before them
+        except CheckpointError:
+            raise
         except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
             raise CheckpointError(
                 f"checkpoint index {where} is unreadable ({exc}); the save did not finish or the file "

@@ -99,6 +99,14 @@ class CheckpointReader:
             for name, rec in (load_json(manifest, "checksums file") if manifest.is_file() else {}).items():
                 index.files[name], index.checksums[name] = rec["size"], rec["crc32"]
             return cls(path, index, False)._index_weights()
+        saved = (
+            [p.name for p in path.iterdir() if p.suffix in (".safetensors", ".pt")] if path.is_dir() else []
+        )
+        if not saved:  # not even part of a save: another kind of directory
+            raise MissingCheckpointFile(
+                f"{path} is not a checkpoint directory (no {INDEX_FILE}, no weights): name a checkpoint (a "
+                "step-N directory under a run's checkpoints/, or `last`) or a model directory"
+            )
         raise MissingCheckpointFile(
             f"{path} has no {INDEX_FILE}: not a complete checkpoint (an interrupted save leaves no "
             f"index), nor a model directory ({WEIGHTS_FILE}); resume from an earlier checkpoint"

@@ -9,6 +9,7 @@ which key is wrong and how to fix it, before any rank tokenizes anything.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from dataclasses import dataclass, fields
 from typing import Any, Literal
@@ -51,9 +52,9 @@ class MixtureSource:
         if not value.get("path"):
             raise ValueError(f"{key} has no `path`: name a directory made by scripts/prepare_data.py")
         weight = value.get("weight")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
             raise ValueError(
-                f"{key}.weight={weight!r} must be a number > 0 (weights are relative: 0.7/0.2/0.1 and 7/2/1 "
+                f"{key}.weight={weight!r} must be a finite number > 0 (weights are relative: 0.7/0.2/0.1 and 7/2/1 "
                 "are the same mixture); drop the entry to leave a source out"
             )
         return cls(path=str(value["path"]), weight=float(weight), name=value.get("name"))

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from nanolight.data.config import BatchGeometry
+from nanolight.data.config import BatchGeometry, DataError
 from nanolight.models.llama import shift_labels
 
 _VAL_SEED = 0x5EED  # the held-out blocks do not depend on the training seed: val loss stays comparable
@@ -120,7 +120,7 @@ class PackedDataset(torch.utils.data.Dataset):
         document_eos: int | None = None,
     ) -> None:
         if seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+            raise DataError(f"seq_len must be >= 1, got {seq_len}")
         n_blocks = len(tokens) // seq_len
         self.tokens, self.seq_len, self.document_eos = tokens, seq_len, document_eos
         self.block_ids = np.arange(n_blocks) if block_ids is None else np.asarray(block_ids, dtype=np.int64)
@@ -164,7 +164,7 @@ class PackedLoader:
         self._epoch_order: tuple[int, np.ndarray] | None = None  # (epoch, its sample order)
         if len(dataset) < (g := self.global_batch_size):
             t, mbs, acc = dataset.seq_len, geometry.micro_batch_size, self.accumulate_grad_batches
-            raise ValueError(
+            raise DataError(
                 f"the training split has {len(dataset)} blocks of seq_len={t} ({len(dataset) * t} tokens) but "
                 f"one global batch needs {g} blocks (micro_batch_size={mbs} x accumulate_grad_batches={acc} x "
                 f"dp={geometry.dp_size}) = {g * t} tokens. Use more data, or lower micro_batch_size, "
@@ -234,13 +234,13 @@ class PackedLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at the next unseen micro-batch of the run that saved `state`."""
         if int(state["seed"]) != self.seed:
-            raise ValueError(
+            raise DataError(
                 f"the checkpoint's data order comes from seed={state['seed']} but this loader has "
                 f"seed={self.seed}; resume with the same `seed` to continue the same sample order"
             )
         micro = int(state.get("micro_batches_in_step", 0))
         if micro >= self.accumulate_grad_batches:
-            raise ValueError(
+            raise DataError(
                 f"the checkpoint stopped after micro-batch {micro} of a step but accumulate_grad_batches="
                 f"{self.accumulate_grad_batches}; resume mid-step only with the same layout"
             )
@@ -275,7 +275,7 @@ class EvalLoader:
             return None
         mbs, dp = geometry.micro_batch_size, geometry.dp_size
         if len(val) < mbs * dp:
-            raise ValueError(
+            raise DataError(
                 f"the validation split has {len(val)} blocks, fewer than one validation batch "
                 f"(micro_batch_size={mbs} x dp={dp}); raise data.val_fraction / data.val_blocks, "
                 "or set data.val_fraction=0 for no validation"

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nanolight.data.config import BatchGeometry
+from nanolight.data.config import BatchGeometry, DataError
 from nanolight.data.loader import PackedDataset, PackedLoader, epoch_order, make_batch
 
 
@@ -100,11 +100,11 @@ class MixtureLoader(PackedLoader):
     ) -> None:
         for name, ds in zip(names, sources, strict=True):
             if ds.seq_len != sources[0].seq_len:
-                raise ValueError(
+                raise DataError(
                     f"{name} has seq_len={ds.seq_len}, not {sources[0].seq_len}: mix equal lengths"
                 )
             if len(ds) == 0:
-                raise ValueError(f"{name} has no training sample of seq_len={ds.seq_len}: prepare more data")
+                raise DataError(f"{name} has no training sample of seq_len={ds.seq_len}: prepare more data")
         self.sources, self.names, self.exhausted = sources, names, exhausted
         self.schedule = MixtureSchedule(weights)
         self._orders: dict[int, tuple[int, np.ndarray]] = {}  # source -> (pass, its sample order)
@@ -113,7 +113,7 @@ class MixtureLoader(PackedLoader):
             first_repeat = min(self.schedule.position_of(i, len(ds)) for i, ds in enumerate(sources))
             epoch_samples = first_repeat // g * g
             if epoch_samples == 0:
-                raise ValueError(
+                raise DataError(
                     f"with data.mixture_exhausted=stop a source runs out before one global batch of "
                     f"{g} samples: prepare more data for the small sources or use repeat"
                 )
@@ -163,7 +163,7 @@ class MixtureLoader(PackedLoader):
         saved = (list(state["mixture_counts"]), list(state["source_samples"]))
         now = ([int(c) for c in self.schedule.counts], [len(ds) for ds in self.sources])
         if saved != now:
-            raise ValueError(
+            raise DataError(
                 f"data.mixture differs from the checkpoint's (per-period counts {saved[0]} vs {now[0]}, "
                 f"samples per source {saved[1]} vs {now[1]}): its sample position means other samples "
                 "now. Resume with the checkpoint's mixture and seq_len"

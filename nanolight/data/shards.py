@@ -164,6 +164,9 @@ class TokenShards:
 
     def __init__(self, path: str, index: dict[str, Any]) -> None:
         self.path, self.dtype = path, np.dtype(index["dtype"])
+        # ids the tokenizer cannot have made (a damaged shard, or another tokenizer's): caught as
+        # they are read, naming the file, not as an IndexError deep in the model's embedding
+        self.vocab = int(index.get("tokenizer", {}).get("vocab_size") or np.iinfo(self.dtype).max + 1)
         sizes = np.array([s["tokens"] for s in index["shards"]], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(sizes)])  # shard i holds [starts[i], starts[i+1])
         self._maps: dict[int, np.ndarray] = {}
@@ -186,7 +189,15 @@ class TokenShards:
         while pos < stop:  # a sample spans at most a few shards
             i = int(np.searchsorted(self.starts, pos, side="right")) - 1
             end = min(stop, int(self.starts[i + 1]))
-            out[pos - start : end - start] = self._shard(i)[pos - self.starts[i] : end - self.starts[i]]
+            piece = out[pos - start : end - start]
+            piece[:] = self._shard(i)[pos - self.starts[i] : end - self.starts[i]]
+            if piece.size and int(piece.max()) >= self.vocab:
+                at = pos - int(self.starts[i]) + int(piece.argmax())
+                raise DataError(
+                    f"{os.path.join(self.path, shard_names(i)[0])} holds token id {int(piece.max())} (token "
+                    f"{at}), past the {self.vocab} ids of its tokenizer: the shard is damaged or from another "
+                    "tokenizer; re-run scripts/prepare_data.py for this directory"
+                )
             pos = end
         self.bytes_read += out.nbytes
         return out

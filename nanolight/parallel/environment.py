@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 PARENT_PID_VAR = "NANOLIGHT_LAUNCHER_PARENT_PID"  # set on our children: "exit if I am orphaned"
+STOP_REASON_VAR = "NANOLIGHT_STOP_REASON"  # set by a rank on itself: why the SIGTERM it sent itself
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,19 @@ Every rank therefore writes a heartbeat (``time.time()``) into the rendezvous st
 `interval` seconds from a daemon thread with its own store connection; when a collective fails,
 `PeerError.of` reads the heartbeats and names the ranks that fell silent. A stopped process's
 heartbeat thread stops with it, which is what makes the silent rank identifiable.
+
+A stopped rank is told from a dead one, and both from one that failed with its own error: each rank
+also leaves its host and pid in the store (a dead local process is seen at once, without waiting
+for its heartbeat to age), and a rank ending on an error leaves that error there (`publish_error`)
+before it exits. The peer whose collective then fails names that rank and its cause first, not
+the failed collective: the real cause is the first line the user reads, whichever rank has it.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +32,8 @@ import torch.distributed as dist
 from nanolight.errors import NanolightError
 
 KEY = "nanolight/heartbeat/{}"
+PID_KEY = "nanolight/pid/{}"  # "host pid" of each rank
+ERROR_KEY = "nanolight/error/{}"  # the error a rank ended on (`publish_error`)
 STORE_TIMEOUT_S = 2.0  # the longest the beating thread may spend in one store call (see `_beat`)
 F = TypeVar("F", bound=Callable[..., Any])
 _SIGNS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "peer", "aborted")
@@ -35,10 +45,14 @@ class PeerError(NanolightError, RuntimeError):
     @classmethod
     def of(cls, exc: BaseException, what: str, heartbeat: Heartbeat | None) -> PeerError:
         me = dist.get_rank() if dist.is_initialized() else 0
+        first = str(exc).splitlines()[0][:200]
+        cause = heartbeat.peer_cause() if heartbeat is not None else None
+        if cause is not None:  # the real cause first; this rank's failure is only its consequence
+            return cls(f"{cause} (rank {me}: {what} then failed waiting for it)")
         who = heartbeat.silent_ranks() if heartbeat is not None else "unknown (no heartbeat)"
         trace = heartbeat.trace_note() if heartbeat is not None else ""
         return cls(
-            f"rank {me}: {what} failed waiting for its peers ({str(exc).splitlines()[0][:200]}); "
+            f"rank {me}: {what} failed waiting for its peers ({first}); "
             f"{who}.{trace} The job is ending: a stopped, hung or dead rank cannot be waited for"
         )
 
@@ -64,6 +78,8 @@ class Heartbeat:
         )
         self.trace = trace  # NCCL's flight-recorder dump files: this prefix + the rank (None: no dump)
         self._stop = threading.Event()
+        global _active
+        _active = self
         self._thread = threading.Thread(target=self._beat, name="nanolight-heartbeat", daemon=True)
         self._thread.start()
 
@@ -76,14 +92,51 @@ class Heartbeat:
         a forced unwind through pybind11's noexcept GIL guard -- "terminate called without an
         active exception", exit 134 -- e.g. waiting 30 s on a store whose host (rank 0) is
         stopped or has just exited."""
-        store = None
+        store, known = None, False
         while not self._stop.is_set():
             try:
                 store = store or self._store(timeout=STORE_TIMEOUT_S)
+                if not known:  # once: where this rank's process is, for `peer_cause`
+                    store.set(PID_KEY.format(self.rank), f"{socket.gethostname()} {os.getpid()}")
+                    known = True
                 store.set(KEY.format(self.rank), repr(time.time()))
             except Exception:  # the store is slow, stopped or gone: try again at the next beat
                 store = None
             self._stop.wait(self.interval)
+
+    def peer_cause(self, wait_s: float = 1.0) -> str | None:
+        """The first thing wrong with another rank, in words, if known: the error it ended on
+        (`publish_error`), else its process being dead (a local one; `wait_s` lets a process that
+        closed its connections finish exiting). None: no peer error or death seen."""
+        try:
+            store = self._store(timeout=3)
+            others = [r for r in range(self.world_size) if r != self.rank]
+            errors = [
+                store.get(ERROR_KEY.format(r)).decode() for r in others if store.check([ERROR_KEY.format(r)])
+            ]
+            if errors:
+                return min(errors).split(" ", 1)[1]  # the earliest ("<time> <message>")
+            where = {
+                r: store.get(PID_KEY.format(r)).decode().split()
+                for r in others
+                if store.check([PID_KEY.format(r)])
+            }
+        except Exception:
+            return None
+        local = {r: int(pid) for r, (host, pid) in where.items() if host == socket.gethostname()}
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [r for r, pid in sorted(local.items()) if not _alive(pid)]
+            if dead or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        if not dead:
+            return None
+        return "; ".join(
+            f"rank {r} (pid {local[r]}) died: its process ended without an error of its own (killed, e.g. "
+            "by SIGKILL or the out-of-memory killer, or crashed; see the launcher's line for its exit)"
+            for r in dead
+        )
 
     def silent_ranks(self) -> str:
         """Which ranks stopped beating, in words (asked after a collective failed)."""
@@ -114,9 +167,46 @@ class Heartbeat:
     def close(self) -> None:
         """Stop beating and wait for the thread, so its store connection is closed before the
         process groups (and rank 0's store) are torn down at exit."""
+        global _active
+        if _active is self:
+            _active = None
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * STORE_TIMEOUT_S + 1)  # a connect and a set at most: it ends
+
+
+_active: Heartbeat | None = None  # this process's heartbeat: its store is where errors are left
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` (on this host) still runs: absent or a zombie is dead."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (not Linux): ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
+def publish_error(message: str) -> None:
+    """Leave the error this rank is ending on in the rendezvous store, before it exits: the peer
+    whose collective fails when it goes reads it (`Heartbeat.peer_cause`) and prints it first."""
+    beat = _active
+    if beat is None or beat.world_size < 2:
+        return
+    if not message.startswith(f"rank {beat.rank}"):
+        message = f"rank {beat.rank}: {message}"
+    try:
+        beat._store(timeout=STORE_TIMEOUT_S).set(ERROR_KEY.format(beat.rank), f"{time.time():.6f} {message}")
+    except Exception:  # the store is gone (rank 0 exited): the peers learn nothing more from it
+        pass
 
 
 def watched(what: str) -> Callable[[F], F]:

@@ -35,7 +35,13 @@ import torch
 import torch.distributed as dist
 
 from nanolight.errors import NanolightError, UsageError
-from nanolight.parallel.environment import PARENT_PID_VAR, ProcessEnv, detect_environment, free_port
+from nanolight.parallel.environment import (
+    PARENT_PID_VAR,
+    STOP_REASON_VAR,
+    ProcessEnv,
+    detect_environment,
+    free_port,
+)
 from nanolight.parallel.health import Heartbeat
 
 
@@ -158,7 +164,8 @@ class SubprocessLauncher:
                 rank = codes.index(code)
                 dumps = nccl_dumps(self.world_size, self.started)
                 print(
-                    f"[nanolight launcher] rank {rank} exited with {code}; stopping the others"
+                    f"[nanolight launcher] rank {rank} (pid {children[rank].pid}) {_exit_words(code)}; "
+                    "stopping the others"
                     + (f" (NCCL's flight recorder dumped {', '.join(dumps)})" if dumps else ""),
                     file=sys.stderr,
                 )
@@ -184,6 +191,18 @@ _OWN_GROUP: dict = {"process_group": 0} if sys.version_info >= (3, 11) else {"pr
 _FORWARDED_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name)]
 
 
+def _exit_words(code: int) -> str:
+    """How a child ended, in words: a negative status is the signal that killed it."""
+    if code >= 0:
+        return f"exited with {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    hint = " (sent by a user, a scheduler or the out-of-memory killer)" if name == "SIGKILL" else ""
+    return f"was killed by {name}{hint}"
+
+
 def _forward(children: list[subprocess.Popen], signum: int) -> None:
     for child in children:
         child.send_signal(signum)  # a no-op for a child that already exited
@@ -196,10 +215,9 @@ def watch_launcher(parent_pid: int, rank: int, grace_s: float = 120.0, poll_s: f
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(poll_s)
-        print(
-            f"nanolight: rank {rank}: the launcher (pid {parent_pid}) is gone; saving and stopping",
-            file=sys.stderr,
-        )
+        reason = f"the launcher (pid {parent_pid}) is gone"
+        print(f"nanolight: rank {rank}: {reason}; saving and stopping", file=sys.stderr)
+        os.environ[STOP_REASON_VAR] = reason  # the pre-emption's line names it, not a SIGTERM nobody sent
         signal.raise_signal(signal.SIGTERM)
         time.sleep(grace_s)
         os._exit(1)

@@ -9,6 +9,7 @@ composed Hydra tree in, validated `PretrainConfig` out, or a `ConfigError` namin
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -94,8 +95,12 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if not 0 < self.lr < math.inf:  # nan compares false both ways: it would reach torch's AdamW
+            raise ValueError(f"optim.lr must be a finite number > 0, got {self.lr}")
+        if not (math.isfinite(self.weight_decay) and math.isfinite(self.eps) and self.eps >= 0):
+            raise ValueError(
+                f"optim.weight_decay and optim.eps must be finite (eps >= 0), got {self.weight_decay}, {self.eps}"
+            )
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas}")
         if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
@@ -170,14 +175,26 @@ class PretrainConfig:
             )
 
 
-def load_config(cfg: DictConfig | dict[str, Any]) -> PretrainConfig:
-    """Validate a composed config. Raises ConfigError naming the first bad key."""
+AUTO_FORMS = ("parallel=auto", "+parallel=auto", "++parallel=auto")
+
+
+def load_config(cfg: DictConfig | dict[str, Any], overrides: list[str] | None = None) -> PretrainConfig:
+    """Validate a composed config. Raises ConfigError naming the first bad key. `overrides`: the
+    command line, which says `+parallel=auto` even where Hydra replaced it by pinned keys
+    (``+parallel=auto +parallel.tp=2`` composes to ``parallel: {tp: 2}``)."""
     raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     raw.pop("hydra", None)
-    auto = raw.get("parallel") == "auto"
-    if auto:
-        raw.pop("parallel")
-    elif raw.get("cluster"):
+    parallel = raw.get("parallel")
+    auto = parallel == "auto" or any(o in AUTO_FORMS for o in overrides or ())
+    if auto and not isinstance(parallel, dict):
+        raw.pop("parallel", None)  # the planner fills it; pinned keys (a mapping) stay, validated
+    elif isinstance(parallel, str):
+        keys = ", ".join(f.name for f in dataclasses.fields(ParallelConfig) if f.init)
+        raise ConfigError(
+            f"+parallel={parallel} is not a layout: write +parallel=auto (the planner picks one) or set its "
+            f"keys, e.g. +parallel.tp=2 +parallel.dp=2 (keys: {keys})"
+        )
+    elif raw.get("cluster") and not auto:
         raise ConfigError("+cluster.* is read by +parallel=auto only; add +parallel=auto or drop it")
     config = build_dataclass(PretrainConfig, raw, "")
     config.auto_parallel = auto

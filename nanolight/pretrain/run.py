@@ -12,6 +12,7 @@ Order matters and is chosen so that a bad run fails fast and in one place:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import yaml
@@ -26,7 +27,8 @@ from nanolight.callbacks import (
 )
 from nanolight.checkpoint.atomic import atomic_directory, atomic_write_text
 from nanolight.checkpoint.pretrained import run_extras
-from nanolight.checkpoint.save import ExportExtras
+from nanolight.checkpoint.reader import CheckpointReader
+from nanolight.checkpoint.save import FORMAT_NAME, ExportExtras
 from nanolight.data import BatchGeometry, DataConfig, build_datamodule, vocab_size
 from nanolight.loggers import CSVLogger, Logger, WandbLogger
 from nanolight.loggers.wandb_logger import has_wandb_credentials
@@ -73,15 +75,36 @@ def check_run_dir(config: PretrainConfig) -> Path:
         )
     if resume is not None and resume != "last" and not Path(resume).exists():
         raise ConfigError(f"checkpoint.resume={resume!r}: no such checkpoint directory")
+    if resume is not None and resume != "last":
+        CheckpointReader.open(resume)  # a data or model directory is named now, not after tokenizing
     if config.checkpoint.init_from is not None:
         if resume is not None:
             raise ConfigError("checkpoint.init_from starts a fresh run from weights; drop it when resuming")
-        if not (Path(config.checkpoint.init_from) / "config.json").exists():
+        init_from = config.checkpoint.init_from
+        if not (Path(init_from) / "config.json").exists():
             raise ConfigError(
-                f"checkpoint.init_from={config.checkpoint.init_from!r} is not a nanolight model directory "
+                f"checkpoint.init_from={init_from!r} is not a nanolight model directory "
                 "(no config.json); convert a Hugging Face checkpoint with scripts/convert_hf_to_nanolight.py"
             )
+        if _is_hf_directory(Path(init_from)):  # e.g. an export of scripts/convert_nanolight_to_hf.py
+            raise ConfigError(
+                f"checkpoint.init_from={init_from!r} is a Hugging Face model directory, not a nanolight one: "
+                f"convert it first (python scripts/convert_hf_to_nanolight.py {init_from} <dir>) and init from <dir>"
+            )
     return root
+
+
+def _is_hf_directory(path: Path) -> bool:
+    """Whether `path`'s config.json is a Hugging Face model's (no nanolight format, a model type)."""
+    try:
+        meta = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # unreadable: the loader names the file
+    return (
+        isinstance(meta, dict)
+        and meta.get("format") != FORMAT_NAME
+        and ("model_type" in meta or "architectures" in meta)
+    )
 
 
 def build_data(config: PretrainConfig, dp_rank: int = 0, dp_size: int = 1):

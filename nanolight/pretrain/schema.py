@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from nanolight.errors import NanolightError, UsageError
 from nanolight.parallel.environment import detect_environment
+from nanolight.parallel.health import PeerError, publish_error
 
 T = TypeVar("T")
 
@@ -118,12 +119,32 @@ def build_dataclass(cls: type[T], values: dict[str, Any] | None, prefix: str) ->
         raise ConfigError(f"invalid `{prefix.rstrip('.') or cls.__name__}` config: {err}") from err
 
 
+def check_override_syntax(overrides: list[str]) -> None:
+    """Each override must parse as Hydra's grammar: its parser's error is three lines and a hint
+    at HYDRA_FULL_ERROR; ours is one, naming the override."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    for arg in overrides:
+        if arg.startswith("-") or "=" not in arg:  # Hydra's flags and their values (--cfg job)
+            continue
+        try:
+            parser.parse_overrides([arg])
+        except OverrideParseException as err:
+            raise ConfigError(
+                f"cannot parse the override {arg!r} ({str(err).splitlines()[0]}): write key=value, quoting a "
+                "value with brackets, spaces or commas, e.g. 'data.path=\"a b\"'"
+            ) from None
+
+
 def check_override_keys(cls: type, overrides: list[str], groups: tuple[str, ...] = ()) -> None:
     """Reject command-line overrides whose key is not in the schema, before Hydra composes.
 
     Hydra's own message for `trainer.max_step=5` suggests appending the key with `+`; ours names
     the valid keys instead. Group choices (`model=...`) and `hydra.*` keys are left to Hydra.
     """
+    check_override_syntax(overrides)
     for arg in overrides:
         if arg.startswith("-") or "=" not in arg:
             continue
@@ -182,6 +203,8 @@ def reported_errors(debug: bool = False) -> Iterator[None]:
             )
         sys.exit(130)
     except NanolightError as err:
+        if not isinstance(err, PeerError):  # a peer blocked on this rank prints it first
+            publish_error(str(err))
         if debug:
             raise
         if _rank() == 0 or err.rank_specific:

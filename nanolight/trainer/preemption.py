@@ -10,6 +10,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nanolight.parallel.environment import STOP_REASON_VAR
+
 if TYPE_CHECKING:
     from nanolight.trainer.trainer import NanoTrainer
 
@@ -120,8 +122,10 @@ class Preemption:
             else f"ckpt_path='{path}'"
         )
         if trainer.is_global_zero:
+            # a SIGTERM a rank sent itself (`watch_launcher`) says why, not that one was received
+            why = os.environ.get(STOP_REASON_VAR) if agreed == CODES["SIGTERM"] else None
             print(
-                f"nanolight: {trainer.preempted_by} received: finished step {trainer.global_step}, "
+                f"nanolight: {why or trainer.preempted_by + ' received'}: finished step {trainer.global_step}, "
                 f"saved {path}; stopping (continue with {hint})",
                 file=sys.stderr,
                 flush=True,

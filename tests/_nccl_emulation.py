@@ -25,6 +25,7 @@ receiver), the collectives' agreement, and `deadlocks` (a replay of rules 1-4 to
 from __future__ import annotations
 
 import atexit
+import functools
 import inspect
 import os
 import pickle
@@ -147,8 +148,7 @@ def _wrap_p2p(kind: str, original: Callable, blocking: bool) -> Callable:
             return out
         return _Work(out, seq) if out is not None else out
 
-    recorded.__wrapped__ = original  # type: ignore[attr-defined]
-    return recorded
+    return functools.update_wrapper(recorded, original)
 
 
 def _wrap_batch(original: Callable, isends: tuple[Callable, ...]) -> Callable:
@@ -167,7 +167,7 @@ def _wrap_batch(original: Callable, isends: tuple[Callable, ...]) -> Callable:
         seq = _append("batch", group=where[0], group_ranks=where[1], msgs=msgs)
         return [_Work(w, seq) for w in works]
 
-    return recorded
+    return functools.update_wrapper(recorded, original)  # its name too: code may look at it
 
 
 def _wrap_collective(name: str, original: Callable) -> Callable:
@@ -193,7 +193,7 @@ def _wrap_collective(name: str, original: Callable) -> Callable:
             return out
         return _Work(out, seq)
 
-    return recorded
+    return functools.update_wrapper(recorded, original)  # its name too: code may look at it
 
 
 def _wrap_new_group(original: Callable) -> Callable:
@@ -210,7 +210,7 @@ def _wrap_new_group(original: Callable) -> Callable:
             _rec.host_groups.add(group.group_name)  # stays on the host under NCCL too
         return group
 
-    return recorded
+    return functools.update_wrapper(recorded, original)  # its name too: code may look at it
 
 
 def _wrap_destroy(original: Callable) -> Callable:
@@ -220,7 +220,7 @@ def _wrap_destroy(original: Callable) -> Callable:
             _rec.world = (key, dist.get_rank(), dist.get_world_size())
         return original(group)
 
-    return recorded
+    return functools.update_wrapper(recorded, original)  # its name too: code may look at it
 
 
 def install() -> None:

@@ -146,8 +146,10 @@ def build_strategy(config: PretrainConfig, export: ExportExtras | None = None) -
 
 def build_loggers(config: PretrainConfig, root: Path) -> list[Logger]:
     lg = config.logger
-    # name="" and version="": metrics.csv stays at <root>/metrics.csv and continues across resumes
-    loggers: list[Logger] = [CSVLogger(save_dir=root, name="", version="")] if lg.csv else []
+    # name="" and version="": metrics.csv stays at <root>/metrics.csv and continues across resumes;
+    # merge_rows: one row per logged step, whichever callbacks logged in it
+    csv_logger = CSVLogger(save_dir=root, name="", version="", merge_rows=True)
+    loggers: list[Logger] = [csv_logger] if lg.csv else []
     if lg.wandb:
         offline = lg.offline if lg.offline is not None else not has_wandb_credentials()
         loggers.append(

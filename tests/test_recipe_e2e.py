@@ -122,3 +122,13 @@ def test_accumulation_logs_one_line_and_one_row_per_logged_step(tmp_path: Path, 
     row = next(r for r in rows if r["step"] == "1")  # optimizer step 2 (logged at 1)
     for key in ("train/loss", "throughput/tokens_per_sec", "lr-AdamW/pg1", "val/loss", "epoch"):
         assert row[key], (key, row)
+
+
+def test_resuming_a_finished_run_says_so(tmp_path: Path, cache_dir: Path) -> None:
+    """checkpoint.resume=last on a run that reached max_steps: one line saying so, exit 0, and no
+    'directory exists and is not empty' warning (that is for a fresh run)."""
+    run_dir = tmp_path / "run"
+    recipe(run_dir, cache_dir, "logger=csv", "trainer.max_steps=2")
+    again = recipe(run_dir, cache_dir, "logger=csv", "trainer.max_steps=2", "checkpoint.resume=last")
+    assert "already reached trainer.max_steps=2 (step 2)" in again.stdout, again.stdout
+    assert "exists and is not empty" not in again.stdout + again.stderr

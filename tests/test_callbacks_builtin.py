@@ -205,6 +205,35 @@ def test_throughput_monitor_and_progress_bar_without_tty(tmp_path, capsys):
     assert "step 2/4  loss" in out and "step 4/4" in out  # plain lines when stdout is not a tty
 
 
+class _Timed(ThroughputMonitor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.timed: list[tuple[int, int]] = []  # (global step, steps in the interval)
+
+    def on_timed(self, trainer, seconds, steps) -> None:
+        self.timed.append((trainer.global_step, steps))
+        super().on_timed(trainer, seconds, steps)
+
+
+def test_accumulation_times_whole_steps_once_per_logged_step(tmp_path, capsys):
+    """With accumulation a logging step is timed (and printed) once, after its update, over the
+    whole interval: never at a micro-batch of a step still in progress."""
+    ids = torch.randint(0, 32, (64, 8))
+    data = DataLoader([{"input_ids": r, "labels": r} for r in ids], batch_size=4)
+    tm = _Timed()
+    trainer = _trainer(
+        tmp_path,
+        max_steps=6,
+        accumulate_grad_batches=3,
+        log_every_n_steps=2,
+        callbacks=[tm, RichProgressBar()],
+    )
+    trainer.fit(TokenLM(), data)
+    assert tm.timed == [(2, 2), (4, 2), (6, 2)]
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
+    assert [ln.split()[1] for ln in lines] == ["2/6", "4/6", "6/6"]
+
+
 # lightning.fabric.utilities.throughput.get_available_flops (Lightning 2.6.6, recorded with the device
 # name patched and _is_ampere_or_later True): (float32 with matmul precision "highest", "high", bf16).
 LIGHTNING_PEAKS = {

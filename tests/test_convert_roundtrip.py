@@ -295,3 +295,20 @@ def test_hub_ids_resolve_through_snapshot_download(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="neither a local directory nor a downloadable Hub model id"):
         convert_hf_to_nanolight("no-such-org/no-such-model", tmp_path / "nl2")
     assert not (tmp_path / "nl2").exists()
+
+
+def test_load_pretrained_takes_what_the_converter_takes(tmp_path):
+    """`last` (the pointer file), the checkpoints directory and the run's root resolve to the newest
+    step, for `load_pretrained` as for the converter: one resolver."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**BASE, num_key_value_heads=2)).eval()
+    run = tmp_path / "run"
+    save_pretrained(model, run / "checkpoints" / "step-3")
+    (run / "checkpoints" / "last").write_text("step-3\n")
+    ids = torch.randint(0, 64, (1, 8))
+    with torch.no_grad():
+        ref = model(ids)
+        for where in (run / "checkpoints" / "last", run / "checkpoints", run, str(run)):
+            torch.testing.assert_close(load_pretrained(where)(ids), ref)
+    out = convert_nanolight_to_hf(run, tmp_path / "hf")
+    assert (out / "model.safetensors").is_file()

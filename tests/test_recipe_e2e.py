@@ -98,3 +98,37 @@ def test_recipe_runs_and_resumes_exactly(tmp_path: Path, cache_dir: Path) -> Non
     assert sorted(got) == list(range(7, 13))
     for step, value in got.items():
         assert value == pytest.approx(ref[step], rel=1e-6, abs=0), (step, value, ref[step])
+
+
+def test_accumulation_logs_one_line_and_one_row_per_logged_step(tmp_path: Path, cache_dir: Path) -> None:
+    """accumulate_grad_batches=2: one plain line per logged optimizer step (never at a micro-batch),
+    and metrics.csv one row per logged step holding all of its metrics (lr, throughput, loss, val)."""
+    run_dir = tmp_path / "run"
+    proc = recipe(
+        run_dir,
+        cache_dir,
+        "logger=csv",
+        "trainer.max_steps=4",
+        "trainer.accumulate_grad_batches=2",
+        "trainer.log_every_n_steps=2",
+        "trainer.val_check_interval=4",
+    )
+    lines = [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("step ") and "loss" in ln]
+    assert lines == ["2/4", "4/4"], proc.stdout
+    with open(run_dir / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps), key=int), steps  # one row per step
+    row = next(r for r in rows if r["step"] == "1")  # optimizer step 2 (logged at 1)
+    for key in ("train/loss", "throughput/tokens_per_sec", "lr-AdamW/pg1", "val/loss", "epoch"):
+        assert row[key], (key, row)
+
+
+def test_resuming_a_finished_run_says_so(tmp_path: Path, cache_dir: Path) -> None:
+    """checkpoint.resume=last on a run that reached max_steps: one line saying so, exit 0, and no
+    'directory exists and is not empty' warning (that is for a fresh run)."""
+    run_dir = tmp_path / "run"
+    recipe(run_dir, cache_dir, "logger=csv", "trainer.max_steps=2")
+    again = recipe(run_dir, cache_dir, "logger=csv", "trainer.max_steps=2", "checkpoint.resume=last")
+    assert "already reached trainer.max_steps=2 (step 2)" in again.stdout, again.stdout
+    assert "exists and is not empty" not in again.stdout + again.stderr

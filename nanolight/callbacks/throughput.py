@@ -61,7 +61,10 @@ class StepTimer(Callback):
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._t0 is None or trainer.global_step == self._step or not trainer.should_log:
+        # `trainer.progress["batch_idx"]` is one past the window's last batch: only that one (the
+        # micro-batch after the update) ends a step; the earlier ones of a logging step must not time it
+        window_end = batch_idx == trainer.progress["batch_idx"] - 1
+        if self._t0 is None or not window_end or trainer.global_step == self._step or not trainer.should_log:
             return  # not started, a micro-batch before this step's update, or not a logging step
         device = trainer.strategy.root_device
         if device.type == "cuda":

@@ -28,6 +28,7 @@ from nanolight.errors import NanolightError
 
 TMP_PREFIX, TRASH_PREFIX = ".tmp-", ".trash-"
 LAST_POINTER = "last"
+RUN_CHECKPOINTS = "checkpoints"  # where a run keeps its step directories and `last` (the recipe, Lightning)
 
 
 def fsync_path(path: Path) -> None:
@@ -134,9 +135,12 @@ def write_last_pointer(step_dir: str | Path) -> None:
 
 
 def resolve_checkpoint(path: str | Path) -> Path | None:
-    """A step dir, or a ``last`` pointer (the file or the directory holding it) -> the step dir;
-    None when nothing is there."""
+    """A step dir, a ``last`` pointer (the file, the directory holding it, or a run's root whose
+    ``checkpoints/`` holds it) -> the step dir; None when nothing is there. The one reading of a
+    checkpoint argument: resuming, converting and `load_pretrained` all take the same paths."""
     path = Path(path)
+    if path.is_dir() and (path / RUN_CHECKPOINTS / LAST_POINTER).is_file():
+        path = path / RUN_CHECKPOINTS  # a run's root (the recipe's trainer.default_root_dir)
     if path.is_dir() and (path / LAST_POINTER).is_file() and not any(path.glob("*.safetensors")):
         path = path / LAST_POINTER
     if path.is_file():

@@ -105,9 +105,10 @@ def read_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tens
     (the weights are reassembled from the shards, `reader.py`; an older one-process one may say
     `"index": null`). Only the tensors under `prefix` (the module attribute holding the causal
     LM) are kept and the prefix is removed. Either way the state dict has nanolight parameter names,
-    full tensors, and no tied `lm_head.weight`.
+    full tensors, and no tied `lm_head.weight`. `path` may also name a run's newest step as the
+    converter and ``checkpoint.resume`` do: its ``last`` pointer, ``checkpoints/`` or the run's root.
     """
-    path = Path(path)
+    path = resolve_checkpoint(path) or Path(path)
     cfg_file = path / CONFIG_FILE
     if not cfg_file.is_file():
         hint = ""
@@ -189,7 +190,8 @@ def load_pretrained(
     dtype: torch.dtype | None = None,
     attn_implementation: str | None = None,
 ) -> LlamaForCausalLM:
-    """Load a nanolight checkpoint -> `LlamaForCausalLM` in eval mode; `model(input_ids)` -> logits.
+    """Load a nanolight checkpoint (any path `read_checkpoint` takes, `last` included) ->
+    `LlamaForCausalLM` in eval mode; `model(input_ids)` -> logits.
 
     `dtype=None` keeps the stored dtype. `attn_implementation` overrides the saved one (e.g.
     "flash_attention_2" on a GPU).

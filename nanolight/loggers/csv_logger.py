@@ -12,7 +12,11 @@ nanolight extension, for runs that continue in a fixed directory (the pretrainin
 to ``CSVLogger(save_dir=root, name="", version="")``): when an explicitly given version's
 directory already holds a ``metrics.csv``, it is continued instead of replaced: its rows at or
 after the first newly logged step are dropped (they came from the part of an interrupted run
-after its last checkpoint), earlier rows are kept.
+after its last checkpoint), earlier rows are kept. With ``merge_rows=True`` (the recipe's) the
+calls of one step become one row, as a reader of the file expects: the trainer's row, a
+callback's own rows (``LearningRateMonitor``, ``ThroughputMonitor``, each of which Lightning writes
+separately) and the validation row of that step; the newest step's row is written when the next
+step's arrives or at ``finalize``.
 """
 
 from __future__ import annotations
@@ -48,8 +52,9 @@ class MetricsFile:
     NAME_METRICS_FILE = "metrics.csv"
     NAME_HPARAMS_FILE = "hparams.yaml"
 
-    def __init__(self, log_dir: str, resume: bool = False) -> None:
+    def __init__(self, log_dir: str, resume: bool = False, merge_rows: bool = False) -> None:
         self.log_dir = log_dir
+        self.merge_rows = merge_rows
         self.metrics_file_path = os.path.join(log_dir, self.NAME_METRICS_FILE)
         self.metrics: list[dict[str, Any]] = []  # rows not written yet
         self.metrics_keys: list[str] = []
@@ -62,6 +67,9 @@ class MetricsFile:
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         row = {k: _scalar(v) for k, v in metrics.items()}
         row["step"] = len(self.metrics) if step is None else step
+        if self.merge_rows and self.metrics and self.metrics[-1]["step"] == row["step"]:
+            self.metrics[-1].update(row)  # the same step: one row (a later value of a key wins)
+            return
         self.metrics.append(row)
 
     def log_hparams(self, params: dict[str, Any]) -> None:
@@ -80,8 +88,17 @@ class MetricsFile:
         with open(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE), "w", newline="") as f:
             yaml.dump(allowed, f)
 
-    def save(self) -> None:
-        """Write the buffered rows (rewriting the file when the header widens)."""
+    def save(self, final: bool = True) -> None:
+        """Write the buffered rows (rewriting the file when the header widens); unless `final`,
+        a merging file keeps its newest row back (more of its step may come)."""
+        held = self.metrics[-1:] if self.merge_rows and not final else []
+        self.metrics = self.metrics[: len(self.metrics) - len(held)]
+        try:
+            self._write()
+        finally:
+            self.metrics = self.metrics + held  # after a write: the held row alone
+
+    def _write(self) -> None:
         if not self.metrics:
             return
         if self._resume:
@@ -121,7 +138,8 @@ class MetricsFile:
 
 class CSVLogger(Logger):
     """Args: ``save_dir`` (None: the trainer's ``default_root_dir``), ``name``, ``version``,
-    ``prefix`` (prepended to every key with ``-``), ``flush_logs_every_n_steps``."""
+    ``prefix`` (prepended to every key with ``-``), ``flush_logs_every_n_steps``; nanolight's
+    ``merge_rows`` (see the module docstring)."""
 
     LOGGER_JOIN_CHAR = "-"
 
@@ -132,6 +150,7 @@ class CSVLogger(Logger):
         version: int | str | None = None,
         prefix: str = "",
         flush_logs_every_n_steps: int = 100,
+        merge_rows: bool = False,
     ) -> None:
         super().__init__(os.fspath(save_dir) if save_dir is not None else None)
         self._name = name or ""
@@ -139,6 +158,7 @@ class CSVLogger(Logger):
         self._fixed_version = version is not None
         self._prefix = prefix
         self._flush_logs_every_n_steps = flush_logs_every_n_steps
+        self._merge_rows = merge_rows
         self._experiment: MetricsFile | None = None
 
     @property
@@ -169,7 +189,9 @@ class CSVLogger(Logger):
     def experiment(self) -> MetricsFile:
         """The writer of this run's files (created, with its directory, at first use)."""
         if self._experiment is None:
-            self._experiment = MetricsFile(self.log_dir, resume=self._fixed_version)
+            self._experiment = MetricsFile(
+                self.log_dir, resume=self._fixed_version, merge_rows=self._merge_rows
+            )
         return self._experiment
 
     def _get_next_version(self) -> int:
@@ -202,9 +224,9 @@ class CSVLogger(Logger):
 
     @rank_zero_only
     def save(self) -> None:
-        self.experiment.save()  # as Lightning: the first save creates the log directory
+        self.experiment.save(final=False)  # as Lightning: the first save creates the log directory
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
         if self._experiment is not None:
-            self.save()
+            self.experiment.save()

@@ -13,6 +13,7 @@ Order matters and is chosen so that a bad run fails fast and in one place:
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import yaml
@@ -146,8 +147,10 @@ def build_strategy(config: PretrainConfig, export: ExportExtras | None = None) -
 
 def build_loggers(config: PretrainConfig, root: Path) -> list[Logger]:
     lg = config.logger
-    # name="" and version="": metrics.csv stays at <root>/metrics.csv and continues across resumes
-    loggers: list[Logger] = [CSVLogger(save_dir=root, name="", version="")] if lg.csv else []
+    # name="" and version="": metrics.csv stays at <root>/metrics.csv and continues across resumes;
+    # merge_rows: one row per logged step, whichever callbacks logged in it
+    csv_logger = CSVLogger(save_dir=root, name="", version="", merge_rows=True)
+    loggers: list[Logger] = [csv_logger] if lg.csv else []
     if lg.wandb:
         offline = lg.offline if lg.offline is not None else not has_wandb_credentials()
         loggers.append(
@@ -162,7 +165,12 @@ def build_trainer(config: PretrainConfig, strategy: Strategy, root: Path, *extra
     t, c = config.trainer, config.checkpoint
     loggers = build_loggers(config, root)
     # LearningRateMonitor needs a logger (as Lightning's, it raises without one)
-    callbacks = [*([LearningRateMonitor()] if loggers else []), ThroughputMonitor(), *extra]
+    callbacks = [
+        *([LearningRateMonitor()] if loggers else []),
+        ThroughputMonitor(),
+        FinishedRunNotice(),
+        *extra,
+    ]
     if t.stop_on_divergence:  # checked where the step reads values anyway (no sync per step)
         callbacks.append(DivergenceCheck())
     if c.every_n_steps is not None or c.save_last:
@@ -201,6 +209,26 @@ def build_trainer(config: PretrainConfig, strategy: Strategy, root: Path, *extra
     )
     trainer.preemption.save_on_interrupt = True  # the recipe's Ctrl-C: save, then stop (exit 130)
     return trainer
+
+
+class FinishedRunNotice(Callback):
+    """A resume of a run that already reached ``max_steps`` trains nothing (Lightning says so only
+    at info level): one line saying so and how to continue, so exit 0 is not a puzzle."""
+
+    def __init__(self) -> None:
+        self.trained = False
+
+    def on_train_start(self, trainer: NanoTrainer, pl_module: object) -> None:
+        self.trained = True
+
+    def on_fit_end(self, trainer: NanoTrainer, pl_module: object) -> None:
+        if trainer.is_global_zero and not self.trained and 0 < trainer.max_steps <= trainer.global_step:
+            print(
+                f"nanolight: the run in {trainer.default_root_dir} already reached trainer.max_steps="
+                f"{trainer.max_steps} (step {trainer.global_step}); nothing to train: raise trainer.max_steps "
+                "to continue it",
+                flush=True,
+            )
 
 
 def save_config(config: PretrainConfig, root: Path) -> None:
@@ -245,6 +273,8 @@ def _run(config: PretrainConfig, prediction: Prediction | None) -> NanoTrainer:
     )
     checks = [PredictionCheck(prediction)] if prediction is not None else []
     trainer = build_trainer(config, strategy, root, GreedySamples(dm.tokenizer), *checks)
+    if config.checkpoint.resume is not None:  # Lightning's warning is for a fresh run writing over old files
+        warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
     # resume="last" with no checkpoint yet starts fresh with a warning, as Lightning does
     trainer.fit(module, dm.train_loader, dm.val_loader, ckpt_path=config.checkpoint.resume)
     return trainer

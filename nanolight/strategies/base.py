@@ -264,22 +264,22 @@ class Strategy:
 
     def clip_gradients(self, max_norm: float | None, optimizer: Any = None) -> torch.Tensor:
         """Clip by the global L2 norm (``max_norm`` None: only measure); returns the pre-clip norm.
-        One process: over `optimizer`'s parameters (all of them when None), by the same
-        `global_norm` every parallel layout uses (torch's ``vector_norm`` is ~1e-4 low on CPU for
-        million-element gradients: one process's `grad_norm` would differ from every layout's);
-        a parallel strategy sums it over its ranks (`parallel/grads.py`). ``bf16-master``: the
-        fp32 gradients the masters step with."""
+        One process: torch's own over `optimizer`'s parameters (all of them when None); a parallel
+        strategy sums the norm over its ranks (`parallel/grads.py`). ``bf16-master``: the fp32
+        gradients the masters step with."""
         masters = self.master_optimizers(optimizer)
         if masters:
             grads = [g for opt in masters for g in opt.grad_pieces({id(p) for p in self._params(opt)})]
-        else:
-            grads = [p.grad for p in self._params(optimizer) if p.grad is not None]
-        if not grads:
+            norm = global_norm(grads).to(self.root_device)
+            if max_norm is not None:
+                clip_(grads, norm, max_norm)
+            return norm
+        params = [p for p in self._params(optimizer) if p.grad is not None]
+        if not params:
             return torch.zeros((), device=self.root_device)
-        norm = global_norm(grads).to(self.root_device)
-        if max_norm is not None:
-            clip_(grads, norm, max_norm)
-        return norm
+        if max_norm is None:
+            return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
 
     def clip_gradients_value(self, value: float, optimizer: Any = None) -> None:
         """Clamp every gradient element to [-value, value] (elementwise: no communication)."""

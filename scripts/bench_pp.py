@@ -11,7 +11,7 @@ per rank), their timed steps alternating so that machine noise hits all alike:
 
 Reported: each run's step time (max over ranks, median over the timed steps), the ratios, and
 nanolight's bubble, measured directly -- the time each rank spends blocked in receives divided by
-the step time, mean over ranks (the end-of-step wait for the last sends is shown apart) -- next to
+the step time, mean over ranks, plus the time spent completing batches for their sends (shown apart) -- next to
 the ideal (p-1)/(v*m+p-1); and what each rank's stage sent per step on each stream and the most
 activations it held for sends at once (`StageP2P.last_traffic`). PyTorch's bubble is estimated as 1 - (nanolight's busy time) / (its step
 time), the compute being identical. Gradients only (no optimizer step): the schedules are what
@@ -244,9 +244,10 @@ def main() -> None:
         key = "ours_1" if vv == 1 else "ours_v"
         busy = t[key] * (1 - statistics.mean(recv) - statistics.mean(drain))
         torch_key = "torch_1" if vv == 1 else "torch_v"
-        print(f"{name}: bubble ideal (p-1)/(v*m+p-1) {bubble_fraction(m, p, vv):.3f}; measured (receive wait / "
-              f"step, mean over ranks) {statistics.mean(recv):.3f}, per rank {[round(x, 3) for x in recv]}, "
-              f"end-of-step send wait {statistics.mean(drain):.3f}; torch estimated {1 - busy / t[torch_key]:.3f}")  # fmt: skip
+        print(f"{name}: bubble ideal (p-1)/(v*m+p-1) {bubble_fraction(m, p, vv):.3f}; measured (receive + send "
+              f"wait / step, mean over ranks) {statistics.mean(recv) + statistics.mean(drain):.3f}, receives per "
+              f"rank {[round(x, 3) for x in recv]}, sends (earlier batches completed, the step's end) "
+              f"{statistics.mean(drain):.3f}; torch estimated {1 - busy / t[torch_key]:.3f}")  # fmt: skip
     act = args.batch * args.seq * args.hidden * 4  # bytes of one fp32 activation
     for col, name in ((4, "1F1B"), (8, "interleaved")):
         sent = [f"{w[col] / 2**20:.2f}/{w[col + 1] / 2**20:.2f}" for w in waits]

@@ -122,10 +122,9 @@ def test_activations_follow_the_schedule() -> None:
         chunk = chunk_activation_bytes(work, lay, stage)[0]
         peak, sent = schedule_peaks(work, lay, stage)
         assert peak == ((p - stage) if stage < p - 1 else 1) * chunk  # 1F1B: stage s holds p - s
-        # sends held: the in-flight outputs sent on (kept for their backward), plus the gradients
-        # sent back whose batches the stage has not completed yet: one, at most, under 1F1B
-        outputs = (p - stage) * boundary if stage < p - 1 else 0
-        assert sent == outputs + ([0, 1, 1, 1][stage] * boundary)
+        # sent tensors alive at once: the in-flight outputs sent on (kept for their backward) and
+        # the gradients sent back whose batches the stage has not completed yet
+        assert sent == [4, 4, 3, 1][stage] * boundary
         afab = Layout(pp=p, pp_schedule="afab", accumulate_grad_batches=m)
         assert schedule_peaks(work, afab, stage)[0] == m * chunk  # AFAB: all m
     # recompute shrinks what each micro-batch keeps; ZeRO-1 shards the optimizer state

@@ -52,7 +52,7 @@ from functools import cache, lru_cache
 
 from nanolight.models.llama_config import LlamaConfig, stage_costs
 from nanolight.parallel.data_parallel import DEFAULT_BUCKET_BYTES
-from nanolight.parallel.pipeline.schedules import BACKWARD, FORWARD, held_sends, stage_program, stage_schedule
+from nanolight.parallel.pipeline.schedules import FORWARD, held_sends, stage_program, stage_schedule
 from nanolight.parallel.pipeline.split import balanced_layer_split
 from nanolight.planner.layout import PRECISION_BYTES, Layout
 
@@ -93,9 +93,10 @@ def _chunk_layers(layers: int, costs: tuple[float, float, float], p: int, v: int
 
 
 @lru_cache(maxsize=4096)
-def _held_gradients(name: str, m: int, p: int, stage: int, v: int) -> int:
-    """Sent gradients the stage holds at once, running its program (`schedules.held_sends`)."""
-    return held_sends(stage_program(name, m, p, stage, v), p, stage, v)[1]
+def _sent_alive(name: str, m: int, p: int, stage: int, v: int) -> int:
+    """Sent tensors (activations, gradients) alive at once, running the stage's program
+    (`schedules.held_sends`)."""
+    return held_sends(stage_program(name, m, p, stage, v), p, stage, v)[2] if m > 0 else 0
 
 
 @lru_cache(maxsize=4096)
@@ -206,23 +207,14 @@ def schedule_peaks(work: Workload, layout: Layout, stage: int) -> tuple[int, int
     _, _, _, r = PRECISION_BYTES[layout.precision]
     tokens = layout.micro_batch_size * work.seq_len // layout.cp
     boundary = r * (tokens // layout.tp if layout.sequence_parallel else tokens) * work.config.hidden_size
-    live = peak = outputs = sent = 0
-    sends_back = any(stage + c * p != 0 for c in range(v))  # some chunk's input came from a stage
+    live = peak = 0
     for kind, _, c in _schedule(layout.pp_schedule, m, p, stage, v):
-        g = stage + c * p
-        if kind == FORWARD:
-            live += chunks[c]
-            outputs += boundary if g != p * v - 1 else 0
-        elif kind == BACKWARD:
-            live -= chunks[c]
-            outputs -= boundary if g != p * v - 1 else 0
+        live += chunks[c] if kind == FORWARD else -chunks[c]
         peak = max(peak, live)
-        sent = max(sent, outputs)
-    # A sent activation is the chunk's output, which the stage keeps for that micro-batch's
-    # backward anyway: the forward stream holds the in-flight outputs, exactly. A sent gradient is
-    # held until its batch is complete, which the stage's program says exactly (`held_sends`).
-    sent += _held_gradients(layout.pp_schedule, m, p, stage, v) * boundary if sends_back and m > 0 else 0
-    return peak, sent
+    # A sent activation is the chunk's output, kept until that chunk's backward (and until its
+    # batch is complete); a sent gradient until its batch is complete: the stage's program says
+    # how many of them are alive at once, exactly (`held_sends`).
+    return peak, _sent_alive(layout.pp_schedule, m, p, stage, v) * boundary
 
 
 def rank_memory(work: Workload, layout: Layout, stage: int) -> dict[str, int]:

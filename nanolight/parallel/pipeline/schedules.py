@@ -285,36 +285,36 @@ def _program(lists: list[list[ChunkAction]], p: int, v: int, rank: int) -> list[
     return [step for _, _, step in sorted(timed, key=lambda x: (x[0], x[1]))]
 
 
-def held_sends(program: list[Step], pp_size: int, pp_rank: int, virtual: int = 1) -> tuple[int, int]:
-    """The most activations and gradients rank `pp_rank` holds for sends at once, running
-    `program`: a batch's sends are let go when the wait for a later receive completes it (every
-    earlier batch with it), or before the action after next (`p2p.StageP2P`), the rest at the
-    step's end."""
+def held_sends(program: list[Step], pp_size: int, pp_rank: int, virtual: int = 1) -> tuple[int, int, int]:
+    """Rank `pp_rank` running `program`: the most activations and the most gradients held for sends
+    at once, and the most sent tensors alive at once. A batch's sends are let go when the wait for a
+    later receive completes it (every earlier batch with it), or before the action after next
+    (`p2p.StageP2P`), the rest at the step's end; a sent activation is also the chunk's output,
+    which lives on until that chunk's backward."""
     last = pp_size * virtual - 1
-    posted: list[tuple[int, int]] = []  # per exchange: (activations, gradients) sent
+    posted: list[tuple[Message, ...]] = []  # per exchange: what it sent
     posted_at: dict[Message, int] = {}  # a receive -> its exchange
-    done, held, peak, before_last = 0, [0, 0], [0, 0], 0
-
-    def complete(count: int) -> None:
-        nonlocal done, held
-        while done < count:
-            held = [held[0] - posted[done][0], held[1] - posted[done][1]]
-            done += 1
-
+    done, before_last, peak = 0, 0, [0, 0, 0]
+    held: set[Message] = set()  # sends whose batch is not complete
+    kept: set[Message] = set()  # sent activations whose chunk has not run its backward
     for step in program:
         if isinstance(step, Exchange):
-            sent = (sum(k == FORWARD for k, _, _ in step.sends), sum(k == BACKWARD for k, _, _ in step.sends))
-            posted.append(sent)
-            held = [held[0] + sent[0], held[1] + sent[1]]
-            peak = [max(peak[0], held[0]), max(peak[1], held[1])]
+            posted.append(step.sends)
+            held.update(step.sends)
+            kept.update(m for m in step.sends if m[0] == FORWARD)
             posted_at.update((m, len(posted) - 1) for m in step.recvs)
-            continue
-        complete(before_last)
-        before_last = len(posted)
-        kind, i, c = step.action
-        g = c * pp_size + pp_rank
-        needs = (FORWARD, i, g) if kind == FORWARD and g > 0 else None
-        needs = (BACKWARD, i, g + 1) if kind == BACKWARD and g < last else needs
-        if needs is not None:
-            complete(posted_at[needs] + 1)
-    return peak[0], peak[1]
+        else:
+            kind, i, c = step.action
+            g = c * pp_size + pp_rank
+            needs = (FORWARD, i, g) if kind == FORWARD and g > 0 else None
+            needs = (BACKWARD, i, g + 1) if kind == BACKWARD and g < last else needs
+            upto = max(before_last, posted_at[needs] + 1 if needs is not None else 0)
+            before_last = len(posted)
+            while done < upto:
+                held.difference_update(posted[done])
+                done += 1
+            if kind == BACKWARD:
+                kept.discard((FORWARD, i, g + 1))  # its output: freed with its backward
+        counts = (sum(m[0] == FORWARD for m in held), sum(m[0] == BACKWARD for m in held), len(held | kept))
+        peak = [max(a, b) for a, b in zip(peak, counts, strict=True)]
+    return peak[0], peak[1], peak[2]

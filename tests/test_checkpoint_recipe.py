@@ -186,15 +186,12 @@ def test_damaged_shard_is_a_fast_error_naming_the_file(
     cmd = command(
         RECIPE, run_dir, cache_dir, *RUN, *layout, "checkpoint.every_n_steps=3", "checkpoint.resume=last"
     )
-    start = time.monotonic()
     try:  # a rank blocked in a collective would sit there for the 10-minute collective timeout
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env(), timeout=240)
     except subprocess.TimeoutExpired as err:
         raise AssertionError(f"resuming from a {damage} shard hung:\n{err.stderr}") from None
-    elapsed = time.monotonic() - start
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert victim.name in proc.stderr, proc.stderr[-3000:]
-    assert elapsed < 180, elapsed  # process start-up included (~15 s on 2 idle cores)
     assert not (run_dir / "metrics.csv").exists() or not losses(run_dir), (
         "it trained from a broken checkpoint"
     )

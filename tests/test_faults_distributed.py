@@ -266,3 +266,34 @@ def test_a_killed_rank_is_named_dead(tmp_path: Path, cache_dir: Path) -> None:
     assert f"rank 1 (pid {pids[1]}) was killed by SIGKILL" in err, err
     errors = [line for line in err.splitlines() if line.startswith("nanolight: error")]
     assert all(line.startswith(f"nanolight: error: rank 1 (pid {pids[1]}) died") for line in errors), err
+
+
+def _unwritable(rank: int, world: int, root: str) -> str:
+    # Rank 0 cannot write into the run directory (read-only to a user; the tests run as root,
+    # whom permissions do not stop, so rank 0's write fails as a read-only filesystem's would).
+    if rank == 0:
+        real = Path.write_text
+
+        def read_only(self: Path, *args: Any, **kwargs: Any) -> int:
+            if self.name.startswith(".nanolight-shared-"):
+                raise PermissionError(13, "Permission denied", str(self))
+            return real(self, *args, **kwargs)
+
+        Path.write_text = read_only  # type: ignore[method-assign]
+    trainer = NanoTrainer(
+        use_distributed_sampler=False, max_steps=1, strategy=Parallel3DStrategy(dp=world),
+        default_root_dir=str(Path(root) / "run"), logger=False, enable_progress_bar=False,
+    )  # fmt: skip
+    try:
+        trainer.fit(TinyLM(), train_dataloaders=token_loader(8))
+    except UsageError as err:
+        return str(err)
+    return "trained"
+
+
+def test_an_unwritable_run_directory_is_one_line_on_every_rank(tmp_path: Path) -> None:
+    """A read-only checkpoints/ once ended in tracebacks with c10d frames (rank 0 died writing the
+    shared-directory probe while its peers waited in a barrier)."""
+    errors = run_distributed(_unwritable, 2, str(tmp_path), timeout=120)
+    for err in errors:
+        assert "cannot write into" in err and "Permission denied" in err and "default_root_dir" in err, err

@@ -336,10 +336,19 @@ class Strategy:
             return
         path, token = Path(path), self.broadcast(uuid.uuid4().hex if self.is_global_zero else None)
         probe = path / f".nanolight-shared-{token[:12]}"
+        failed = None
         if self.is_global_zero:
-            path.mkdir(parents=True, exist_ok=True)
-            probe.write_text(token)
-        self.barrier()
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                probe.write_text(token)
+            except OSError as err:  # read-only, full, or not a directory: say so on every rank
+                failed = err.strerror or str(err)
+        failed = self.broadcast(failed)  # rank 0's answer, to every rank
+        if failed is not None:
+            raise UsageError(
+                f"cannot write into {path} ({failed}): make it writable, or choose another "
+                "trainer.default_root_dir"
+            )
         seen = probe.read_text() if probe.is_file() else None
         if self.any_rank(seen != token):
             if self.is_global_zero:

@@ -272,14 +272,16 @@ def _unwritable(rank: int, world: int, root: str) -> str:
     # Rank 0 cannot write into the run directory (read-only to a user; the tests run as root,
     # whom permissions do not stop, so rank 0's write fails as a read-only filesystem's would).
     if rank == 0:
-        real = Path.write_text
+        from nanolight.checkpoint import atomic
 
-        def read_only(self: Path, *args: Any, **kwargs: Any) -> int:
-            if self.name.startswith(".nanolight-shared-"):
-                raise PermissionError(13, "Permission denied", str(self))
-            return real(self, *args, **kwargs)
+        real = atomic.atomic_write_text
 
-        Path.write_text = read_only  # type: ignore[method-assign]
+        def read_only(path: Any, text: str) -> None:
+            if Path(path).name.startswith(".nanolight-shared-"):
+                raise PermissionError(13, "Permission denied", str(path))
+            real(path, text)
+
+        atomic.atomic_write_text = read_only
     trainer = NanoTrainer(
         use_distributed_sampler=False, max_steps=1, strategy=Parallel3DStrategy(dp=world),
         default_root_dir=str(Path(root) / "run"), logger=False, enable_progress_bar=False,

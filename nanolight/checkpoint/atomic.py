@@ -128,6 +128,16 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     fsync_path(path.parent)
 
 
+def try_write_text(path: str | Path, text: str) -> str | None:
+    """`atomic_write_text`, or the reason it could not write (read-only, full): for a probe whose
+    failure is an answer, to be agreed on by every rank."""
+    try:
+        atomic_write_text(path, text)
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
+
+
 def write_last_pointer(step_dir: str | Path) -> None:
     """Point ``<parent>/last`` at `step_dir` (its name, relative), atomically."""
     step_dir = Path(step_dir)

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nanolight.checkpoint.atomic import try_write_text
 from nanolight.checkpoint.load import load_model, load_optimizers, trainer_state
 from nanolight.checkpoint.reader import CheckpointReader
 from nanolight.checkpoint.save import ExportExtras, save_checkpoint
@@ -329,25 +330,16 @@ class Strategy:
         return bool(self.start_max(int(flag)).wait())
 
     def check_shared_directory(self, path: str | Path) -> None:
-        """Every rank must see the directory rank 0 writes into (checkpoints are written by all
-        ranks): checked at start-up, not hours later at the first save. Rank 0 writes a token
-        there, every rank reads it back, and the ranks agree on the answer (collective)."""
+        """Every rank must see the directory rank 0 writes into, checked at start-up, not at the first
+        save: rank 0 writes a token there, every rank reads it back, the ranks agree (collective)."""
         if self.world_size == 1:
             return
         path, token = Path(path), self.broadcast(uuid.uuid4().hex if self.is_global_zero else None)
         probe = path / f".nanolight-shared-{token[:12]}"
-        failed = None
-        if self.is_global_zero:
-            try:
-                path.mkdir(parents=True, exist_ok=True)
-                probe.write_text(token)
-            except OSError as err:  # read-only, full, or not a directory: say so on every rank
-                failed = err.strerror or str(err)
-        failed = self.broadcast(failed)  # rank 0's answer, to every rank
-        if failed is not None:
+        failed = self.broadcast(try_write_text(probe, token) if self.is_global_zero else None)
+        if failed is not None:  # rank 0 could not write there (read-only, full): every rank says so
             raise UsageError(
-                f"cannot write into {path} ({failed}): make it writable, or choose another "
-                "trainer.default_root_dir"
+                f"cannot write into {path} ({failed}): make it writable or choose another default_root_dir"
             )
         seen = probe.read_text() if probe.is_file() else None
         if self.any_rank(seen != token):

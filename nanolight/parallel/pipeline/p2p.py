@@ -155,7 +155,8 @@ class StageP2P:
 
     def _post(self, sends: list[Message], recvs: list[Message], held: list[tuple[int, torch.Tensor]]) -> None:
         send_works, recv_works = post(self.group, sends, recvs)  # one batch_isend_irecv
-        batch = _Batch(send_works + recv_works, [0, 0])
+        # NCCL coalesces a batch into one work (`post` repeats it per op): wait for each once
+        batch = _Batch(list({id(w): w for w in send_works + recv_works}.values()), [0, 0])
         for stream, t in held:
             nbytes = t.numel() * t.element_size()
             batch.held[stream] += nbytes

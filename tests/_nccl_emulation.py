@@ -124,19 +124,27 @@ def _msg(send: bool, group: Any, peer: int | None, group_peer: int | None, tenso
     return Msg(send, peer, tuple(tensor.shape), str(tensor.dtype))
 
 
+def _outermost(original: Callable, signature: inspect.Signature, args: tuple, kwargs: dict) -> tuple:
+    """Call `original`; (its result, its bound arguments, its group's `_group`), the last two None
+    when it is not to be recorded: called from inside another recorded call (recv is irecv +
+    wait, a batch calls isend / irecv: recorded once, by the outermost) or on a host group."""
+    _rec.depth += 1
+    try:
+        out = original(*args, **kwargs)
+    finally:
+        _rec.depth -= 1
+    a = signature.bind(*args, **kwargs).arguments
+    where = None if _rec.depth else _group(a.get("group"))
+    return out, a, where
+
+
 def _wrap_p2p(kind: str, original: Callable, blocking: bool) -> Callable:
     signature = inspect.signature(original)
     peer_name = "dst" if kind == "send" else "src"
 
     def recorded(*args: Any, **kwargs: Any) -> Any:
-        _rec.depth += 1
-        try:  # recv is irecv + wait, and a batch calls isend / irecv: recorded once, by the outermost
-            out = original(*args, **kwargs)
-        finally:
-            _rec.depth -= 1
-        a = signature.bind(*args, **kwargs).arguments
-        where = _group(a.get("group"))
-        if _rec.depth or where is None:
+        out, a, where = _outermost(original, signature, args, kwargs)
+        if where is None:
             return out
         peer = a.get(peer_name)
         if kind == "recv" and peer is None and a.get("group_src") is None and isinstance(out, int):
@@ -174,14 +182,8 @@ def _wrap_collective(name: str, original: Callable) -> Callable:
     signature = inspect.signature(original)
 
     def recorded(*args: Any, **kwargs: Any) -> Any:
-        _rec.depth += 1
-        try:
-            out = original(*args, **kwargs)
-        finally:
-            _rec.depth -= 1
-        a = signature.bind(*args, **kwargs).arguments
-        where = _group(a.get("group"))
-        if _rec.depth or where is None:
+        out, a, where = _outermost(original, signature, args, kwargs)
+        if where is None:
             return out
         tensor = next(
             (a[k] for k in ("tensor", "input_tensor", "input") if isinstance(a.get(k), torch.Tensor)), None

@@ -108,3 +108,12 @@ def differences(want: Any, got: Any, path: str = "", rel: float = 1e-4, abs_: fl
         ok = math.isclose(want, got, rel_tol=rel, abs_tol=abs_) or (math.isnan(want) and math.isnan(got))
         return [] if ok else [f"{path}: {got} != {want}"]
     return [] if want == got else [f"{path}: {got!r} != {want!r}"]
+
+
+def assert_section_matches(program: str, observed: dict[str, Any], section: str) -> None:
+    """One scenario of a multi-scenario program (`observed`: its run under nanolight) equals
+    Lightning's recording of it."""
+    want, got = fixture(program)[section], observed[section]
+    assert "error" not in got, f"{section} raised under nanolight: {got['error']}"
+    diffs = differences(want, got)
+    assert not diffs, f"{section}: {len(diffs)} differences from Lightning:\n" + "\n".join(diffs[:20])

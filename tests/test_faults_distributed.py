@@ -152,9 +152,14 @@ def _unshared(rank: int, world: int, root: str) -> str:
     node = Path(root) / f"node{rank}"
     node.mkdir()
     os.chdir(node)
+    return _one_step_or_error(world, "run")
+
+
+def _one_step_or_error(world: int, root: str) -> str:
+    """One dp step in `root`: the UsageError's line, or "trained"."""
     trainer = NanoTrainer(
         use_distributed_sampler=False,  # each rank is given its own data
-        max_steps=1, strategy=Parallel3DStrategy(dp=world), default_root_dir="run",
+        max_steps=1, strategy=Parallel3DStrategy(dp=world), default_root_dir=root,
         logger=False, enable_progress_bar=False,
     )  # fmt: skip
     try:
@@ -282,15 +287,7 @@ def _unwritable(rank: int, world: int, root: str) -> str:
             real(path, text)
 
         atomic.atomic_write_text = read_only
-    trainer = NanoTrainer(
-        use_distributed_sampler=False, max_steps=1, strategy=Parallel3DStrategy(dp=world),
-        default_root_dir=str(Path(root) / "run"), logger=False, enable_progress_bar=False,
-    )  # fmt: skip
-    try:
-        trainer.fit(TinyLM(), train_dataloaders=token_loader(8))
-    except UsageError as err:
-        return str(err)
-    return "trained"
+    return _one_step_or_error(world, str(Path(root) / "run"))
 
 
 def test_an_unwritable_run_directory_is_one_line_on_every_rank(tmp_path: Path) -> None:

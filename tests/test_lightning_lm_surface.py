@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lightning_compare import differences, fixture, run_ported
+from lightning_compare import assert_section_matches, differences, fixture, run_ported
 
 PROGRAM = "lm_surface"
 
@@ -21,10 +21,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _check(observed: dict[str, Any], section: str) -> None:
-    want, got = fixture(PROGRAM)[section], observed[section]
-    assert "error" not in got, f"{section} raised under nanolight: {got['error']}"
-    diffs = differences(want, got)
-    assert not diffs, f"{section}: {len(diffs)} differences from Lightning:\n" + "\n".join(diffs[:20])
+    assert_section_matches(PROGRAM, observed, section)
 
 
 def _check_csv(observed: dict[str, Any], section: str) -> None:

@@ -83,14 +83,12 @@ def torch_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def run_schedule(stage: PipelineStage, schedule: str, ids: torch.Tensor) -> torch.Tensor:
     """What the trainer does with the strategy's schedule, minus the hooks."""
     m, losses = len(ids), {}
-    for kind, i in stage.start_step(schedule, m):
+    for kind, i in stage.run_step(schedule, m):
         if kind == FORWARD:
-            with stage.micro_batch(i):
-                losses[i] = stage.model(ids[i], labels=ids[i])
+            losses[i] = stage.model(ids[i], labels=ids[i])
         else:
-            stage.backward(i, losses[i] / m)
+            stage.backward(losses[i] / m)
             losses[i] = losses[i].detach()
-    stage.finish()
     return torch.stack([losses[i] for i in range(m)]).mean()
 
 

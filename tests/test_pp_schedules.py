@@ -1,25 +1,28 @@
 """Pipeline schedules as data: every micro-batch (and chunk) forwarded then backwarded once, in
 order, with each schedule's in-flight bound; a simulation showing the per-stage lists fit
 together (no stage waits for something that is never sent) with the ideal bubble; both ends of
-every point-to-point stream list its tensors in the same order; and the trainer's projection
-hands the stage every input before the stage needs it."""
+every point-to-point stream list its tensors in the same order; and a stage's run hands the
+trainer each micro-batch's training_step and backward once, with the loss known by its backward."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from typing import Any
+
 import pytest
+import torch
 
 from nanolight.parallel.pipeline import (
     all_forward_all_backward,
     bubble_fraction,
-    build_schedule,
     check_micro_batches,
     interleaved_1f1b,
     max_in_flight,
     one_forward_one_backward,
     stage_schedule,
-    trainer_schedule,
 )
-from nanolight.parallel.pipeline.schedules import BACKWARD, FORWARD
+from nanolight.parallel.pipeline.runner import StepRun
+from nanolight.parallel.pipeline.schedules import BACKWARD, FORWARD, stage_program
 
 # (name, p, v, m): every schedule at a few layouts; interleaving needs m to be a multiple of p
 LAYOUTS = [(name, p, 1, m) for name in ("1f1b", "afab") for p, m in [(2, 2), (2, 8), (4, 4), (4, 9), (3, 7)]]
@@ -153,34 +156,62 @@ def test_both_ends_of_each_stream_list_its_tensors_in_the_same_order(
                 assert sent == received, (src, dst, kind)
 
 
+class _Chunks:
+    """Rank r's v chunks, each ``x * w`` (the last virtual stage sums: the loss)."""
+
+    def __init__(self, p: int, r: int, v: int) -> None:
+        self.virtual_stages, self.num_chunks = [c * p + r for c in range(v)], p * v
+        self.w = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, c: int, input_ids: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        out = kwargs.get("hidden_states", input_ids) * self.w
+        return out.sum() if self.virtual_stages[c] == self.num_chunks - 1 else out
+
+
+class _Neighbours:
+    """The other ranks, as far as one rank sees them: every receive is already there."""
+
+    posted = 0
+
+    def exchange(self, sends: list, recvs: list) -> None:
+        for recv in recvs:
+            recv.tensor = torch.ones(2, 3)
+
+    def wait(self, recv: Any) -> torch.Tensor:
+        return recv.tensor
+
+    def complete_first(self, count: int) -> None:
+        pass
+
+
 @pytest.mark.parametrize(("name", "p", "v", "m"), LAYOUTS)
-def test_the_trainers_walk_gives_the_stage_each_input_in_time(name: str, p: int, v: int, m: int) -> None:
-    """The trainer walks the projection: FORWARD i gives micro-batch i's model call, BACKWARD i its
-    loss. Running the stage list after each as far as those allow reaches its end, and the last
-    virtual stage runs before the trainer reads the loss (at BACKWARD i) -- inside FORWARD i
-    itself with one chunk per rank, so the model call returns the real loss."""
+def test_the_run_hands_the_trainer_each_micro_batch_once_and_the_loss_before_its_backward(
+    name: str, p: int, v: int, m: int
+) -> None:
+    """`StepRun.steps()` on each rank's program: every micro-batch's training_step and backward
+    are yielded once each, forward first; its model call runs its first chunk; on the last rank the
+    loss the trainer back-propagates holds the real value by then (the placeholder filled under
+    interleaving), and with one chunk per rank the call itself returns the real loss."""
     for r in range(p):
-        actions = stage_schedule(name, m, p, r, v)
-        walk = trainer_schedule(actions, v)
-        assert walk == build_schedule(name, m, p, r, v)
-        assert sorted(walk) == sorted((k, i) for k in (FORWARD, BACKWARD) for i in range(m))
-        called, seeded, pos, last_chunk_at = set(), set(), 0, {}
-        for step, (kind, i) in enumerate(walk):
-            (called if kind == FORWARD else seeded).add(i)
-            if kind == BACKWARD and r == p - 1:
-                assert i in last_chunk_at, f"micro-batch {i}: loss read before it is known"
-            while pos < len(actions):
-                k, j, c = actions[pos]
-                if j not in called or (k == BACKWARD and c == v - 1 and j not in seeded):
-                    break
-                if k == FORWARD and c == v - 1:
-                    last_chunk_at.setdefault(j, step)
-                pos += 1
-        assert pos == len(actions)
-        if v == 1 and r == p - 1:  # the real loss comes back from the model call
-            assert all(walk[last_chunk_at[i]] == (FORWARD, i) for i in range(m))
-    if v == 1:
-        assert walk == [(k, i) for k, i, _ in actions]
+        chunks = _Chunks(p, r, v)
+        program = stage_program(name, m, p, r, v)
+        run = StepRun(program, m, chunks, _Neighbours(), lambda last: None, nullcontext, check=True)
+        handed, losses = [], {}
+        for kind, i in run.steps():
+            handed.append((kind, i))
+            if kind == FORWARD:
+                losses[i] = run.call(torch.ones(2, 3), (), {})
+                continue
+            if r == p - 1:
+                # the last chunk's input is a received activation (ones): sum(ones(2, 3) * 2)
+                assert losses[i].item() == 12.0, f"micro-batch {i}: the loss is read before it is known"
+            run.backward(losses[i] / m)
+        assert sorted(handed) == sorted((k, i) for k in (FORWARD, BACKWARD) for i in range(m))
+        assert all(handed.index((FORWARD, i)) < handed.index((BACKWARD, i)) for i in range(m))
+        if v == 1:
+            assert handed == [(k, i) for k, i, _ in stage_schedule(name, m, p, r, v)]
+        if v == 1 and r == p - 1:  # the model call itself returned the real loss
+            assert all(type(loss.grad_fn).__name__ != "PlaceholderBackward" for loss in losses.values())
 
 
 def test_micro_batch_checks_say_how_to_fix() -> None:

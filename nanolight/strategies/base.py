@@ -16,13 +16,13 @@ Call order during ``NanoTrainer.fit`` (each a method below)::
     setup_optimizers(optimizers)        # wraps configure_optimizers' optimizers (ZeRO, ...)
     load_checkpoint(path, load_optimizer=False) -> trainer state     # only when resuming
     load_optimizer_checkpoint(path)                                  # only when resuming
-    per optimizer step (the trainer walks the schedule and fires the hooks itself):
+    per optimizer step (the trainer fires the hooks itself):
         precision.convert_input(batch)  # each micro-batch (then the module's transfer hooks)
         shard_batch(batch)              # then this rank's share of its sequences (cp)
         with token_mean(batches):       # the causal LM's loss: a share of the step's token mean
-        micro_batch_schedule(n)         # [(FORWARD, i) | (BACKWARD, i), ...] in this rank's order
-          FORWARD i:  with forward_context(i): training_step    # + zero_grad(opt) after i == 0
-          BACKWARD i: with backward_context(i, n): backward(loss_i / accumulate)
+        for kind, i in run_step(n):     # the schedule runs; it yields where the trainer's part is due
+          FORWARD i:  with autocast(): training_step    # + zero_grad(opt) after i == 0
+          BACKWARD i: backward(loss_i / accumulate)
         finish_backward()               # gradients final: partial sums completed, dp reduced
         reduce(step_loss)               # the step's mean loss, the same on every rank
         clip_gradients(max_norm)        # -> pre-clip global norm (or clip_gradients_value)
@@ -70,7 +70,6 @@ class Strategy:
         self.module: nn.Module | None = None  # the NanoModule being trained
         self.optimizers: list[torch.optim.Optimizer] = []
         self.layout: ModelLayout | None = None  # where each tensor lives (set by setup_module)
-        self._micro_batch = (0, 1)  # (i, n) of the backward running now (`backward_context`)
 
     # ---- topology ------------------------------------------------------------------------
     @property
@@ -230,30 +229,19 @@ class Strategy:
             for model in models:
                 model.loss_divisor = None  # outside a training step: the plain mean again
 
-    def micro_batch_schedule(self, n: int) -> Sequence[Action]:
-        """The order of this rank's forwards and backwards for a step of `n` micro-batches."""
-        return one_by_one(n)
-
-    def forward_context(self, i: int) -> AbstractContextManager:
-        """Around the user's training_step for micro-batch `i` (bf16-mixed autocast)."""
-        return self.autocast()
+    def run_step(self, n: int) -> Iterator[Action]:
+        """Runs one optimizer step's schedule over `n` micro-batches, stopping where the trainer's
+        part is due: (FORWARD, i) -- training_step for micro-batch i; (BACKWARD, i) -- back-propagate
+        its loss / n. One process: each micro-batch's forward, then its backward."""
+        yield from one_by_one(n)
 
     def autocast(self) -> AbstractContextManager:
-        """Context for forward passes (bf16-mixed autocast); validation_step runs in it too."""
+        """Around every forward (training_step, validation_step, ...): bf16-mixed autocast."""
         return self.precision.autocast(self.root_device)
 
-    @contextmanager
-    def backward_context(self, i: int, n: int) -> Iterator[None]:
-        """Around the module's ``backward`` hook: it back-propagates micro-batch `i` of `n`."""
-        previous, self._micro_batch = self._micro_batch, (i, n)
-        try:
-            yield
-        finally:
-            self._micro_batch = previous
-
     def backward(self, loss: torch.Tensor) -> None:
-        """Back-propagate `loss` (already scaled for accumulation); `backward_context` says which
-        micro-batch it is (outside one, e.g. manual optimization: a whole step's one)."""
+        """Back-propagate `loss` (already scaled for accumulation): the micro-batch `run_step` has
+        due (outside a step, e.g. manual optimization: a whole step's one)."""
         loss.backward()
 
     def finish_backward(self) -> None:

@@ -13,11 +13,10 @@ says *how*.
    ring attention over the cp group (`parallel/ring_attention.py`).
 3. `setup_optimizers`: `GradientSync` (`parallel/grads.py`) -- the replica (dp x cp) reduction in
    buckets or ZeRO-1 around the optimizer, the partial-gradient sums, the global norm and clipping.
-4. Each step the trainer walks `micro_batch_schedule` (pp: the projection of the stage's list);
-   `shard_batch` gives each cp rank its zigzag chunks of every sequence (every cp rank of a dp
-   replica reads the same samples); `forward_context` / `backward` hand the stage a model call / a
-   loss; it runs its chunks where the list puts them. `reduce` takes a metric from the last stage
-   and averages it over dp x cp.
+4. Each step `run_step` runs the schedule (pp: the stage's program, `parallel/pipeline/`) and
+   stops where the trainer's training_step or backward is due; `shard_batch` gives each cp rank
+   its zigzag chunks of every sequence (every cp rank of a dp replica reads the same samples).
+   `reduce` takes a metric from the last stage and averages it over dp x cp.
 5. Checkpoints are per-rank shards plus one index, written and resharded by `checkpoint/`.
 Collectives run under `parallel/health.py`'s watch: a silent peer is named.
 """
@@ -28,7 +27,7 @@ import atexit
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 from pathlib import Path
@@ -51,7 +50,7 @@ from nanolight.parallel.health import Heartbeat, watch, watched
 from nanolight.parallel.launcher import detect_environment, ensure_processes, init_distributed
 from nanolight.parallel.layout import one_process_order
 from nanolight.parallel.pipeline import PipelineStage
-from nanolight.parallel.pipeline.schedules import Action, check_micro_batches
+from nanolight.parallel.pipeline.schedules import BACKWARD, Action, check_micro_batches
 from nanolight.parallel.ring_attention import RingAttention, zigzag_shard, zigzag_unshard
 from nanolight.parallel.shard import (
     broadcast_replicas,
@@ -310,36 +309,38 @@ class Parallel3DStrategy(Strategy):
         return self.optimizers
 
     # ---- one optimizer step --------------------------------------------------------------
-    def micro_batch_schedule(self, n: int) -> Sequence[Action]:
+    def run_step(self, n: int) -> Iterator[Action]:
         if self.stage is None:
-            return super().micro_batch_schedule(n)
+            for kind, i in super().run_step(n):
+                if kind == BACKWARD:  # the dp reduction runs in the step's last backward only
+                    self.grads.require_sync(i == n - 1)
+                yield kind, i
+            return
         check_micro_batches(self._ctx.pp_size, self.config.pp_schedule, n)
-        # the stage runs the chunk-level list (the dp reduction in each chunk's last backward)
-        return self.stage.start_step(self.config.pp_schedule, n, self.grads.require_sync)
+        # the stage runs its program (the dp reduction in each chunk's last backward)
+        steps = self.stage.run_step(self.config.pp_schedule, n, self.grads.require_sync)
+        while True:
+            with watch("the pipeline's chunks and exchanges between the trainer's calls", self.heartbeat):
+                action = next(steps, None)
+            if action is None:
+                return
+            yield action
 
-    def forward_context(self, i: int) -> AbstractContextManager:
+    def autocast(self) -> AbstractContextManager:
         stack = ExitStack()
-        stack.enter_context(
-            watch(f"the forward of micro-batch {i} (tp collectives, pipeline exchanges)", self.heartbeat)
-        )
-        if self.stage is not None:
-            stack.enter_context(self.stage.micro_batch(i))  # which micro-batch the model call belongs to
-        stack.enter_context(self.autocast())
+        stack.enter_context(watch("a forward (tp collectives, pipeline exchanges)", self.heartbeat))
+        stack.enter_context(super().autocast())
         return stack
 
     @watched("a backward (the pipeline's gradient exchange, or the dp reduction)")
     def backward(self, loss: torch.Tensor) -> None:
-        i, n = self._micro_batch
         if self.stage is not None:
-            self.stage.backward(i, loss)  # the stage's chunk backwards (receive, backward, send) run on
+            self.stage.backward(loss)  # the due micro-batch's chunk backward (receive, backward, send)
         else:
-            self.grads.require_sync(i == n - 1)  # the dp reduction runs in the last backward only
             loss.backward()
 
     @watched("the gradient synchronisation over tp / pp / dp")
     def finish_backward(self) -> None:
-        if self.stage is not None:
-            self.stage.finish()  # every activation/gradient this stage sent has been received
         self.grads.finish()
 
     def zero_grad(self, optimizer: Any) -> None:

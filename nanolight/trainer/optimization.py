@@ -68,12 +68,11 @@ class Optimization:
             NanoOptimizer(opt, self.optimizer_step, strategy.zero_grad) for opt in trainer.optimizers
         ]
 
-    def backward(self, loss: torch.Tensor, micro_batch: int = 0, n: int = 1) -> None:
+    def backward(self, loss: torch.Tensor) -> None:
         """on_before_backward -> the module's ``backward`` (through the strategy) -> on_after_backward."""
         hooks = self.trainer.hooks
         hooks.call("on_before_backward", loss)
-        with self.trainer.strategy.backward_context(micro_batch, n):
-            hooks.module("backward", loss)
+        hooks.module("backward", loss)
         hooks.call("on_after_backward")
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any] | None) -> Any:

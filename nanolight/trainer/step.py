@@ -1,11 +1,11 @@
-"""One optimizer step: under automatic optimization the strategy's micro-batch schedule, walked by
-the trainer, with Lightning's hooks in Lightning's order; under manual optimization one batch.
+"""One optimizer step: under automatic optimization the strategy runs the step's schedule and the
+trainer does its part where the schedule says, with Lightning's hooks in Lightning's order; under
+manual optimization one batch.
 
-The strategy says in which order this rank runs the forwards and backwards of the step's `n`
-micro-batches (one after the other, or 1F1B / all-forward-all-backward under pipeline
-parallelism). The last micro-batch's forward is where Lightning enters ``optimizer_step``: its
-closure runs the rest of the schedule, so a module that overrides ``optimizer_step`` still wraps
-the whole update::
+`strategy.run_step(n)` runs this rank's forwards and backwards of the step's `n` micro-batches
+(one after the other, or a pipeline schedule) and yields where the trainer's part is due. The last
+micro-batch's forward is where Lightning enters ``optimizer_step``: its closure runs the rest of
+the schedule, so a module that overrides ``optimizer_step`` still wraps the whole update::
 
     FORWARD i < n-1: batch transfer -> on_train_batch_start -> training_step
                      -> (i == 0: on_before_zero_grad, optimizer_zero_grad)
@@ -33,7 +33,7 @@ zeroes, clips nor steps anything itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -97,23 +97,19 @@ class AutomaticStep:
         self.losses: dict[int, torch.Tensor | None] = {}
         self.outputs: dict[int, dict[str, Any]] = {}
         self.batches: dict[int, Any] = {}
-        actions = list(strategy.micro_batch_schedule(n))
-        last_forward = actions.index((FORWARD, n - 1))
         with strategy.token_mean(batches):  # the causal LM's loss: the exact token mean of the step
-            if not self._walk(actions, batches, first, last_forward):
+            if not self._walk(strategy.run_step(n), batches, first):
                 return False
         count_consumed(trainer.progress, batches, strategy.data_parallel_size)
         trainer.optimization.after_optimizer_step(last_of_epoch)
         trainer.hooks.call("on_train_batch_end", self.outputs.pop(n - 1), self.batches[n - 1], first + n - 1)
         return True
 
-    def _walk(
-        self, actions: list[tuple[str, int]], batches: list[Any], first: int, last_forward: int
-    ) -> bool:
+    def _walk(self, actions: Iterator[tuple[str, int]], batches: list[Any], first: int) -> bool:
         """The schedule up to and including the optimizer step; False if the epoch was ended."""
         trainer = self.trainer
         hooks, n, epoch = trainer.hooks, len(batches), trainer.current_epoch
-        for pos, (kind, i) in enumerate(actions):
+        for kind, i in actions:
             if kind != FORWARD:
                 self._backward(i, n, first)
                 continue
@@ -124,10 +120,10 @@ class AutomaticStep:
                     "on_train_batch_start returned -1 under pipeline parallelism: stop with trainer.should_stop",
                 )
                 return False
-            if pos < last_forward:
+            if i < n - 1:
                 self._forward(i, first)
                 continue
-            closure = _Closure(lambda rest=actions[pos + 1 :]: self._finish(rest, n, first))
+            closure = _Closure(lambda: self._finish(actions, n, first))
             opt = trainer.nano_optimizers[0]
             hooks.module("optimizer_step", epoch, first + i, opt, closure)
             if not closure.ran:
@@ -139,7 +135,7 @@ class AutomaticStep:
 
     def _forward(self, i: int, first: int) -> None:
         trainer = self.trainer
-        with trainer.strategy.forward_context(i):
+        with trainer.strategy.autocast():
             output = trainer.hooks.step("training_step", self.batches[i], first + i)
         loss = extract_loss(output)
         if loss is None:
@@ -158,14 +154,14 @@ class AutomaticStep:
         trainer = self.trainer
         loss = self.losses[i]
         if loss is not None:
-            trainer.optimization.backward(loss / trainer.config.accumulate_grad_batches, i, n)
+            trainer.optimization.backward(loss / trainer.config.accumulate_grad_batches)
             self.losses[i] = loss.detach()
         if i < n - 1:
             trainer.metrics.batch = self.batches[i]
             trainer.hooks.call("on_train_batch_end", self.outputs.pop(i), self.batches[i], first + i)
             trainer.metrics.publish_step(sync=False)
 
-    def _finish(self, rest: list[tuple[str, int]], n: int, first: int) -> torch.Tensor:
+    def _finish(self, rest: Iterator[tuple[str, int]], n: int, first: int) -> torch.Tensor:
         """The closure: the last training_step, the remaining schedule, final gradients, the
         step's loss (`trainer.step_loss`), on_before_optimizer_step and clipping."""
         trainer = self.trainer

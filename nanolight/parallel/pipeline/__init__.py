@@ -8,14 +8,12 @@ from nanolight.parallel.pipeline.schedules import (
     FORWARD,
     all_forward_all_backward,
     bubble_fraction,
-    build_schedule,
     check_micro_batches,
     interleaved_1f1b,
     max_in_flight,
     one_by_one,
     one_forward_one_backward,
     stage_schedule,
-    trainer_schedule,
 )
 from nanolight.parallel.pipeline.split import (
     PipelineSplit,
@@ -39,7 +37,6 @@ __all__ = [
     "apply_split",
     "balanced_layer_split",
     "bubble_fraction",
-    "build_schedule",
     "check_micro_batches",
     "check_pipeline_layout",
     "interleaved_1f1b",
@@ -48,5 +45,4 @@ __all__ = [
     "one_forward_one_backward",
     "plan_split",
     "stage_schedule",
-    "trainer_schedule",
 ]

@@ -1,32 +1,36 @@
-"""`StepRun`: one optimizer step of a pipeline stage -- its program, run as far as the trainer's
-inputs allow.
+"""`StepRun`: one optimizer step of a pipeline stage -- its program, run top to bottom.
 
 The program (`schedules.stage_program`) is the stage's chunk forwards and backwards with the
-plan's exchanges between them. Two kinds of action wait for the trainer: micro-batch i's first
-chunk forward needs the arguments of its model call (`call`), its first chunk backward the loss
-the trainer back-propagates (`backward`). After each input `advance` runs the program up to the
-next action still waiting (or to its end):
+plan's exchanges between them. `steps()` runs it in order and stops at the two kinds of action
+that are the trainer's part, yielding them:
 
     exchange        post one batch: the outputs computed for it, the receives of later actions
     chunk forward   wait for the activation (not on virtual stage 0) -> the chunk -> its output
                     kept for the next exchange (on the last virtual stage: the loss, or logits)
+                    -- a rank's FIRST chunk of micro-batch i yields (FORWARD, i): the trainer runs
+                    training_step(i), whose model call (`call`) runs the chunk
     chunk backward  wait for d loss / d output (not on the last virtual stage) -> autograd ->
                     d loss / d input kept for the next exchange (not on virtual stage 0)
+                    -- a rank's first chunk BACKWARD of micro-batch i yields (BACKWARD, i): the
+                    trainer back-propagates loss_i / n, which runs the chunk (`backward`)
 
-A receive is posted when its sender computes it (the plan's time) and waited for when its action
-runs, so transfers overlap compute. Its shape must be known when it is posted, often before its
-micro-batch's model call on this rank: the step's activations take the shape of micro-batch 0's
-(its call comes before any exchange on every rank), and a later micro-batch of another shape is
-an error.
+So the trainer calls training_step and the backward hooks once per micro-batch, in the order the
+schedule reaches them, and everything else the stage does on its own. A receive is posted when
+its sender computes it (the plan's time) and waited for when its action runs, so transfers
+overlap compute. Its shape must be known when it is posted: the step's activations take the shape
+of micro-batch 0's input (the exchanges before its model call are posted inside that call), and
+a later micro-batch of another shape is an error.
 
-The loss. The model call returns the real loss when the last virtual stage ran inside it
-(always with one chunk per rank); otherwise a *placeholder* -- a zero scalar whose backward
-leaves d(trainer's loss)/d(loss) (= 1/n) in a slot -- and the stage back-propagates the real loss
-with that gradient. On a rank without the last virtual stage the placeholder stays zero (the true
-loss reaches the metrics through `Strategy.reduce`, from the last stage). On the last rank under
-interleaving the micro-batch reaches the last chunk only after later micro-batches' model calls,
-so the placeholder takes the loss's value in place when it does: before the trainer divides it
-by n, back-propagates it, reduces the step loss or reduces what `self.log` kept of it.
+The loss. The model call returns the real loss when the last virtual stage ran inside it (always
+with one chunk per rank); otherwise a *placeholder* -- a zero scalar whose backward leaves
+d(trainer's loss)/d(loss) (= 1/n) in a slot -- and the stage back-propagates the real loss with
+that gradient. The placeholder is the price of training_step staying the user's: only the call
+gives a chunk its arguments, so the call must come at the rank's first chunk, and a rank without
+the last virtual stage has no loss to return. There it stays zero (the true loss reaches the
+metrics through `Strategy.reduce`, from the last stage). On the last rank under interleaving the
+micro-batch reaches the last chunk only after later micro-batches' calls, so the placeholder takes
+the loss's value in place when it does: before the trainer divides it by n, back-propagates it,
+reduces the step loss or reduces what `self.log` kept of it.
 """
 
 from __future__ import annotations
@@ -41,7 +45,16 @@ from torch import nn
 
 from nanolight.errors import UsageError
 from nanolight.parallel.pipeline.p2p import Recv, StageP2P
-from nanolight.parallel.pipeline.schedules import BACKWARD, FORWARD, Exchange, Message, Run, Step
+from nanolight.parallel.pipeline.schedules import (
+    BACKWARD,
+    FORWARD,
+    Action,
+    ChunkAction,
+    Exchange,
+    Message,
+    Run,
+    Step,
+)
 from nanolight.parallel.pipeline.split import PipelineSplit, StageLayers
 
 # ---- one chunk of a stage through the model's own forward ------------------------------------
@@ -170,28 +183,69 @@ class StepRun:
     ) -> None:
         self.program, self.n, self.chunks, self.p2p = program, n, chunks, p2p
         self.before_backward, self.compute_context, self.check = before_backward, compute_context, check
-        self.pos = 0  # the next step of the program
+        self.due: ChunkAction | None = None  # yielded to the trainer, run by its `call` / `backward`
+        self.running = False  # between the first step and the end of `steps()`
         self.max_in_flight = 0  # most chunk activations alive at once
         self.key: Hashable | None = None  # the step's input shape (micro-batch 0's): its activations'
         self._micro: dict[int, _Micro] = {}
         self._saved: dict[tuple[int, int], tuple[torch.Tensor | None, Any]] = {}  # (input, output)
         self._outbox: dict[Message, torch.Tensor | None] = {}  # computed, for the next exchange
         self._inbox: dict[Message, Recv] = {}  # posted receives
-        self._before_last = p2p.posted  # batches posted before the previous action
+        self._unposted: list[Exchange] = []  # before micro-batch 0's call: the shapes are not known
         actions = [step.action for step in program if isinstance(step, Run)]
         last = {(kind, c): k for k, (kind, _, c) in enumerate(actions)}
         self._last_backward = {actions[k] for (kind, _), k in last.items() if kind == BACKWARD}
         self._first_backward_chunk = len(chunks.virtual_stages) - 1
 
-    # ---- the trainer's inputs -----------------------------------------------------------------
-    def called(self, i: int) -> bool:
-        return i in self._micro
+    def steps(self) -> Iterator[Action]:
+        """Run the program; yield (FORWARD | BACKWARD, i) where the trainer's part is due."""
+        self.running, before_last = True, self.p2p.posted
+        try:
+            for step in self.program:
+                if isinstance(step, Exchange):
+                    self._unposted.append(step)
+                    if self.key is not None:
+                        self._post_unposted()
+                    continue
+                kind, i, c = step.action
+                posted = self.p2p.posted
+                self.p2p.complete_first(before_last)  # sends two actions old: let them go
+                before_last = posted
+                if kind == BACKWARD:
+                    self.before_backward(step.action in self._last_backward)
+                if (kind, c) in ((FORWARD, 0), (BACKWARD, self._first_backward_chunk)):
+                    self.due = step.action  # micro-batch i's first chunk here: the trainer's turn
+                    yield kind, i
+                    self._check_done(kind, i)
+                elif kind == FORWARD:
+                    self._chunk_forward(i, c)
+                else:
+                    self._chunk_backward(i, c)
+        finally:
+            self.running = False
 
-    def call(self, i: int, input_ids: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
-        """Micro-batch i's model call: run on; the real loss if it is known now, else a placeholder."""
+    # ---- the trainer's part -------------------------------------------------------------------
+    def call(self, input_ids: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The due micro-batch's model call: the real loss if the last virtual stage ran inside it,
+        else a placeholder."""
+        micro = self.start(input_ids, args, kwargs)
+        if micro.loss is not None:
+            return micro.loss
+        micro.placeholder = Placeholder.make(input_ids.device, micro.slot)
+        return micro.placeholder
+
+    def start(self, input_ids: torch.Tensor, args: tuple, kwargs: dict) -> _Micro:
+        """The due micro-batch's model-call arguments: its first chunk forward runs."""
+        if self.due is None or self.due[0] != FORWARD:
+            raise RuntimeError(
+                "the pipelined model was called where the schedule has no forward due: under pipeline "
+                "parallelism training_step must call self.model(...) exactly once per micro-batch"
+            )
+        _, i, c = self.due
         key = tuple(input_ids.shape)
         if self.key is None:
             self.key = key
+            self._post_unposted()
         elif key != self.key:
             raise UsageError(
                 f"under pipeline parallelism every micro-batch of an optimizer step must have the shape of "
@@ -199,46 +253,39 @@ class StepRun:
                 f"first's {self.key}; drop the last incomplete batch (drop_last=True) or pad it"
             )
         micro = _Micro((input_ids, args, kwargs), torch.is_grad_enabled())
-        self._micro[i] = micro
-        self.advance()
-        if micro.loss is not None:  # the last virtual stage ran inside this call
-            return micro.loss
-        micro.placeholder = Placeholder.make(input_ids.device, micro.slot)
-        return micro.placeholder
+        self._micro[i], self.due = micro, None
+        self._chunk_forward(i, c)
+        return micro
 
-    def backward(self, i: int, loss: torch.Tensor) -> None:
-        """The trainer back-propagates `loss` (micro-batch i's loss / n): run on."""
-        self._micro[i].seed = loss
-        self.advance()
+    def backward(self, loss: torch.Tensor) -> None:
+        """The trainer back-propagates `loss` (the due micro-batch's loss / n): its first chunk backward."""
+        if self.due is None or self.due[0] != BACKWARD:
+            raise RuntimeError(
+                "a backward under pipeline parallelism outside the schedule's backward of a micro-batch"
+            )
+        _, i, c = self.due
+        self._micro[i].seed, self.due = loss, None
+        self._chunk_backward(i, c)
 
-    def advance(self) -> None:
-        """Run the program until an action needs an input the trainer has not given yet."""
-        while self.pos < len(self.program):
-            step = self.program[self.pos]
-            if isinstance(step, Exchange):
-                if self.key is None:  # the shapes are known from micro-batch 0's model call on
-                    return
-                self._exchange(step)
-            else:
-                kind, i, c = step.action
-                micro = self._micro.get(i)
-                if micro is None:  # its first chunk forward waits for training_step(i)'s model call
-                    return
-                if kind == BACKWARD and c == self._first_backward_chunk and micro.seed is None:
-                    return  # its first chunk backward waits for the trainer's backward(i)
-                posted = self.p2p.posted
-                self.p2p.complete_first(self._before_last)  # sends two actions old: let them go
-                self._before_last = posted
-                if kind == FORWARD:
-                    self._chunk_forward(i, c)
-                else:
-                    self.before_backward(step.action in self._last_backward)
-                    self._chunk_backward(i, c)
-            self.pos += 1
+    def _check_done(self, kind: str, i: int) -> None:
+        if self.due is None:
+            return
+        if kind == FORWARD:
+            raise RuntimeError(
+                f"micro-batch {i} never went through the pipelined model; under pipeline parallelism "
+                "training_step must call self.model(input_ids, labels=...) once"
+            )
+        raise RuntimeError(f"micro-batch {i}'s loss was not back-propagated by the trainer")
 
     # ---- the program's steps -------------------------------------------------------------------
+    def _post_unposted(self) -> None:
+        """Post the plan's batches not yet posted, in order: for each, what was computed for it and
+        the receives of later actions."""
+        for step in self._unposted:
+            self._exchange(step)
+        self._unposted.clear()
+
     def _exchange(self, step: Exchange) -> None:
-        """Post the plan's batch: what was computed for it, and the receives of later actions."""
         sends = [(kind, (self.key, b), self._outbox.pop((kind, i, b))) for kind, i, b in step.sends]
         recvs = [Recv(kind, (self.key, b)) for kind, _, b in step.recvs]
         self._inbox.update(zip(step.recvs, recvs, strict=True))
@@ -298,17 +345,6 @@ class StepRun:
                 f"under interleaved pipeline parallelism training_step must return the loss self.model(...) "
                 f"returned, unchanged (micro-batch {i}): its value is known only once the micro-batch reaches "
                 "the last virtual stage, after training_step has returned; log it and return it as it is"
-            )
-
-    def finish(self) -> None:
-        """End of the step: nothing may be left to run."""
-        self.advance()
-        if self.pos < len(self.program):
-            left = [step.action for step in self.program[self.pos :] if isinstance(step, Run)]
-            kind, i, c = left[0] if left else (FORWARD, 0, 0)
-            raise RuntimeError(
-                f"the pipeline step ended with chunk {c}'s {'forward' if kind == FORWARD else 'backward'} of "
-                f"micro-batch {i} still to run: the trainer did not hand the stage every micro-batch"
             )
 
 

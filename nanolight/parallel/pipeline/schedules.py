@@ -1,19 +1,15 @@
 """Pipeline schedules: the order in which one stage runs forwards (F) and backwards (B).
 
 A schedule is plain data, built per stage, so it can be printed, tested and reasoned about
-without processes. It comes at two levels:
-
-    stage level    (F | B, micro-batch i, local chunk c)   what the stage (`stage.py`) runs
-    trainer level  (F | B, micro-batch i)                  what the trainer walks
-
-Without virtual stages every rank holds one chunk (c = 0) and the two levels are the same list.
-With interleaved 1F1B a rank holds v chunks, the stage list holds v forwards and v backwards
-per micro-batch, and the trainer's list is its projection (`trainer_schedule`): micro-batch
-i's FORWARD stands where its first chunk forward does (that is where the stage needs the
-arguments the user's ``training_step`` passes to the model), its BACKWARD where its first
-chunk backward does (where the stage needs the loss to back-propagate). The point-to-point
-exchanges make the stages wait for each other, so the per-stage lists together form the
-pipeline. Without pipeline parallelism the schedule is `one_by_one`: plain gradient accumulation.
+without processes: a list of (F | B, micro-batch i, local chunk c). Without virtual stages every
+rank holds one chunk (c = 0); with interleaved 1F1B a rank holds v chunks and the list holds v
+forwards and v backwards per micro-batch. `stage_program` adds the exchanges between the
+actions; the stage runs that program (`runner.py`) and hands the trainer micro-batch i's
+training_step at its first chunk forward (where the stage needs the arguments the user's
+``training_step`` passes to the model) and its backward at its first chunk backward (where the
+stage needs the loss to back-propagate). The exchanges make the stages wait for each other, so
+the per-stage lists together form the pipeline. Without pipeline parallelism the schedule is
+`one_by_one`: plain gradient accumulation.
 
 With p stages and m micro-batches AFAB and 1F1B leave the same idle "bubble" of
 (p-1)/(m+p-1) of the step; they differ in memory. All-forward-all-backward (GPipe) keeps the
@@ -32,8 +28,8 @@ from dataclasses import dataclass
 from nanolight.errors import UsageError
 
 FORWARD, BACKWARD = "F", "B"
-Action = tuple[str, int]  # trainer level: (kind, micro-batch)
-ChunkAction = tuple[str, int, int]  # stage level: (kind, micro-batch, local chunk)
+Action = tuple[str, int]  # (kind, micro-batch): a one-chunk schedule; what the trainer is handed
+ChunkAction = tuple[str, int, int]  # (kind, micro-batch, local chunk)
 SCHEDULES = ("1f1b", "afab", "interleaved_1f1b")
 
 
@@ -143,26 +139,9 @@ def stage_schedule(
     return [(kind, i, 0) for kind, i in actions]
 
 
-def trainer_schedule(actions: list[ChunkAction], virtual: int = 1) -> list[Action]:
-    """What the trainer walks: micro-batch i's FORWARD where its first chunk forward (chunk 0)
-    is, its BACKWARD where its first chunk backward (chunk v-1) is (see the module docstring)."""
-    return [
-        (kind, i)
-        for kind, i, c in actions
-        if (kind == FORWARD and c == 0) or (kind == BACKWARD and c == virtual - 1)
-    ]
-
-
-def build_schedule(
-    name: str, num_micro_batches: int, pp_size: int, pp_rank: int, virtual: int = 1
-) -> list[Action]:
-    """Stage `pp_rank`'s trainer-level actions for one step."""
-    return trainer_schedule(stage_schedule(name, num_micro_batches, pp_size, pp_rank, virtual), virtual)
-
-
 def max_in_flight(schedule: list[Action] | list[ChunkAction]) -> int:
-    """Most forwards not yet backwarded at once (activations kept alive): micro-batches for a
-    trainer-level list, chunk activations (each 1/v of the rank's layers) for a stage-level one."""
+    """Most forwards not yet backwarded at once (activations kept alive): micro-batches, or chunk
+    activations (each 1/v of the rank's layers) for a list with chunks."""
     live = peak = 0
     for kind, *_ in schedule:
         live += 1 if kind == FORWARD else -1

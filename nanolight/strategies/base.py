@@ -16,18 +16,9 @@ Call order during ``NanoTrainer.fit`` (each a method below)::
     setup_optimizers(optimizers)        # wraps configure_optimizers' optimizers (ZeRO, ...)
     load_checkpoint(path, load_optimizer=False) -> trainer state     # only when resuming
     load_optimizer_checkpoint(path)                                  # only when resuming
-    per optimizer step (the trainer fires the hooks itself):
-        precision.convert_input(batch)  # each micro-batch (then the module's transfer hooks)
-        shard_batch(batch)              # then this rank's share of its sequences (cp)
-        with token_mean(batches):       # the causal LM's loss: a share of the step's token mean
-        for kind, i in run_step(n):     # the schedule runs; it yields where the trainer's part is due
-          FORWARD i:  with autocast(): training_step    # + zero_grad(opt) after i == 0
-          BACKWARD i: backward(loss_i / accumulate)
-        finish_backward()               # gradients final: partial sums completed, dp reduced
-        reduce(step_loss)               # the step's mean loss, the same on every rank
-        clip_gradients(max_norm)        # -> pre-clip global norm (or clip_gradients_value)
-        optimizer_step(optimizer)
-        start_max(signal) / .wait()     # preemption: started each step, read at the next one
+    per optimizer step (the order: ARCHITECTURE.md, "How one optimizer step flows"):
+        shard_batch, token_mean, run_step, autocast, backward, finish_backward, reduce,
+        clip_gradients, optimizer_step, zero_grad, start_max
     save_checkpoint(path, state)        # ModelCheckpoint -> trainer.save_checkpoint (all ranks)
     broadcast / barrier                 # whenever ranks must agree; watch(what) around any stage
     teardown()

@@ -1,26 +1,13 @@
-"""One optimizer step: under automatic optimization the strategy runs the step's schedule and the
-trainer does its part where the schedule says, with Lightning's hooks in Lightning's order; under
-manual optimization one batch.
+"""One optimizer step, the trainer's part: under automatic optimization the strategy runs the
+step's schedule (`Strategy.run_step`) and the trainer calls training_step and the backward hooks
+where it yields; under manual optimization one batch. The order, told once, is ARCHITECTURE.md's
+"How one optimizer step flows".
 
-`strategy.run_step(n)` runs this rank's forwards and backwards of the step's `n` micro-batches
-(one after the other, or a pipeline schedule) and yields where the trainer's part is due. The last
-micro-batch's forward is where Lightning enters ``optimizer_step``: its closure runs the rest of
-the schedule, so a module that overrides ``optimizer_step`` still wraps the whole update::
-
-    FORWARD i < n-1: batch transfer -> on_train_batch_start -> training_step
-                     -> (i == 0: on_before_zero_grad, optimizer_zero_grad)
-    FORWARD n-1:     batch transfer -> on_train_batch_start -> optimizer_step(closure):
-                       closure: training_step -> the remaining schedule -> gradients final
-                       -> on_before_optimizer_step -> configure_gradient_clipping
-                     -> optimizer.step -> LR schedulers (interval "step")
-    BACKWARD i:      on_before_backward -> backward(loss_i / accumulate) -> on_after_backward
-                     -> on_train_batch_end (i < n-1; the last one after the update)
-
-The loss arithmetic is Lightning's (loss_i / accumulate, the step's loss the mean of its
-micro-batches' over dp); inside ``strategy.token_mean`` the causal LM divides each micro-batch's
-token sum by the step's count so that this arithmetic yields the exact token mean
-(`parallel/loss_tokens.py`).
-
+Why the closure: the last micro-batch's forward is where Lightning enters ``optimizer_step``, and
+its closure runs the rest of the schedule, so a module that overrides ``optimizer_step`` still
+wraps the whole update. The loss arithmetic is Lightning's (loss_i / accumulate; the step's loss
+the mean of its micro-batches' over dp); inside ``strategy.token_mean`` the causal LM divides each
+micro-batch's token sum by the step's count so that this arithmetic yields the exact token mean.
 ``batch_idx`` counts batches (micro-batches) within the epoch; ``global_step`` optimizer steps.
 A ``training_step`` that returns None skips that backward (the step still happens).
 

@@ -7,21 +7,9 @@ returns its last hidden state when it has no head). The stage wraps that forward
 (module names, hooks and ``state_dict`` keys are untouched); a rank holds one chunk of layers, or
 v of them under interleaving (`runner.py` `StageChunks`).
 
-How a step runs. The strategy hands the trainer `run_step(schedule, n)`: this rank's program
-(`schedules.stage_program`: its chunk forwards and backwards and the exchanges between them) run
-top to bottom by `runner.StepRun`, which stops where the trainer's part is due -- (FORWARD, i):
-training_step for micro-batch i, whose model call runs the rank's first chunk of it; (BACKWARD, i):
-the trainer back-propagates its loss / n, which runs its first chunk backward. With one chunk per
-rank that is all the stage runs; with v chunks the stage runs the other chunks itself, where the
-interleaved schedule puts them. So the user's training_step and Lightning's hooks run once per
-micro-batch, in the schedule's order.
-
-What the model call returns: the real loss on the rank holding the last virtual stage when that
-chunk ran inside the call (always with one chunk per rank), else a placeholder that the loss and
-`self.log` pass through; under interleaving the last rank's placeholder takes the loss's value
-before anything reads it (see `runner.py`). training_step must therefore return (and may log)
-the model's loss unchanged there: arithmetic on it inside training_step would see the zero. The
-first step checks that and says so.
+In a step (`run_step`) the stage runs its program (`runner.StepRun`) and hands the trainer its
+part; the model call inside training_step runs the micro-batch's first chunk and returns the loss
+or, where this rank cannot have it yet, a placeholder (`runner.py` says when and why).
 
 Outside a schedule (validation, inference) each call is a plain forward through the pipeline:
 every chunk in turn -- receive, compute, send -- returning the last virtual stage's output (a

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _dist import run_distributed
 from _nccl_emulation import assert_nccl_safe, install, recording
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanolight.models.attention import Documents
 from nanolight.parallel.ring_attention import (
@@ -56,15 +57,38 @@ def _reference(x: dict) -> tuple[torch.Tensor, ...]:
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _worker(rank: int, world: int, x: dict) -> dict:
+class KernelCalls(TorchDispatchMode):
+    """The block kernels' calls: (where in the NCCL recording, forward or backward, k's heads)."""
+
+    KERNELS = {"_scaled_dot_product_flash_attention_for_cpu": "forward"}
+    KERNELS["_scaled_dot_product_flash_attention_for_cpu_backward"] = "backward"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        name = func.overloadpacket.__name__
+        if name in self.KERNELS:
+            k = args[2] if self.KERNELS[name] == "backward" else args[1]
+            self.calls.append((len(recording()), self.KERNELS[name], k.shape[1]))
+        return func(*args, **(kwargs or {}))
+
+
+def _worker(rank: int, world: int, x: dict, autocast: bool = False) -> dict:
     install()
     group = dist.new_group(list(range(world)))
     ring = RingAttention(group, list(range(world)))
     q, k, v = (zigzag_shard(x[n], rank, world, dim=2).requires_grad_() for n in "qkv")
     documents = None if x["ids"] is None else ring.prepare(Documents(zigzag_shard(x["ids"], rank, world)))
-    out = ring.attend(q, k, v, documents)
-    out.backward(zigzag_shard(x["grad"], rank, world, dim=2))
-    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "ops": recording()}
+    with KernelCalls() as kernels, torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        out = ring.attend(q, k, v, documents)
+    with kernels:
+        out.backward(zigzag_shard(x["grad"], rank, world, dim=2))
+    return {
+        "out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "ops": recording(),
+        "kernels": kernels.calls,
+    }  # fmt: skip
 
 
 def _whole(shards: list[torch.Tensor]) -> torch.Tensor:
@@ -89,6 +113,8 @@ def test_ring_attention_equals_whole_sequence_attention(name: str) -> None:
     for key, want in zip(("out", "dq", "dk", "dv"), ref, strict=True):
         torch.testing.assert_close(_whole([r[key] for r in got]), want, rtol=1e-5, atol=1e-5, msg=key)
     assert_nccl_safe([r["ops"] for r in got])
+    # grouped-query K/V reach the kernel as they are: no copy per query head
+    assert {heads for r in got for _, _, heads in r["kernels"]} == {kv_heads}
 
 
 def test_zigzag_positions_balance_the_causal_triangle() -> None:
@@ -113,6 +139,28 @@ def test_ring_attention_in_bf16_matches_fp32_attention_to_bf16_precision() -> No
         whole = _whole([r[key] for r in got])
         assert whole.dtype == torch.bfloat16, key
         torch.testing.assert_close(whole.float(), want, rtol=2e-2, atol=2e-2, msg=key)
+    for r in got:  # the dK/dV rotations (fp32; K/V travel in bf16) overlap the next step's kernels
+        ops = r["ops"]
+        rotations = [op.seq for op in ops if op.kind == "batch" and op.msgs[0].dtype == "torch.float32"]
+        waited = {op.target: op.seq for op in ops if op.kind == "wait"}
+        backward = [at for at, kind, _ in r["kernels"] if kind == "backward"]
+        assert len(rotations) == 2, ops
+        # the first is waited for only after the next step's block kernels ran; the last, whose
+        # sum is the result, has nothing left to overlap
+        assert any(rotations[0] < at <= waited[rotations[0]] for at in backward), (ops, backward)
+
+
+def test_ring_attention_under_autocast_computes_as_without_it() -> None:
+    """bf16-mixed: autocast is on around the forward (not around the backward, which autograd
+    runs later). The ring's kernels compute in the dtype of the q, k, v they get, both ways: under
+    autocast the forward gives what it gives without, and the backward agrees with it. float64
+    inputs take the math kernel, whose matmuls autocast would run in bf16."""
+    x = _inputs(4, 2, True, torch.float64)
+    plain = run_distributed(_worker, 2, x, timeout=300, pg_timeout=120)
+    mixed = run_distributed(_worker, 2, x, True, timeout=300, pg_timeout=120)
+    for key in ("out", "dq", "dk", "dv"):
+        for a, b in zip(plain, mixed, strict=True):
+            torch.testing.assert_close(b[key], a[key], rtol=0, atol=0, msg=key)
 
 
 # ---- the block kernels -------------------------------------------------------------------------
@@ -120,7 +168,8 @@ def test_ring_attention_in_bf16_matches_fp32_attention_to_bf16_precision() -> No
 
 def _block_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(1)
-    q, k, v, do = (torch.randn(2, 4, 16, 8, generator=g).to(dtype) for _ in range(4))
+    q, do = (torch.randn(2, 4, 16, 8, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(2, 2, 16, 8, generator=g).to(dtype) for _ in range(2))  # grouped-query
     ids_q = torch.tensor([[0] * 4 + [1] * 12, [2] * 16])
     ids_k = torch.tensor([[1] * 10 + [3] * 6, [0] * 16])  # row 1 sees no key at all: its lse is -inf
     return q, k, v, do, (ids_q[:, :, None] == ids_k[:, None, :])[:, None]

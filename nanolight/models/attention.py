@@ -17,13 +17,6 @@ flash_attention_2; on a GPU with SDPA, FlexAttention with a block mask built fro
 starts (O(T) memory: no T x T mask, fully masked tiles skipped); else (CPU, eager) a dense
 block-diagonal causal mask, the reference the others are tested against.
 
-Causal attention on CPU (SDPA) runs PyTorch's CPU flash kernel on chunks of `CPU_CAUSAL_CHUNK`
-queries, each over the keys up to its last query (`causal_cpu`), where one call wastes work: the
-kernel tiles keys by 512 and skips only whole tiles past the diagonal, and visits every key when
-given a mask, so up to 512 tokens a causal call, and at any length a documents' masked call, costs
-what full (non-causal) attention does. The chunks skip the masked half, and a documents' mask is
-read a chunk's rows at a time.
-
 flash-attn takes only fp16/bf16 and one dtype for q, k and v: the model hands it q, k, v in the
 projections' dtype (RoPE keeps its input's dtype), and under fp32 (`32-true`) the kernel runs in
 bf16 and its result is cast back (with a one-time warning): flash-attn has no fp32 kernel.
@@ -34,7 +27,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import warnings
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -206,163 +199,6 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Document
     return fn(q, k, v, block_mask=documents.block_mask(), enable_gqa=q.size(1) != k.size(1))
 
 
-# query rows per call of the CPU flash kernel in `causal_cpu`. fwd+bwd, B=4, one thread, torch
-# 2.13, AMD EPYC, as a share of one causal call: 5 heads / 1 kv head at T=256: 0.77 (chunks of
-# 32: 0.78, 128: 0.90); 6 / 2 at 256: 0.77; 3 / 3 at 256: 0.89; 5 / 1 at 512: 0.64. With a
-# documents' mask (two threads), 9 heads / 3 kv at T=1024: 0.61 of one masked call, 512: 0.64
-CPU_CAUSAL_CHUNK = 64
-# keys per tile of the CPU kernel: a causal call skips the tiles wholly past its queries and
-# nothing within one, so only up to one tile is all of it wasted. Longer, chunks measured 0.88-1.03
-# of one call at T=1024 and 1.15-1.27 at 2048-4096 (B=1-4, 4-9 heads): causal attention chunks
-# only up to here
-CPU_FLASH_KEY_TILE = 512
-CPU_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what PyTorch's CPU flash kernel takes
-
-
-def cpu_flash(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    bias: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch's CPU flash-attention kernel, the one SDPA runs on CPU, called directly for what
-    SDPA does not return: (B, H, L, D) output and (B, H, L) log-sum-exp. Keys and values may have
-    fewer heads (grouped-query attention, mapped by the kernel); `causal` is top-left aligned (query
-    i sees keys j <= i); `bias` is additive, (L, S) or broadcastable to (B, H, L, S)."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, attn_mask=bias, scale=scale
-    )
-
-
-def cpu_flash_backward(
-    grad: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    causal: bool,
-    bias: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`cpu_flash`'s gradients (dq, dk, dv) from the forward's output and log-sum-exp. The kernel
-    reads `grad` and `out` through their strides (its own output is (B, L, H, D) in memory):
-    a chunk of rows or a transposed view needs no copy."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad,
-        q,
-        k,
-        v,
-        out,
-        lse.contiguous(),
-        0.0,
-        causal,
-        attn_mask=bias,
-        scale=scale,
-    )
-
-
-def additive_mask(sees: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool mask (True: the key is seen) as the additive bias the fused kernels take: 0 where
-    seen, -inf where not."""
-    return torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill_(~sees, float("-inf"))
-
-
-def _chunk_bias(
-    start: int, stop: int, like: torch.Tensor, allowed: torch.Tensor | None
-) -> torch.Tensor | None:
-    """Additive mask of queries [start, stop) over keys [0, stop): query i sees key j <= i, or
-    what `allowed` ((B, 1, T, T) bool, causal already) says. None for the first chunk without
-    documents, whose top-left causal call is already right."""
-    if allowed is not None:
-        sees = allowed[:, :, start:stop, :stop]
-    elif start == 0:
-        return None
-    else:
-        sees = torch.ones(stop - start, stop, dtype=torch.bool, device=like.device).tril(start)
-    return additive_mask(sees, like.dtype)
-
-
-class _ChunkedCausal(torch.autograd.Function):
-    """`causal_cpu`: one CPU flash call per chunk of queries, over the keys up to the chunk's last
-    query (with documents, their mask's rows and columns for that chunk). Each chunk's output is
-    written into one (B, T, H, D) buffer, the layout the kernel itself returns (heads then merge
-    without a copy), which is also what backward reads: the same tensors held as one SDPA call's.
-    Key and value gradients are summed over chunks in fp32."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, chunk: int
-    ) -> torch.Tensor:
-        B, H, T, D = q.shape
-        y = q.new_empty(B, T, H, D).transpose(1, 2)  # (B, H, T, D), tokens before heads in memory
-        lses = []
-        for start in range(0, T, chunk):
-            stop = min(start + chunk, T)
-            bias = _chunk_bias(start, stop, q, allowed)
-            out, lse = cpu_flash(q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], bias is None, bias)
-            y[:, :, start:stop] = out
-            lses.append(lse)
-        ctx.save_for_backward(q, k, v, allowed, y, *lses)
-        ctx.chunk = chunk
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
-        q, k, v, allowed, y, *lses = ctx.saved_tensors
-        dq = torch.empty_like(q)
-        dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (k, v))  # summed over chunks in fp32
-        for start, lse in zip(range(0, q.shape[2], ctx.chunk), lses, strict=True):
-            stop = min(start + ctx.chunk, q.shape[2])
-            bias = _chunk_bias(start, stop, q, allowed)
-            rows, keys = slice(start, stop), slice(0, stop)
-            gq, gk, gv = cpu_flash_backward(
-                grad[:, :, rows],
-                q[:, :, rows],
-                k[:, :, keys],
-                v[:, :, keys],
-                y[:, :, rows],
-                lse,
-                bias is None,
-                bias,
-            )
-            dq[:, :, rows] = gq
-            dk[:, :, keys] += gk
-            dv[:, :, keys] += gv
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
-
-
-def causal_cpu(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    allowed: torch.Tensor | None = None,
-    chunk: int = CPU_CAUSAL_CHUNK,
-) -> torch.Tensor:
-    """Causal attention on CPU in chunks of `chunk` queries (module doc): (B, H, T, D) queries,
-    (B, kv_heads, T, D) keys and values -> (B, H, T, D), SDPA's result; `allowed` (B, 1, T, T)
-    bool: packed documents' mask (`Documents.mask`), None for plain causal attention."""
-    if q.shape[2] <= chunk:
-        gqa = q.size(1) != k.size(1)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, is_causal=allowed is None, enable_gqa=gqa
-        )
-    return _ChunkedCausal.apply(q, k, v, allowed, chunk)
-
-
-def _chunked_causal_applies(q: torch.Tensor, implementation: str, documents: Documents | None) -> bool:
-    """SDPA on CPU, eager, where one call wastes work: with a documents' mask (a masked call visits
-    every key), or causal within one key tile (longer, the kernel's own tiles skip most of it)."""
-    cpu_sdpa = implementation == "sdpa" and q.device.type == "cpu" and q.dtype in CPU_FLASH_DTYPES
-    if not cpu_sdpa or torch.compiler.is_compiling():  # inductor lowers SDPA itself
-        return False
-    if documents is not None:
-        return documents.kernel == "dense"
-    return q.shape[2] <= CPU_FLASH_KEY_TILE
-
-
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, implementation: str, documents: Documents | None = None
 ) -> torch.Tensor:
@@ -373,8 +209,6 @@ def attend(
     if documents is not None and documents.kernel == "flex":
         return _flex(q, k, v, documents)
     mask = documents.mask() if documents is not None else None
-    if _chunked_causal_applies(q, implementation, documents):
-        return causal_cpu(q, k, v, mask)
     r = q.size(1) // k.size(1)
     if implementation == "sdpa" and _SDPA_HAS_GQA:
         # sdpa maps query head h to kv head h // r itself, without materialising copies of k, v.

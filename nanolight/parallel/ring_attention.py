@@ -29,13 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanolight.models.attention import (
-    CPU_FLASH_DTYPES,
-    Documents,
-    additive_mask,
-    cpu_flash,
-    cpu_flash_backward,
-)
+from nanolight.models.attention import Documents
 from nanolight.parallel.p2p import post
 
 
@@ -158,6 +152,8 @@ class RingAttention:
 
 
 # --- block kernels: one (query chunk, key chunk) block -> its output and log-sum-exp ------------
+# Each takes grouped-query K/V as they are (kv_heads of them): the kernel maps query head h to kv
+# head h // (heads / kv_heads), so no block copies K or V per query head.
 
 
 def _visible(causal: bool, same: torch.Tensor | None, c: int, device: torch.device) -> torch.Tensor | None:
@@ -170,8 +166,8 @@ def _visible(causal: bool, same: torch.Tensor | None, c: int, device: torch.devi
 
 @dataclass
 class Block:
-    """One (query chunk, key chunk) block: (B, H, c, D) q, k, v (kv heads already expanded),
-    whether it is the causal diagonal, the documents' mask (None: one document) and the scale."""
+    """One (query chunk, key chunk) block: (B, H, c, D) q, (B, kv_heads, c, D) k and v, whether it
+    is the causal diagonal, the documents' mask (None: one document) and the scale."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -180,61 +176,90 @@ class Block:
     same: torch.Tensor | None
     scale: float
 
+    def grouped_q(self) -> torch.Tensor:
+        """q as (B, kv_heads, groups * c, D): the query heads of one kv head stacked along the rows,
+        so one matmul per kv head serves them all (the same product as a per-head K copy)."""
+        B, H, c, D = self.q.shape
+        return self.q.reshape(B, self.k.shape[1], H // self.k.shape[1] * c, D)
+
+    def grouped_mask(self) -> torch.Tensor | None:
+        """`_visible` for grouped scores viewed as (B, kv_heads, groups, c, c)."""
+        mask = _visible(self.causal, self.same, self.q.shape[2], self.q.device)
+        return None if mask is None else mask[:, :, None]
+
 
 class MathKernel:
     """Exact attention with the scores written out in fp32: any device, dtype and mask. The
     reference the fused kernels are tested against, and the fallback where none applies."""
 
     def forward(self, b: Block) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v, causal, same, scale = b.q, b.k, b.v, b.causal, b.same, b.scale
         """fp32 (B, H, c, D) output and (B, H, c) log-sum-exp; -inf for a row that sees no key."""
-        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-        mask = _visible(causal, same, q.shape[2], q.device)
+        B, H, c, D = b.q.shape
+        s = torch.matmul(b.grouped_q().float(), b.k.float().transpose(-1, -2)) * b.scale  # (B, kv, g*c, c)
+        mask = b.grouped_mask()
         if mask is not None:
-            s = s.masked_fill(~mask, float("-inf"))
+            s = s.unflatten(2, (-1, c)).masked_fill(~mask, float("-inf")).flatten(2, 3)
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-        return torch.matmul(p, v.float()), lse
+        return torch.matmul(p, b.v.float()).view(B, H, c, D), lse.view(B, H, c)
 
     def backward(
         self, b: Block, do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v, causal, same, scale = b.q, b.k, b.v, b.causal, b.same, b.scale
-        """fp32 dq, dk, dv of one block, given the merged output and log-sum-exp of the whole row."""
-        qf, kf, vf, do = q.float(), k.float(), v.float(), do.float()
-        p = torch.exp(torch.matmul(qf, kf.transpose(-1, -2)) * scale - lse[..., None])
-        mask = _visible(causal, same, q.shape[2], q.device)
+        """fp32 dq (q's heads), dk, dv (kv heads) of one block, given the merged output and
+        log-sum-exp of the whole row."""
+        B, H, c, D = b.q.shape
+        rows = b.k.shape[1], H // b.k.shape[1] * c  # grouped: (kv_heads, groups * c)
+        qf, kf, vf = b.grouped_q().float(), b.k.float(), b.v.float()
+        do = do.float().reshape(B, *rows, D)
+        p = torch.exp(torch.matmul(qf, kf.transpose(-1, -2)) * b.scale - lse.reshape(B, *rows, 1))
+        mask = b.grouped_mask()
         if mask is not None:
-            p = p.masked_fill(~mask, 0.0)
-        delta = (do * out.float()).sum(-1, keepdim=True)  # rowsum(dO * O): softmax's backward correction
+            p = p.unflatten(2, (-1, c)).masked_fill(~mask, 0.0).flatten(2, 3)
+        # rowsum(dO * O): softmax's backward correction
+        delta = (do * out.float().reshape(B, *rows, D)).sum(-1, keepdim=True)
         ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - delta)
         return (
-            torch.matmul(ds, kf) * scale,
-            torch.matmul(ds.transpose(-1, -2), qf) * scale,
+            (torch.matmul(ds, kf) * b.scale).view(B, H, c, D),
+            torch.matmul(ds.transpose(-1, -2), qf) * b.scale,
             torch.matmul(p.transpose(-1, -2), do),
         )
 
 
+CPU_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what PyTorch's CPU flash kernel takes
+
+
+def additive_mask(sees: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True: the key is seen) as the additive bias the CPU kernel takes: 0 where
+    seen, -inf where not."""
+    return torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill_(~sees, float("-inf"))
+
+
 class CpuFlashKernel:
-    """PyTorch's CPU flash-attention kernel (what SDPA runs on CPU), which returns the
-    log-sum-exp and takes it back in its backward: no (c x c) scores held. A row that sees no
-    key comes back with output 0 and log-sum-exp 0; it is set to -inf so the merge ignores it."""
+    """PyTorch's CPU flash-attention kernel (what SDPA runs on CPU), called directly for what SDPA
+    does not return: the log-sum-exp, which its backward takes back. No (c x c) scores held; a
+    documents' mask is an additive (B, 1, c, c) bias (the kernel takes no document boundaries).
+    A row that sees no key comes back with output 0 and log-sum-exp 0; it is set to -inf so the
+    merge ignores it."""
 
     def forward(self, b: Block) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v, causal, same, scale = b.q, b.k, b.v, b.causal, b.same, b.scale
-        bias = None if same is None else additive_mask(same, q.dtype)
-        out, lse = cpu_flash(q, k, v, causal, bias, scale)
-        if same is not None:
-            sees = _visible(causal, same, q.shape[2], q.device).any(-1)  # (B, 1, c)
+        bias = None if b.same is None else additive_mask(b.same, b.q.dtype)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            b.q, b.k, b.v, 0.0, b.causal, attn_mask=bias, scale=b.scale
+        )
+        if b.same is not None:
+            sees = _visible(b.causal, b.same, b.q.shape[2], b.q.device).any(-1)  # (B, 1, c)
             lse = lse.masked_fill(~sees, float("-inf"))
         return out.float(), lse
 
     def backward(
         self, b: Block, do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v, causal, same, scale = b.q, b.k, b.v, b.causal, b.same, b.scale
-        bias = None if same is None else additive_mask(same, q.dtype)
-        dq, dk, dv = cpu_flash_backward(do.to(q.dtype), q, k, v, out.to(q.dtype), lse, causal, bias, scale)
+        bias = None if b.same is None else additive_mask(b.same, b.q.dtype)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do.to(b.q.dtype), b.q, b.k, b.v, out.to(b.q.dtype), lse.contiguous(), 0.0, b.causal,
+            attn_mask=bias, scale=b.scale,
+        )  # fmt: skip
         return dq.float(), dk.float(), dv.float()
 
 
@@ -260,26 +285,12 @@ class CudaFlashKernel:
     def backward(
         self, b: Block, do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v, causal, scale = b.q, b.k, b.v, b.causal, b.scale
         cum_q, cum_k, rng_state, unused = self._rest
-        c = q.shape[2]
+        c = b.q.shape[2]
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            do.to(q.dtype).contiguous(),
-            q,
-            k,
-            v,
-            out.to(q.dtype).contiguous(),
-            lse.contiguous(),
-            cum_q,
-            cum_k,
-            c,
-            c,
-            0.0,
-            causal,
-            rng_state,
-            unused,
-            scale=scale,
-        )
+            do.to(b.q.dtype).contiguous(), b.q, b.k, b.v, out.to(b.q.dtype).contiguous(),
+            lse.contiguous(), cum_q, cum_k, c, c, 0.0, b.causal, rng_state, unused, scale=b.scale,
+        )  # fmt: skip
         return dq.float(), dk.float(), dv.float()
 
 
@@ -300,20 +311,11 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     lse.copy_(new)
 
 
-def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
-    """(B, kv_heads, c, D) -> (B, heads, c, D): query head h reads kv head h // groups."""
-    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
-
-
-def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
-    """The inverse of `_expand` for gradients: sum the query heads that share a kv head."""
-    if groups == 1:
-        return grad
-    B, H, c, D = grad.shape
-    return grad.view(B, H // groups, groups, c, D).sum(2)
-
-
 class _RingAttention(torch.autograd.Function):
+    """Forward and backward run with autocast off: the kernels compute in q, k, v's own dtype
+    (what the projections produced) both ways, with fp32 statistics -- under autocast a forward
+    matmul would run in bf16 while its backward, outside autocast, ran in fp32."""
+
     @staticmethod
     def forward(
         ctx: Any,
@@ -326,48 +328,52 @@ class _RingAttention(torch.autograd.Function):
         B, H, T, D = q.shape
         if T % 2:
             raise ValueError(f"ring attention holds two equal chunks per rank; got {T} local tokens")
-        groups, scale = H // k.shape[1], 1.0 / math.sqrt(D)
+        scale = 1.0 / math.sqrt(D)
         out = torch.zeros(B, H, T, D, dtype=torch.float32, device=q.device)
         lse = torch.full((B, H, T), float("-inf"), dtype=torch.float32, device=q.device)
         kernels = []  # one per block, in order: the backward meets the blocks in the same order
-        for step, kv in ring.around(torch.stack([k, v]).contiguous()):
-            for qs, _, block in _blocks(ring, step, kv, q, groups, ring_ids, scale):
-                kernel = block_kernel(q, block.same is not None)
-                block_out, block_lse = kernel.forward(block)
-                _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
-                kernels.append(kernel)
-        ctx.ring, ctx.ring_ids, ctx.scale, ctx.groups, ctx.kernels = ring, ring_ids, scale, groups, kernels
+        with torch.autocast(q.device.type, enabled=False):
+            for step, kv in ring.around(torch.stack([k, v]).contiguous()):
+                for qs, _, block in _blocks(ring, step, kv, q, ring_ids, scale):
+                    kernel = block_kernel(q, block.same is not None)
+                    block_out, block_lse = kernel.forward(block)
+                    _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
+                    kernels.append(kernel)
+        ctx.ring, ctx.ring_ids, ctx.scale, ctx.kernels = ring, ring_ids, scale, kernels
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        ring, groups = ctx.ring, ctx.groups
-        kernels = iter(ctx.kernels)
+        ring, kernels = ctx.ring, iter(ctx.kernels)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        # the gradients of the K/V block a rank holds travel with it (fp32: summed over the ring)
-        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
-        for step, kv in ring.around(torch.stack([k, v]).contiguous()):
-            dk = torch.zeros(
-                q.shape, dtype=torch.float32, device=q.device
-            )  # expanded kv: q's heads and length
-            dv = torch.zeros_like(dk)
-            for qs, ks, block in _blocks(ring, step, kv, q, groups, ctx.ring_ids, ctx.scale):
-                block_dq, block_dk, block_dv = next(kernels).backward(
-                    block, grad_out[:, :, qs], out[:, :, qs], lse[:, :, qs]
-                )
-                dq[:, :, qs] += block_dq
-                dk[:, :, ks] += block_dk
-                dv[:, :, ks] += block_dv
-            dkv[0] += _fold(dk, groups)
-            dkv[1] += _fold(dv, groups)
-            # the accumulated gradients follow their block to the next rank; after the last step
-            # this send brings each block's gradients home to its owner
-            dkv, works = ring.rotate(dkv)
-            for work in works:
-                work.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        # the gradients of the K/V block a rank holds travel with it (fp32: summed over the ring).
+        # Each step computes its own share first, then waits for the share the previous rank sent
+        # (posted a step earlier), adds it and posts the sum on: the rotation overlaps a step's compute.
+        arriving: tuple[torch.Tensor, list[Any]] | None = None
+        with torch.autocast(q.device.type, enabled=False):
+            for step, kv in ring.around(torch.stack([k, v]).contiguous()):
+                dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
+                for qs, ks, block in _blocks(ring, step, kv, q, ctx.ring_ids, ctx.scale):
+                    block_dq, block_dk, block_dv = next(kernels).backward(
+                        block, grad_out[:, :, qs], out[:, :, qs], lse[:, :, qs]
+                    )
+                    dq[:, :, qs] += block_dq
+                    dkv[0][:, :, ks] += block_dk
+                    dkv[1][:, :, ks] += block_dv
+                if arriving is not None:
+                    received, works = arriving
+                    for work in works:
+                        work.wait()
+                    dkv += received
+                # the accumulated gradients follow their block to the next rank; after the last
+                # step this send brings each block's gradients home to its owner
+                arriving = ring.rotate(dkv)
+        received, works = arriving
+        for work in works:
+            work.wait()
+        return dq.to(q.dtype), received[0].to(k.dtype), received[1].to(v.dtype), None, None
 
 
 def _blocks(
@@ -375,22 +381,10 @@ def _blocks(
     step: int,
     kv: torch.Tensor,
     q: torch.Tensor,
-    groups: int,
     ring_ids: torch.Tensor | None,
     scale: float,
 ) -> Iterator[tuple[slice, slice, Block]]:
     """The blocks of ring step `step`, whose K/V (2, B, kv_heads, T, D) this rank holds now."""
-    k, v = _expand(kv[0], groups), _expand(kv[1], groups)
     for qs, ks, causal, same in ring.pairs(step, ring_ids, q.shape[2]):
-        yield (
-            qs,
-            ks,
-            Block(
-                q[:, :, qs].contiguous(),
-                k[:, :, ks].contiguous(),
-                v[:, :, ks].contiguous(),
-                causal,
-                same,
-                scale,
-            ),
-        )
+        k, v = (kv[i][:, :, ks].contiguous() for i in (0, 1))
+        yield qs, ks, Block(q[:, :, qs].contiguous(), k, v, causal, same, scale)

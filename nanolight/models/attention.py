@@ -12,8 +12,9 @@ so that `models/` never imports parallel code.
 
 Packed rows with `Documents`: a token attends only to earlier tokens of its own document, so
 packing changes no document's result. Three kernels, chosen once per forward (`document_kernel`):
-flash-attn's variable-length kernel (one sequence per document, offsets `cu_seqlens`) with
-flash_attention_2; on a GPU with SDPA, FlexAttention with a block mask built from the document
+flash-attn's variable-length kernel (one sequence per document, offsets `cu_seqlens`: made by the
+data where the batch is built, `varlen_offsets`, so a forward reads nothing back from the device)
+with flash_attention_2; on a GPU with SDPA, FlexAttention with a block mask built from the document
 starts (O(T) memory: no T x T mask, fully masked tiles skipped); else (CPU, eager) a dense
 block-diagonal causal mask, the reference the others are tested against.
 
@@ -70,17 +71,34 @@ def document_kernel(implementation: str, device: torch.device) -> str:
     return "dense"
 
 
+def varlen_offsets(ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """flash-attn's (cu_seqlens, max_seqlen) for packed rows' document ids (B, T): every document of
+    every row is its own sequence of the flattened (B * T) tokens; cu_seqlens int32 on the ids'
+    device (where each starts, then B * T), max_seqlen a Python int (the kernel sizes its grid by
+    it). Both depend on the ids' values, so this reads them: the data calls it on the host, where
+    the batch is built (`data/loader.py`), and the batch carries them to the device."""
+    B, T = ids.shape
+    first = torch.ones_like(ids, dtype=torch.bool)  # a row start is a document start
+    first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    starts = first.reshape(-1).nonzero().squeeze(-1)
+    cu = torch.cat([starts, torch.tensor([B * T], device=ids.device)]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
 class Documents:
     """Which document each token of packed rows belongs to: `ids` (B, T), equal within a document
-    (documents are contiguous runs). What the chosen kernel reads (`kernel`: see
-    `document_kernel`) is built once per forward and shared by every layer; `prepare` builds it
-    before the layers run, so a (compiled, recomputed) layer only reads it."""
+    (documents are contiguous runs), and, when the data made them, flash-attn's offsets
+    (`varlen_offsets`). What the chosen kernel reads (`kernel`: see `document_kernel`) is built
+    once per forward and shared by every layer; `prepare` builds it before the layers run, so a
+    (compiled, recomputed) layer only reads it."""
 
-    def __init__(self, ids: torch.Tensor) -> None:
+    def __init__(
+        self, ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None
+    ) -> None:
         self.ids = ids
         self.kernel: str | None = None
         self._mask: torch.Tensor | None = None
-        self._varlen: tuple[torch.Tensor, int] | None = None
+        self._varlen = None if cu_seqlens is None else (cu_seqlens, max_seqlen)
         self._block_mask: BlockMask | None = None
 
     def prepare(self, implementation: str) -> Documents:
@@ -111,14 +129,10 @@ class Documents:
         return torch.where(self.firsts(), index, 0).cummax(dim=1).values
 
     def varlen(self) -> tuple[torch.Tensor, int]:
-        """flash-attn's (cu_seqlens, max_seqlen) over the flattened (B * T) tokens: every document
-        of every row is its own sequence. cu_seqlens int32 on the ids' device, max_seqlen an int."""
-        if self._varlen is not None:
-            return self._varlen
-        B, T = self.ids.shape
-        first = self.firsts().reshape(-1).nonzero().squeeze(-1)
-        cu = torch.cat([first, torch.tensor([B * T], device=first.device)]).to(torch.int32)
-        self._varlen = cu, int((cu[1:] - cu[:-1]).max())
+        """flash-attn's (cu_seqlens, max_seqlen): the data's; for a caller that passed document ids
+        alone, derived from them here (`varlen_offsets`, which reads the ids back: a host sync)."""
+        if self._varlen is None:
+            self._varlen = varlen_offsets(self.ids)
         return self._varlen
 
     def block_mask(self) -> BlockMask:

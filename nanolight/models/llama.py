@@ -250,15 +250,18 @@ class LlamaModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ) -> torch.Tensor:
         """`hidden_states` replaces the embedding's output (a pipeline stage's input); a module a
         pipeline split removed (None) is skipped, so one forward serves every stage.
-        `document_ids` (B, T) keep packed documents apart (attention stays inside a document)."""
+        `document_ids` (B, T) keep packed documents apart (attention stays inside a document);
+        `cu_seqlens` / `max_seqlen`, their offsets for flash-attn (`attention.varlen_offsets`)."""
         x = self.embed_tokens(input_ids) if hidden_states is None else hidden_states  # (B, T, C)
         cos, sin = self.rotary_tables(input_ids.shape, position_ids, x)
         documents = None
         if document_ids is not None:  # built here, once, not inside a (compiled) layer
-            documents = self.attention_backend.prepare(Documents(document_ids))
+            documents = self.attention_backend.prepare(Documents(document_ids, cu_seqlens, max_seqlen))
         for layer in self.layers:
             x = layer(x, cos, sin, documents)
         return x if self.norm is None else self.norm(x)
@@ -355,17 +358,23 @@ class LlamaForCausalLM(nn.Module):
         hidden_states: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         target_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ) -> torch.Tensor:
         """Without a head (a pipeline stage before the last) returns the hidden states (B, T, C).
         With `document_ids` packed documents do not see each other, and (``labels=``) the last
-        token of a document is not asked to predict the next document's first. `labels` (aligned
-        with input_ids, HF's meaning) or `target_ids` (already shifted): see the class docstring."""
+        token of a document is not asked to predict the next document's first; `cu_seqlens` and
+        `max_seqlen` are their flash-attn offsets, made with the batch (`data.document_fields`).
+        `labels` (aligned with input_ids, HF's meaning) or `target_ids` (already shifted): see the
+        class docstring."""
         if labels is not None and target_ids is not None:
             raise ValueError(
                 "pass labels= (aligned with input_ids, shifted by the model) or target_ids= (already "
                 "shifted), not both"
             )
-        h = self.model(input_ids, position_ids, hidden_states, document_ids)  # (B, T, C)
+        h = self.model(
+            input_ids, position_ids, hidden_states, document_ids, cu_seqlens, max_seqlen
+        )  # (B, T, C)
         if self.lm_head is None:
             return h
         if labels is None and target_ids is None:

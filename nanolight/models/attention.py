@@ -213,6 +213,14 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Document
     return fn(q, k, v, block_mask=documents.block_mask(), enable_gqa=q.size(1) != k.size(1))
 
 
+def sdpa_maps_kv_heads(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether the kernel SDPA picks for these queries maps grouped-query K/V heads itself. The
+    flash kernels do (CUDA's, for fp16/bf16 without a mask; the CPU's); CUDA's memory-efficient
+    kernel, which fp32 (`32-true`) and masks get, does not, and SDPA would fall to its math kernel
+    (fp32 (B, heads, T, T) scores): for it K/V are copied to the query heads (O(T) memory)."""
+    return q.device.type != "cuda" or (q.dtype in FLASH_DTYPES and mask is None)
+
+
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, implementation: str, documents: Documents | None = None
 ) -> torch.Tensor:
@@ -224,7 +232,7 @@ def attend(
         return _flex(q, k, v, documents)
     mask = documents.mask() if documents is not None else None
     r = q.size(1) // k.size(1)
-    if implementation == "sdpa" and _SDPA_HAS_GQA:
+    if implementation == "sdpa" and _SDPA_HAS_GQA and sdpa_maps_kv_heads(q, mask):
         # sdpa maps query head h to kv head h // r itself, without materialising copies of k, v.
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=r > 1

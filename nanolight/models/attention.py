@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import warnings
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -136,36 +136,45 @@ class Documents:
         return self._varlen
 
     def block_mask(self) -> BlockMask:
-        """FlexAttention's mask: query q sees key k iff start[q] <= k <= q. Built from the (B, T)
-        document starts at tile level -- (B, 1, T/128, T/128) -- never as a T x T tensor: a tile
-        is skipped when its keys all precede its queries' documents, full (no mask evaluated)
-        when every key precedes every query and lies inside all their documents."""
-        if self._block_mask is not None:
-            return self._block_mask
-        B, T = self.ids.shape
-        n = -(-T // FLEX_BLOCK)
-        start = F.pad(self.starts(), (0, n * FLEX_BLOCK - T))  # padded rows/columns are never read back
-        tile = torch.arange(n, device=self.ids.device)
-        first, last = tile * FLEX_BLOCK, ((tile + 1) * FLEX_BLOCK).clamp(max=T) - 1  # each tile's tokens
-        q_tile, kv_tile = tile[:, None], tile[None, :]
-        # (B, n, n): some query of the tile sees some key of the tile / every query every key
-        some = (kv_tile <= q_tile) & (start[:, first, None] <= last[None, None, :])
-        full = (kv_tile < q_tile) & (start[:, last, None] <= first[None, None, :])
-        partial = some & ~full
-
-        def ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            # per query tile: how many key tiles, and their indices first (stable: ascending)
-            count = tiles.sum(-1, dtype=torch.int32)[:, None]  # (B, 1, n)
-            order = tiles.to(torch.int32).argsort(dim=-1, descending=True, stable=True)
-            return count, order.to(torch.int32)[:, None]  # (B, 1, n, n)
-
-        def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-            return (kv <= q) & (kv >= start[b, q])
-
-        self._block_mask = BlockMask.from_kv_blocks(
-            *ordered(partial), *ordered(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(T, T)
-        )
+        """FlexAttention's mask: query q sees key k iff start[q] <= k <= q (`range_block_mask`)."""
+        if self._block_mask is None:
+            self._block_mask = range_block_mask(self.starts(), causal=True)
         return self._block_mask
+
+
+def range_block_mask(first: torch.Tensor, causal: bool) -> BlockMask:
+    """FlexAttention's mask for rows of queries that each see one range of keys: query q sees key
+    k iff first[b, q] <= k, and k <= q when `causal`. `first` (B, Q) nondecreasing in q (packed
+    documents: the first key of each query's document; Q means none), over as many keys as
+    queries. Built at tile level -- (B, 1, Q/128, Q/128) -- never as a Q x Q tensor: a tile is
+    skipped when no query of it sees a key of it, full (no mask evaluated) when every query sees
+    every key."""
+    B, T = first.shape
+    n = -(-T // FLEX_BLOCK)
+    first = F.pad(first, (0, n * FLEX_BLOCK - T), value=T)  # padded rows/columns are never read back
+    tile = torch.arange(n, device=first.device)
+    lo, hi = tile * FLEX_BLOCK, ((tile + 1) * FLEX_BLOCK).clamp(max=T) - 1  # each tile's tokens
+    q_tile, kv_tile = tile[:, None], tile[None, :]
+    # (B, n, n): some query of the tile sees some key of the tile / every query every key
+    some = first[:, lo, None] <= hi[None, None, :]
+    full = first[:, hi, None] <= lo[None, None, :]
+    if causal:
+        some, full = some & (kv_tile <= q_tile), full & (kv_tile < q_tile)
+    partial = some & ~full
+
+    def ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # per query tile: how many key tiles, and their indices first (stable: ascending)
+        count = tiles.sum(-1, dtype=torch.int32)[:, None]  # (B, 1, n)
+        order = tiles.to(torch.int32).argsort(dim=-1, descending=True, stable=True)
+        return count, order.to(torch.int32)[:, None]  # (B, 1, n, n)
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        seen = kv >= first[b, q]
+        return seen & (kv <= q) if causal else seen
+
+    return BlockMask.from_kv_blocks(
+        *ordered(partial), *ordered(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(T, T)
+    )
 
 
 def _flash_dtype(q: torch.Tensor) -> torch.dtype:
@@ -208,9 +217,12 @@ def _compiled_flex():  # noqa: ANN202 (a compiled callable)
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents) -> torch.Tensor:
-    fn = _compiled_flex() if q.device.type == "cuda" else flex_attention  # CPU: forward-only tests
-    return fn(q, k, v, block_mask=documents.block_mask(), enable_gqa=q.size(1) != k.size(1))
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, **options: Any) -> Any:
+    """FlexAttention under `block_mask`, grouped-query K/V as they are (`options`: flex_attention's
+    own, e.g. ``scale``, ``return_lse``); compiled on a GPU, eager on CPU (forward-only there:
+    torch 2.13 has no CPU backward for it)."""
+    fn = _compiled_flex() if q.device.type == "cuda" else flex_attention
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=q.size(1) != k.size(1), **options)
 
 
 def sdpa_maps_kv_heads(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
@@ -229,7 +241,7 @@ def attend(
     if documents is not None and documents.kernel is None:
         documents.prepare(implementation)
     if documents is not None and documents.kernel == "flex":
-        return _flex(q, k, v, documents)
+        return flex(q, k, v, documents.block_mask())
     mask = documents.mask() if documents is not None else None
     r = q.size(1) // k.size(1)
     if implementation == "sdpa" and _SDPA_HAS_GQA and sdpa_maps_kv_heads(q, mask):

@@ -6,24 +6,27 @@ next rank of the ring and receives the previous rank's, `cp` blocks in all, post
 exchange before it computes on the current block. Each block gives a partial result and its
 row-wise log-sum-exp; partials merge exactly by the log-sum-exp rule, so the output equals
 attention over the whole sequence. The backward pass rotates K/V again and sends each block's
-key/value gradients around with it, so they arrive back at the block's owner.
+key/value gradients around with it, so they arrive back at the block's owner; each step adds
+its share and posts the sum on, waiting for the previous rank's only after its own kernels ran.
 
 Causal load balance (zigzag): the sequence is cut into 2·cp chunks and rank r holds chunks r and
 2·cp−1−r (`zigzag_shard`), so every rank has the same share of the causal triangle. Positions
 (for RoPE and the mask) are global (`zigzag_positions`). Grouped-query attention rotates only
-the kv heads. Packed documents stay apart across chunk boundaries: each rank's document ids are
-all-gathered once per forward (`prepare`), and a block's mask compares them.
+the kv heads, and the kernels map them to the query heads (no copy per head). Packed documents
+stay apart across chunk boundaries: each rank's document ids are all-gathered once per forward
+(`prepare`), and each query of a block sees one range of its keys (`_first_keys`).
 
-The block kernel is exact attention in fp32 with the softmax statistics kept (one (c × c) score
-tile per chunk pair, c = T/(2·cp)); pairs wholly in the future are skipped, pairs wholly in the
-past need no causal mask. Every exchange goes through `p2p.post` (NCCL's batched p2p rules).
+Each block (chunk pair, c = T/(2·cp) tokens) runs the fused kernel the device has, returning the
+softmax statistics (`parallel/ring_kernels.py`). Pairs wholly in the future are skipped, pairs
+wholly in the past need no causal mask. Autocast is off
+inside the ring: forward and backward compute in the dtype q, k, v arrive in. Every exchange
+goes through `p2p.post` (NCCL's batched p2p rules).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +34,7 @@ import torch.distributed as dist
 
 from nanolight.models.attention import Documents
 from nanolight.parallel.p2p import post
+from nanolight.parallel.ring_kernels import Block, block_kernel
 
 
 def zigzag_chunks(rank: int, cp: int) -> tuple[int, int]:
@@ -133,8 +137,8 @@ class RingAttention:
         self, step: int, ring_ids: torch.Tensor | None, T: int
     ) -> list[tuple[slice, slice, bool, torch.Tensor | None]]:
         """At ring step `step` (holding the K/V of rank `rank - step`): the (query half, key half,
-        causal, documents' mask) blocks to compute. Key chunks wholly in a query chunk's future
-        are left out, the diagonal one is causal, the rest see every key but other documents'."""
+        causal, first visible key) blocks to compute. Key chunks wholly in a query chunk's future
+        are left out, the diagonal one is causal, the rest see every key of their document."""
         src = (self.rank - step) % self.cp
         c = T // 2
         q_chunks, k_chunks = zigzag_chunks(self.rank, self.cp), zigzag_chunks(src, self.cp)
@@ -144,163 +148,22 @@ class RingAttention:
                 if kc > qc:
                     continue
                 qs, ks = slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c)
-                same = None
-                if ring_ids is not None:  # (B, 1, c, c): the same document
-                    same = (ring_ids[self.rank][:, qs, None] == ring_ids[src][:, None, ks])[:, None]
-                blocks.append((qs, ks, kc == qc, same))
+                first = None
+                if ring_ids is not None:
+                    first = _first_keys(ring_ids[self.rank][:, qs], ring_ids[src][:, ks], kc == qc)
+                blocks.append((qs, ks, kc == qc, first))
         return blocks
 
 
-# --- block kernels: one (query chunk, key chunk) block -> its output and log-sum-exp ------------
-# Each takes grouped-query K/V as they are (kv_heads of them): the kernel maps query head h to kv
-# head h // (heads / kv_heads), so no block copies K or V per query head.
-
-
-def _visible(causal: bool, same: torch.Tensor | None, c: int, device: torch.device) -> torch.Tensor | None:
-    """(B or 1, 1, c, c) bool: which keys each query sees, None when all of them."""
-    mask = torch.ones(c, c, dtype=torch.bool, device=device).tril()[None, None] if causal else None
-    if same is not None:
-        mask = same if mask is None else same & mask
-    return mask
-
-
-@dataclass
-class Block:
-    """One (query chunk, key chunk) block: (B, H, c, D) q, (B, kv_heads, c, D) k and v, whether it
-    is the causal diagonal, the documents' mask (None: one document) and the scale."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    causal: bool
-    same: torch.Tensor | None
-    scale: float
-
-    def grouped_q(self) -> torch.Tensor:
-        """q as (B, kv_heads, groups * c, D): the query heads of one kv head stacked along the rows,
-        so one matmul per kv head serves them all (the same product as a per-head K copy)."""
-        B, H, c, D = self.q.shape
-        return self.q.reshape(B, self.k.shape[1], H // self.k.shape[1] * c, D)
-
-    def grouped_mask(self) -> torch.Tensor | None:
-        """`_visible` for grouped scores viewed as (B, kv_heads, groups, c, c)."""
-        mask = _visible(self.causal, self.same, self.q.shape[2], self.q.device)
-        return None if mask is None else mask[:, :, None]
-
-
-class MathKernel:
-    """Exact attention with the scores written out in fp32: any device, dtype and mask. The
-    reference the fused kernels are tested against, and the fallback where none applies."""
-
-    def forward(self, b: Block) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 (B, H, c, D) output and (B, H, c) log-sum-exp; -inf for a row that sees no key."""
-        B, H, c, D = b.q.shape
-        s = torch.matmul(b.grouped_q().float(), b.k.float().transpose(-1, -2)) * b.scale  # (B, kv, g*c, c)
-        mask = b.grouped_mask()
-        if mask is not None:
-            s = s.unflatten(2, (-1, c)).masked_fill(~mask, float("-inf")).flatten(2, 3)
-        lse = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-        return torch.matmul(p, b.v.float()).view(B, H, c, D), lse.view(B, H, c)
-
-    def backward(
-        self, b: Block, do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """fp32 dq (q's heads), dk, dv (kv heads) of one block, given the merged output and
-        log-sum-exp of the whole row."""
-        B, H, c, D = b.q.shape
-        rows = b.k.shape[1], H // b.k.shape[1] * c  # grouped: (kv_heads, groups * c)
-        qf, kf, vf = b.grouped_q().float(), b.k.float(), b.v.float()
-        do = do.float().reshape(B, *rows, D)
-        p = torch.exp(torch.matmul(qf, kf.transpose(-1, -2)) * b.scale - lse.reshape(B, *rows, 1))
-        mask = b.grouped_mask()
-        if mask is not None:
-            p = p.unflatten(2, (-1, c)).masked_fill(~mask, 0.0).flatten(2, 3)
-        # rowsum(dO * O): softmax's backward correction
-        delta = (do * out.float().reshape(B, *rows, D)).sum(-1, keepdim=True)
-        ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - delta)
-        return (
-            (torch.matmul(ds, kf) * b.scale).view(B, H, c, D),
-            torch.matmul(ds.transpose(-1, -2), qf) * b.scale,
-            torch.matmul(p.transpose(-1, -2), do),
-        )
-
-
-CPU_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what PyTorch's CPU flash kernel takes
-
-
-def additive_mask(sees: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool mask (True: the key is seen) as the additive bias the CPU kernel takes: 0 where
-    seen, -inf where not."""
-    return torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill_(~sees, float("-inf"))
-
-
-class CpuFlashKernel:
-    """PyTorch's CPU flash-attention kernel (what SDPA runs on CPU), called directly for what SDPA
-    does not return: the log-sum-exp, which its backward takes back. No (c x c) scores held; a
-    documents' mask is an additive (B, 1, c, c) bias (the kernel takes no document boundaries).
-    A row that sees no key comes back with output 0 and log-sum-exp 0; it is set to -inf so the
-    merge ignores it."""
-
-    def forward(self, b: Block) -> tuple[torch.Tensor, torch.Tensor]:
-        bias = None if b.same is None else additive_mask(b.same, b.q.dtype)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            b.q, b.k, b.v, 0.0, b.causal, attn_mask=bias, scale=b.scale
-        )
-        if b.same is not None:
-            sees = _visible(b.causal, b.same, b.q.shape[2], b.q.device).any(-1)  # (B, 1, c)
-            lse = lse.masked_fill(~sees, float("-inf"))
-        return out.float(), lse
-
-    def backward(
-        self, b: Block, do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        bias = None if b.same is None else additive_mask(b.same, b.q.dtype)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do.to(b.q.dtype), b.q, b.k, b.v, out.to(b.q.dtype), lse.contiguous(), 0.0, b.causal,
-            attn_mask=bias, scale=b.scale,
-        )  # fmt: skip
-        return dq.float(), dk.float(), dv.float()
-
-
-class CudaFlashKernel:
-    """PyTorch's CUDA flash-attention kernel (what SDPA runs for fp16/bf16 without a mask), which
-    returns the log-sum-exp and takes it back in its backward. Blocks with a documents' mask go
-    to `MathKernel` (this kernel takes no mask). The forward's bookkeeping outputs (cumulative
-    lengths, RNG state: unused without dropout) are kept and handed back to the backward, as
-    SDPA's own autograd formula does."""
-
-    def __init__(self) -> None:
-        self._rest: tuple | None = None
-
-    def forward(self, b: Block) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse, cum_q, cum_k, _, _, rng_state, unused, _ = (
-            torch.ops.aten._scaled_dot_product_flash_attention(
-                b.q, b.k, b.v, 0.0, b.causal, False, scale=b.scale
-            )
-        )
-        self._rest = (cum_q, cum_k, rng_state, unused)
-        return out.float(), lse
-
-    def backward(
-        self, b: Block, do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        cum_q, cum_k, rng_state, unused = self._rest
-        c = b.q.shape[2]
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            do.to(b.q.dtype).contiguous(), b.q, b.k, b.v, out.to(b.q.dtype).contiguous(),
-            lse.contiguous(), cum_q, cum_k, c, c, 0.0, b.causal, rng_state, unused, scale=b.scale,
-        )  # fmt: skip
-        return dq.float(), dk.float(), dv.float()
-
-
-def block_kernel(q: torch.Tensor, masked: bool) -> MathKernel | CpuFlashKernel | CudaFlashKernel:
-    """The fused kernel PyTorch has for these inputs, else the exact math one."""
-    if q.device.type == "cpu" and q.dtype in CPU_FLASH_DTYPES:
-        return CpuFlashKernel()
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and not masked:
-        return CudaFlashKernel()
-    return MathKernel()
+def _first_keys(ids_q: torch.Tensor, ids_k: torch.Tensor, diagonal: bool) -> torch.Tensor:
+    """(B, c) int64: the first key of the block that each query sees (c: none), from the document
+    ids of its queries and keys, (B, c) each. Documents are contiguous runs, so the keys a query
+    sees are one range: on the diagonal from its document's start; in a past chunk the chunk's
+    last run of keys, if that is the query's document (it then spans the chunks in between)."""
+    if diagonal:
+        return Documents(ids_q).starts()
+    tail = Documents(ids_k).starts()[:, -1:]  # (B, 1): where the key chunk's last document starts
+    return torch.where(ids_q == ids_k[:, -1:], tail, ids_k.shape[1])
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -335,7 +198,7 @@ class _RingAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             for step, kv in ring.around(torch.stack([k, v]).contiguous()):
                 for qs, _, block in _blocks(ring, step, kv, q, ring_ids, scale):
-                    kernel = block_kernel(q, block.same is not None)
+                    kernel = block_kernel(q, block.first is not None)
                     block_out, block_lse = kernel.forward(block)
                     _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
                     kernels.append(kernel)
@@ -385,6 +248,6 @@ def _blocks(
     scale: float,
 ) -> Iterator[tuple[slice, slice, Block]]:
     """The blocks of ring step `step`, whose K/V (2, B, kv_heads, T, D) this rank holds now."""
-    for qs, ks, causal, same in ring.pairs(step, ring_ids, q.shape[2]):
+    for qs, ks, causal, first in ring.pairs(step, ring_ids, q.shape[2]):
         k, v = (kv[i][:, :, ks].contiguous() for i in (0, 1))
-        yield qs, ks, Block(q[:, :, qs].contiguous(), k, v, causal, same, scale)
+        yield qs, ks, Block(q[:, :, qs].contiguous(), k, v, causal, first, scale)

@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # a source checkout, not installed
 from nanolight.models import PRESETS, LlamaConfig, LlamaForCausalLM, flash_attn_available  # noqa: E402
 from nanolight.parallel.blocks import apply_activation_checkpointing, compile_blocks  # noqa: E402
-from nanolight.parallel.ring_attention import Block, MathKernel, block_kernel  # noqa: E402
+from nanolight.parallel.ring_kernels import Block, MathKernel, block_kernel  # noqa: E402
 
 NO_CUDA = (
     "gpu_check: no CUDA device (torch {version}, CUDA {cuda}): run it on a GPU machine, or pass "

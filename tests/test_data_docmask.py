@@ -44,7 +44,14 @@ def test_fields_match_a_token_by_token_reference() -> None:
 
 def _check_batch(batch: dict[str, torch.Tensor], eos: int, mbs: int) -> None:
     ids = batch["input_ids"]
-    assert set(batch) == {"input_ids", "target_ids", "position_ids", "document_ids"}
+    assert set(batch) == {
+        "input_ids",
+        "target_ids",
+        "position_ids",
+        "document_ids",
+        "cu_seqlens",
+        "max_seqlen",
+    }
     # targets: the next token of the same document; -100 after a document's end and at the row's end
     want = torch.cat([ids[:, 1:], torch.full((mbs, 1), -100)], dim=1)
     want[:, :-1][ids[:, :-1] == eos] = -100
@@ -56,6 +63,10 @@ def _check_batch(batch: dict[str, torch.Tensor], eos: int, mbs: int) -> None:
     after_eos = torch.zeros_like(ids, dtype=torch.bool)
     after_eos[:, 1:] = ids[:, :-1] == eos
     assert (batch["position_ids"][after_eos] == 0).all() and after_eos.any()
+    # flash-attn's offsets over the flattened rows: a sequence starts where a position is 0
+    starts = (batch["position_ids"].reshape(-1) == 0).nonzero().squeeze(-1).tolist()
+    assert batch["cu_seqlens"].dtype == torch.int32 and batch["cu_seqlens"].tolist() == [*starts, ids.numel()]
+    assert batch["max_seqlen"] == int(batch["position_ids"].max()) + 1
 
 
 @pytest.mark.parametrize("path", ["flat", "prepared", "mixture", "streaming"])

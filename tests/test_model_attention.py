@@ -14,6 +14,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 from _tiny import tiny_config
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention.flex_attention import create_block_mask
 
 import nanolight.models.attention as attention
@@ -139,11 +140,29 @@ def test_document_masks_on_a_gpu_use_flex_attention_without_a_dense_mask(
     built = []
     monkeypatch.setattr(attention.Documents, "mask", lambda self: built.append(self) or 1 / 0)
     flexed = []
-    real_flex = attention._flex
-    monkeypatch.setattr(attention, "_flex", lambda *a: flexed.append(a[-1].kernel) or real_flex(*a))
+    real_flex = attention.flex
+    monkeypatch.setattr(attention, "flex", lambda *a, **kw: flexed.append("flex") or real_flex(*a, **kw))
     with torch.no_grad():
         loss = model(rows, labels=rows, **fields)
         logits = model(rows, **fields)
     assert built == [] and flexed == ["flex"] * 2 * model.config.num_hidden_layers
     torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_sdpa_gets_grouped_kv_heads_only_where_its_kernel_maps_them():
+    """Grouped-query K/V go to SDPA as they are where its kernel maps them (flash: CUDA's in
+    fp16/bf16 without a mask, the CPU's); CUDA's memory-efficient kernel, fp32's (`32-true`),
+    does not, and SDPA would fall to the math kernel's fp32 T x T scores: K/V are copied to the
+    query heads for it. Fake CUDA tensors: no GPU needed to ask which."""
+    with FakeTensorMode():
+        cuda = {
+            dtype: torch.empty(1, 4, 8, 16, device="cuda", dtype=dtype)
+            for dtype in (torch.float32, torch.bfloat16)
+        }
+        assert not attention.sdpa_maps_kv_heads(cuda[torch.float32], None)
+        assert attention.sdpa_maps_kv_heads(cuda[torch.bfloat16], None)
+        assert not attention.sdpa_maps_kv_heads(
+            cuda[torch.bfloat16], torch.ones(8, 8, dtype=torch.bool, device="cuda")
+        )
+    assert attention.sdpa_maps_kv_heads(torch.empty(1, 4, 8, 16), torch.ones(8, 8, dtype=torch.bool))

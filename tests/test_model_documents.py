@@ -4,9 +4,13 @@ eager and (a stand-in for) flash-attn's variable-length kernel, also under tenso
 
 from __future__ import annotations
 
+import traceback
+
 import pytest
 import torch
+from _sync_count import SYNC_OPS, SYNC_PACKETS
 from _tiny import run_distributed, tiny_config
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanolight.data import document_fields
 from nanolight.models import LlamaForCausalLM
@@ -62,6 +66,42 @@ def test_flash_varlen_gets_one_sequence_per_document(flash_standin) -> None:  # 
         torch.testing.assert_close(flash(rows, **fields), sdpa(rows, **fields), rtol=2e-2, atol=2e-2)
     # the second row: EOS first, then 4, 7 and 4 tokens
     assert flash_standin.calls[0]["cu_seqlens"] == [0, 5, 12, 16, 17, 21, 28, 32]
+
+
+class DeviceReads(TorchDispatchMode):
+    """The ops that read a device tensor back to the host (`_sync_count`'s list: a sync on a GPU),
+    outside the flash-attn stand-in (whose checks read the offsets: the real kernel's do not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func in SYNC_OPS or func.overloadpacket in SYNC_PACKETS:
+            if not any("_standins" in frame.filename for frame in traceback.extract_stack()):
+                self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_flash_varlen_step_reads_nothing_back_from_the_device(flash_standin) -> None:  # noqa: ANN001
+    """The data makes the documents' varlen offsets where it builds the batch (`document_fields`:
+    `cu_seqlens`, `max_seqlen`), so a training forward and backward under flash-attn's varlen
+    kernel dispatch no host sync -- deriving them from the ids would (`nonzero`, the longest
+    length as an int) in every forward."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config(attn_implementation="flash_attention_2")).bfloat16()
+    _, row = _packed()
+    rows = torch.cat([row, row.flip(1)])
+    fields = document_fields(rows, EOS)
+    assert fields["cu_seqlens"].dtype == torch.int32 and type(fields["max_seqlen"]) is int
+    reads = DeviceReads()
+    with reads:
+        model(rows, labels=rows, **fields).backward()
+    assert reads.reads == []
+    assert [c["cu_seqlens"] for c in flash_standin.calls] == [[0, 5, 12, 16, 17, 21, 28, 32]] * 2
+    with reads:  # the count can fail: the same model given the document ids alone derives them
+        model(rows, labels=rows, position_ids=fields["position_ids"], document_ids=fields["document_ids"])
+    assert reads.reads
 
 
 def _tp_worker(rank: int, world: int, sp: bool) -> float:

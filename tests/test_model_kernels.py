@@ -2,8 +2,8 @@
 
 The fused head + loss (`models/fused_loss.py`) against ``F.cross_entropy`` on full logits, the
 RoPE, RMSNorm and SwiGLU autograd Functions against the plain-op versions (which `torch.compile`
-uses), the CPU MLP's regrouped projection against the stride-2 unbinding, and the CPU's chunked
-causal attention against ``F.scaled_dot_product_attention``.
+uses), the CPU MLP's regrouped projection against the stride-2 unbinding; and the attention
+kernel calls the model makes on CPU.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import nanolight.models.attention as attention
 from nanolight.models import LlamaConfig, LlamaForCausalLM
 from nanolight.models.fused_loss import linear_cross_entropy
 from nanolight.models.llama import RMSNorm, SwiGLU, _rms_plain, _SwiGLU
@@ -200,120 +200,35 @@ def test_swiglu_function_matches_autograd_bit_for_bit(interleaved):
     assert torch.equal(out, ref) and torch.equal(g_out, g_ref)
 
 
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "T", "dtype", "packed"),
-    [
-        (5, 1, 256, torch.float32, False),  # multi-query, whole chunks
-        (6, 2, 200, torch.float32, False),  # grouped-query, a short last chunk
-        (3, 3, 130, torch.float32, False),  # full multi-head
-        (4, 4, 64, torch.float32, False),  # one chunk: SDPA itself
-        (4, 2, 150, torch.bfloat16, False),
-        (6, 2, 200, torch.float32, True),  # packed documents: their mask, a chunk's rows at a time
-        (4, 2, 150, torch.bfloat16, True),
-    ],
-)
-def test_chunked_causal_attention_matches_sdpa(heads, kv_heads, T, dtype, packed):
-    """Chunks of queries over their key prefixes give SDPA's causal attention (with packed
-    documents: SDPA under the documents' dense mask): output and all three gradients (key and
-    value gradients summed over chunks in fp32)."""
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (
-        torch.randn(2, n, T, 32, generator=g).to(dtype).requires_grad_() for n in (heads, kv_heads, kv_heads)
-    )
-    allowed = None
-    if packed:  # documents of random lengths, one starting in the middle of a chunk
-        allowed = attention.Documents((torch.rand(2, T, generator=g) < 0.03).cumsum(1)).mask()
-    gqa = heads != kv_heads
-    ref, g_ref = _grads(
-        lambda: F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, is_causal=allowed is None, enable_gqa=gqa
-        ),
-        q,
-        k,
-        v,
-    )
-    out, g_out = _grads(lambda: attention.causal_cpu(q, k, v, allowed), q, k, v)
-    assert out.dtype == dtype and [t.dtype for t in g_out] == [dtype] * 3
-    tol = {"rtol": 1.3e-6, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
-    torch.testing.assert_close(out, ref, **tol)
-    for a, b in zip(g_out, g_ref, strict=True):
-        torch.testing.assert_close(a, b, **tol)
+class _AttentionOps(TorchDispatchMode):
+    """The attention kernels the model dispatches, by aten name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "attention" in func.overloadpacket.__name__:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
-def test_the_models_cpu_attention_runs_one_kernel_call_per_query_chunk(monkeypatch):
-    """The model's SDPA attention on CPU takes the chunked path: one CPU flash call per chunk of 64
-    queries over the keys up to the chunk's end (not one 200 x 200 call, which below ~1k tokens
-    costs as much as non-causal attention), in forward and in backward, with packed documents too."""
-    shapes = {"forward": [], "backward": []}
-    kernel, kernel_backward = attention.cpu_flash, attention.cpu_flash_backward
-
-    def forward(q, k, v, causal, bias=None, scale=None):
-        shapes["forward"].append((q.shape[2], k.shape[2], causal))
-        return kernel(q, k, v, causal, bias, scale)
-
-    def backward(grad, q, k, v, out, lse, causal, bias=None, scale=None):
-        shapes["backward"].append((q.shape[2], k.shape[2], causal))
-        return kernel_backward(grad, q, k, v, out, lse, causal, bias, scale)
-
-    monkeypatch.setattr(attention, "cpu_flash", forward)
-    monkeypatch.setattr(attention, "cpu_flash_backward", backward)
+@pytest.mark.parametrize("documents", [False, True])
+def test_the_models_cpu_attention_is_one_sdpa_call_per_layer(documents):
+    """The model's SDPA attention on CPU is what it is on a GPU: one SDPA call per layer, forward
+    and backward (with packed documents under their mask), no path that exists for CPU speed;
+    grouped-query K/V go to the kernel as they are. The result is SDPA's over the whole
+    sequence, which the parity tests (`test_model_attention.py`, `test_model_documents.py`) hold
+    against transformers."""
     config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     ids = torch.randint(0, 64, (2, 200))
-    model(ids, labels=ids).backward()
-    chunks = [(64, 64, True), (64, 128, False), (64, 192, False), (8, 200, False)]
-    assert shapes == {"forward": chunks, "backward": chunks}
-    shapes = {"forward": [], "backward": []}  # packed documents: every chunk under their mask
-    model(
-        ids, labels=ids, document_ids=torch.arange(200).div(50, rounding_mode="floor").expand(2, 200)
-    ).backward()
-    chunks = [(64, 64, False), (64, 128, False), (64, 192, False), (8, 200, False)]
-    assert shapes == {"forward": chunks, "backward": chunks}
-    # longer than one key tile: causal attention is one SDPA call (the kernel's tiles skip most of
-    # the masked half), a documents' mask still chunks (a masked call visits every key)
-    ids = torch.randint(0, 64, (1, 520))
-    shapes = {"forward": [], "backward": []}
-    model(ids, labels=ids).backward()
-    assert shapes == {"forward": [], "backward": []}
-    model(ids, labels=ids, document_ids=torch.zeros_like(ids)).backward()
-    assert len(shapes["forward"]) == len(shapes["backward"]) == 9
-
-
-def test_chunked_causal_attention_holds_what_one_sdpa_call_holds():
-    """For backward the chunks keep what one SDPA call keeps (q, k, v, the output, the log-sum-exp):
-    the chunks' outputs are written into one output buffer, laid out as the kernel's own (tokens
-    before heads), and read back from it; the output projection's input is a view of it, as of
-    SDPA's output, not a copy."""
-
-    def saved_bytes(fn):
-        storages = {}
-
-        def pack(t):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            fn()
-        return sum(storages.values())
-
-    g = torch.Generator().manual_seed(0)
-    # laid out as the model's: (B, T, heads, D) in memory, seen as (B, heads, T, D)
-    q, k, v = (torch.randn(2, 200, n, 32, generator=g).transpose(1, 2).requires_grad_() for n in (6, 2, 2))
-    o_proj = torch.nn.Linear(6 * 32, 8, bias=False)
-
-    def layer(attend):  # what the model's attention layer does with the result: heads merged, projected
-        return lambda: o_proj(attend().transpose(1, 2).reshape(2, 200, 6 * 32))
-
-    sdpa = saved_bytes(
-        layer(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
-    )
-    chunked = saved_bytes(layer(lambda: attention.causal_cpu(q, k, v)))
-    assert chunked == sdpa
+    doc_ids = torch.arange(200).div(50, rounding_mode="floor").expand(2, 200) if documents else None
+    with _AttentionOps() as kernels:
+        model(ids, labels=ids, document_ids=doc_ids).backward()
+    flash = "_scaled_dot_product_flash_attention_for_cpu"
+    assert kernels.ops == [flash] * 2 + [flash + "_backward"] * 2

@@ -42,7 +42,8 @@ def _loader(micro: int, dp: int = 1, dp_rank: int = 0) -> DataLoader:
     per = GLOBAL // dp
     rows = _rows()[:, dp_rank * per : (dp_rank + 1) * per].reshape(-1, T)
     batch = make_batch(rows, EOS)  # target_ids shifted here, boundaries dropped (document masking)
-    return DataLoader([{k: v[r] for k, v in batch.items()} for r in range(len(rows))], batch_size=micro)
+    per_token = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.shape == rows.shape}
+    return DataLoader([{k: v[r] for k, v in per_token.items()} for r in range(len(rows))], batch_size=micro)
 
 
 class DocLM(TinyLM):

@@ -20,8 +20,11 @@ With `data.document_mask=true` every batch also carries, per token,
     document_ids   0 for the row's first (possibly partial) document, +1 after each EOS
 
 so the model can build a block-diagonal causal mask (tokens attend only within their document
-id) or flash-attn's varlen offsets, and rotary positions start afresh per document. Both are
-computed from the row alone: nothing crosses a row, and the EOS belongs to the document it ends.
+id), and rotary positions start afresh per document. Both are computed from the row alone:
+nothing crosses a row, and the EOS belongs to the document it ends. The batch also carries
+flash-attn's variable-length offsets of its documents, `cu_seqlens` and `max_seqlen`
+(`models/attention.py` `varlen_offsets`), made here on the host: derived from the ids on a GPU
+they would read the device back (`nonzero`, the longest length) in every forward.
 The next-token targets are made here too, while the row is whole (`make_batch`): a rank that
 holds a piece of it (context parallelism) could not shift its own, and counting a step's valid
 targets before its micro-batches run needs them (`parallel/loss_tokens.py`).
@@ -36,13 +39,15 @@ import numpy as np
 import torch
 
 from nanolight.data.config import BatchGeometry, DataError
+from nanolight.models.attention import varlen_offsets
 from nanolight.models.llama import shift_labels
 
 _VAL_SEED = 0x5EED  # the held-out blocks do not depend on the training seed: val loss stays comparable
 
 
-def document_fields(input_ids: torch.Tensor, eos_id: int) -> dict[str, torch.Tensor]:
-    """{"position_ids", "document_ids"} (int64, shape of `input_ids` (B, T)) for packed rows."""
+def document_fields(input_ids: torch.Tensor, eos_id: int) -> dict[str, Any]:
+    """{"position_ids", "document_ids"} (int64, shape of `input_ids` (B, T)) for packed rows, and
+    their documents' {"cu_seqlens", "max_seqlen"}: the model's keyword arguments."""
     is_eos = (input_ids == eos_id).to(torch.int64)
     # a document starts after each EOS: the count of EOS strictly before a token is its document
     document_ids = torch.cumsum(is_eos, dim=-1) - is_eos
@@ -53,10 +58,14 @@ def document_fields(input_ids: torch.Tensor, eos_id: int) -> dict[str, torch.Ten
     starts[..., 0] = True
     starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
     first = torch.cummax(torch.where(starts, arange, torch.zeros_like(arange)), dim=-1).values
-    return {"position_ids": arange - first, "document_ids": document_ids}
+    cu_seqlens, max_seqlen = varlen_offsets(document_ids)
+    return {
+        "position_ids": arange - first, "document_ids": document_ids,
+        "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen,
+    }  # fmt: skip
 
 
-def make_batch(ids: torch.Tensor, document_eos: int | None) -> dict[str, torch.Tensor]:
+def make_batch(ids: torch.Tensor, document_eos: int | None) -> dict[str, Any]:
     """The loaders' batch dict: input_ids and `target_ids` -- the next token, -100 at the row's last
     position and, with document fields, at each document's last token (`shift_labels`)."""
     if document_eos is None:
@@ -129,8 +138,8 @@ class PackedDataset(torch.utils.data.Dataset):
         return len(self.block_ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        batch = self.batch(np.array([i]))
-        return {k: v[0] for k, v in batch.items()}
+        batch = self.batch(np.array([i]))  # an item: its per-token fields (offsets are a batch's)
+        return {k: v[0] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() == 2}
 
     def rows(self, indices: np.ndarray) -> np.ndarray:
         """(len(indices), seq_len) int64 token rows of dataset positions `indices`."""

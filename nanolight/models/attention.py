@@ -12,17 +12,11 @@ so that `models/` never imports parallel code.
 
 Packed rows with `Documents`: a token attends only to earlier tokens of its own document, so
 packing changes no document's result. Three kernels, chosen once per forward (`document_kernel`):
-flash-attn's variable-length kernel (one sequence per document, offsets `cu_seqlens`) with
-flash_attention_2; on a GPU with SDPA, FlexAttention with a block mask built from the document
+flash-attn's variable-length kernel (one sequence per document, offsets `cu_seqlens`: made by the
+data where the batch is built, `varlen_offsets`, so a forward reads nothing back from the device)
+with flash_attention_2; on a GPU with SDPA, FlexAttention with a block mask built from the document
 starts (O(T) memory: no T x T mask, fully masked tiles skipped); else (CPU, eager) a dense
 block-diagonal causal mask, the reference the others are tested against.
-
-Causal attention on CPU (SDPA) runs PyTorch's CPU flash kernel on chunks of `CPU_CAUSAL_CHUNK`
-queries, each over the keys up to its last query (`causal_cpu`), where one call wastes work: the
-kernel tiles keys by 512 and skips only whole tiles past the diagonal, and visits every key when
-given a mask, so up to 512 tokens a causal call, and at any length a documents' masked call, costs
-what full (non-causal) attention does. The chunks skip the masked half, and a documents' mask is
-read a chunk's rows at a time.
 
 flash-attn takes only fp16/bf16 and one dtype for q, k and v: the model hands it q, k, v in the
 projections' dtype (RoPE keeps its input's dtype), and under fp32 (`32-true`) the kernel runs in
@@ -77,17 +71,34 @@ def document_kernel(implementation: str, device: torch.device) -> str:
     return "dense"
 
 
+def varlen_offsets(ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """flash-attn's (cu_seqlens, max_seqlen) for packed rows' document ids (B, T): every document of
+    every row is its own sequence of the flattened (B * T) tokens; cu_seqlens int32 on the ids'
+    device (where each starts, then B * T), max_seqlen a Python int (the kernel sizes its grid by
+    it). Both depend on the ids' values, so this reads them: the data calls it on the host, where
+    the batch is built (`data/loader.py`), and the batch carries them to the device."""
+    B, T = ids.shape
+    first = torch.ones_like(ids, dtype=torch.bool)  # a row start is a document start
+    first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    starts = first.reshape(-1).nonzero().squeeze(-1)
+    cu = torch.cat([starts, torch.tensor([B * T], device=ids.device)]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
 class Documents:
     """Which document each token of packed rows belongs to: `ids` (B, T), equal within a document
-    (documents are contiguous runs). What the chosen kernel reads (`kernel`: see
-    `document_kernel`) is built once per forward and shared by every layer; `prepare` builds it
-    before the layers run, so a (compiled, recomputed) layer only reads it."""
+    (documents are contiguous runs), and, when the data made them, flash-attn's offsets
+    (`varlen_offsets`). What the chosen kernel reads (`kernel`: see `document_kernel`) is built
+    once per forward and shared by every layer; `prepare` builds it before the layers run, so a
+    (compiled, recomputed) layer only reads it."""
 
-    def __init__(self, ids: torch.Tensor) -> None:
+    def __init__(
+        self, ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None
+    ) -> None:
         self.ids = ids
         self.kernel: str | None = None
         self._mask: torch.Tensor | None = None
-        self._varlen: tuple[torch.Tensor, int] | None = None
+        self._varlen = None if cu_seqlens is None else (cu_seqlens, max_seqlen)
         self._block_mask: BlockMask | None = None
 
     def prepare(self, implementation: str) -> Documents:
@@ -118,47 +129,52 @@ class Documents:
         return torch.where(self.firsts(), index, 0).cummax(dim=1).values
 
     def varlen(self) -> tuple[torch.Tensor, int]:
-        """flash-attn's (cu_seqlens, max_seqlen) over the flattened (B * T) tokens: every document
-        of every row is its own sequence. cu_seqlens int32 on the ids' device, max_seqlen an int."""
-        if self._varlen is not None:
-            return self._varlen
-        B, T = self.ids.shape
-        first = self.firsts().reshape(-1).nonzero().squeeze(-1)
-        cu = torch.cat([first, torch.tensor([B * T], device=first.device)]).to(torch.int32)
-        self._varlen = cu, int((cu[1:] - cu[:-1]).max())
+        """flash-attn's (cu_seqlens, max_seqlen): the data's; for a caller that passed document ids
+        alone, derived from them here (`varlen_offsets`, which reads the ids back: a host sync)."""
+        if self._varlen is None:
+            self._varlen = varlen_offsets(self.ids)
         return self._varlen
 
     def block_mask(self) -> BlockMask:
-        """FlexAttention's mask: query q sees key k iff start[q] <= k <= q. Built from the (B, T)
-        document starts at tile level -- (B, 1, T/128, T/128) -- never as a T x T tensor: a tile
-        is skipped when its keys all precede its queries' documents, full (no mask evaluated)
-        when every key precedes every query and lies inside all their documents."""
-        if self._block_mask is not None:
-            return self._block_mask
-        B, T = self.ids.shape
-        n = -(-T // FLEX_BLOCK)
-        start = F.pad(self.starts(), (0, n * FLEX_BLOCK - T))  # padded rows/columns are never read back
-        tile = torch.arange(n, device=self.ids.device)
-        first, last = tile * FLEX_BLOCK, ((tile + 1) * FLEX_BLOCK).clamp(max=T) - 1  # each tile's tokens
-        q_tile, kv_tile = tile[:, None], tile[None, :]
-        # (B, n, n): some query of the tile sees some key of the tile / every query every key
-        some = (kv_tile <= q_tile) & (start[:, first, None] <= last[None, None, :])
-        full = (kv_tile < q_tile) & (start[:, last, None] <= first[None, None, :])
-        partial = some & ~full
-
-        def ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            # per query tile: how many key tiles, and their indices first (stable: ascending)
-            count = tiles.sum(-1, dtype=torch.int32)[:, None]  # (B, 1, n)
-            order = tiles.to(torch.int32).argsort(dim=-1, descending=True, stable=True)
-            return count, order.to(torch.int32)[:, None]  # (B, 1, n, n)
-
-        def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-            return (kv <= q) & (kv >= start[b, q])
-
-        self._block_mask = BlockMask.from_kv_blocks(
-            *ordered(partial), *ordered(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(T, T)
-        )
+        """FlexAttention's mask: query q sees key k iff start[q] <= k <= q (`range_block_mask`)."""
+        if self._block_mask is None:
+            self._block_mask = range_block_mask(self.starts(), causal=True)
         return self._block_mask
+
+
+def range_block_mask(first: torch.Tensor, causal: bool) -> BlockMask:
+    """FlexAttention's mask for rows of queries that each see one range of keys: query q sees key
+    k iff first[b, q] <= k, and k <= q when `causal`. `first` (B, Q) nondecreasing in q (packed
+    documents: the first key of each query's document; Q means none), over as many keys as
+    queries. Built at tile level -- (B, 1, Q/128, Q/128) -- never as a Q x Q tensor: a tile is
+    skipped when no query of it sees a key of it, full (no mask evaluated) when every query sees
+    every key."""
+    B, T = first.shape
+    n = -(-T // FLEX_BLOCK)
+    first = F.pad(first, (0, n * FLEX_BLOCK - T), value=T)  # padded rows/columns are never read back
+    tile = torch.arange(n, device=first.device)
+    lo, hi = tile * FLEX_BLOCK, ((tile + 1) * FLEX_BLOCK).clamp(max=T) - 1  # each tile's tokens
+    q_tile, kv_tile = tile[:, None], tile[None, :]
+    # (B, n, n): some query of the tile sees some key of the tile / every query every key
+    some = first[:, lo, None] <= hi[None, None, :]
+    full = first[:, hi, None] <= lo[None, None, :]
+    if causal:
+        some, full = some & (kv_tile <= q_tile), full & (kv_tile < q_tile)
+    partial = some & ~full
+
+    def ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # per query tile: how many key tiles, and their indices first (stable: ascending)
+        count = tiles.sum(-1, dtype=torch.int32)[:, None]  # (B, 1, n)
+        order = tiles.to(torch.int32).argsort(dim=-1, descending=True, stable=True)
+        return count, order.to(torch.int32)[:, None]  # (B, 1, n, n)
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        seen = kv >= first[b, q]
+        return seen & (kv <= q) if causal else seen
+
+    return BlockMask.from_kv_blocks(
+        *ordered(partial), *ordered(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(T, T)
+    )
 
 
 def _flash_dtype(q: torch.Tensor) -> torch.dtype:
@@ -201,166 +217,20 @@ def _compiled_flex():  # noqa: ANN202 (a compiled callable)
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents) -> torch.Tensor:
-    fn = _compiled_flex() if q.device.type == "cuda" else flex_attention  # CPU: forward-only tests
-    return fn(q, k, v, block_mask=documents.block_mask(), enable_gqa=q.size(1) != k.size(1))
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, **options: Any) -> Any:
+    """FlexAttention under `block_mask`, grouped-query K/V as they are (`options`: flex_attention's
+    own, e.g. ``scale``, ``return_lse``); compiled on a GPU, eager on CPU (forward-only there:
+    torch 2.13 has no CPU backward for it)."""
+    fn = _compiled_flex() if q.device.type == "cuda" else flex_attention
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=q.size(1) != k.size(1), **options)
 
 
-# query rows per call of the CPU flash kernel in `causal_cpu`. fwd+bwd, B=4, one thread, torch
-# 2.13, AMD EPYC, as a share of one causal call: 5 heads / 1 kv head at T=256: 0.77 (chunks of
-# 32: 0.78, 128: 0.90); 6 / 2 at 256: 0.77; 3 / 3 at 256: 0.89; 5 / 1 at 512: 0.64. With a
-# documents' mask (two threads), 9 heads / 3 kv at T=1024: 0.61 of one masked call, 512: 0.64
-CPU_CAUSAL_CHUNK = 64
-# keys per tile of the CPU kernel: a causal call skips the tiles wholly past its queries and
-# nothing within one, so only up to one tile is all of it wasted. Longer, chunks measured 0.88-1.03
-# of one call at T=1024 and 1.15-1.27 at 2048-4096 (B=1-4, 4-9 heads): causal attention chunks
-# only up to here
-CPU_FLASH_KEY_TILE = 512
-CPU_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what PyTorch's CPU flash kernel takes
-
-
-def cpu_flash(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    bias: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch's CPU flash-attention kernel, the one SDPA runs on CPU, called directly for what
-    SDPA does not return: (B, H, L, D) output and (B, H, L) log-sum-exp. Keys and values may have
-    fewer heads (grouped-query attention, mapped by the kernel); `causal` is top-left aligned (query
-    i sees keys j <= i); `bias` is additive, (L, S) or broadcastable to (B, H, L, S)."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, attn_mask=bias, scale=scale
-    )
-
-
-def cpu_flash_backward(
-    grad: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    causal: bool,
-    bias: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`cpu_flash`'s gradients (dq, dk, dv) from the forward's output and log-sum-exp. The kernel
-    reads `grad` and `out` through their strides (its own output is (B, L, H, D) in memory):
-    a chunk of rows or a transposed view needs no copy."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad,
-        q,
-        k,
-        v,
-        out,
-        lse.contiguous(),
-        0.0,
-        causal,
-        attn_mask=bias,
-        scale=scale,
-    )
-
-
-def additive_mask(sees: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool mask (True: the key is seen) as the additive bias the fused kernels take: 0 where
-    seen, -inf where not."""
-    return torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill_(~sees, float("-inf"))
-
-
-def _chunk_bias(
-    start: int, stop: int, like: torch.Tensor, allowed: torch.Tensor | None
-) -> torch.Tensor | None:
-    """Additive mask of queries [start, stop) over keys [0, stop): query i sees key j <= i, or
-    what `allowed` ((B, 1, T, T) bool, causal already) says. None for the first chunk without
-    documents, whose top-left causal call is already right."""
-    if allowed is not None:
-        sees = allowed[:, :, start:stop, :stop]
-    elif start == 0:
-        return None
-    else:
-        sees = torch.ones(stop - start, stop, dtype=torch.bool, device=like.device).tril(start)
-    return additive_mask(sees, like.dtype)
-
-
-class _ChunkedCausal(torch.autograd.Function):
-    """`causal_cpu`: one CPU flash call per chunk of queries, over the keys up to the chunk's last
-    query (with documents, their mask's rows and columns for that chunk). Each chunk's output is
-    written into one (B, T, H, D) buffer, the layout the kernel itself returns (heads then merge
-    without a copy), which is also what backward reads: the same tensors held as one SDPA call's.
-    Key and value gradients are summed over chunks in fp32."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, chunk: int
-    ) -> torch.Tensor:
-        B, H, T, D = q.shape
-        y = q.new_empty(B, T, H, D).transpose(1, 2)  # (B, H, T, D), tokens before heads in memory
-        lses = []
-        for start in range(0, T, chunk):
-            stop = min(start + chunk, T)
-            bias = _chunk_bias(start, stop, q, allowed)
-            out, lse = cpu_flash(q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], bias is None, bias)
-            y[:, :, start:stop] = out
-            lses.append(lse)
-        ctx.save_for_backward(q, k, v, allowed, y, *lses)
-        ctx.chunk = chunk
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
-        q, k, v, allowed, y, *lses = ctx.saved_tensors
-        dq = torch.empty_like(q)
-        dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (k, v))  # summed over chunks in fp32
-        for start, lse in zip(range(0, q.shape[2], ctx.chunk), lses, strict=True):
-            stop = min(start + ctx.chunk, q.shape[2])
-            bias = _chunk_bias(start, stop, q, allowed)
-            rows, keys = slice(start, stop), slice(0, stop)
-            gq, gk, gv = cpu_flash_backward(
-                grad[:, :, rows],
-                q[:, :, rows],
-                k[:, :, keys],
-                v[:, :, keys],
-                y[:, :, rows],
-                lse,
-                bias is None,
-                bias,
-            )
-            dq[:, :, rows] = gq
-            dk[:, :, keys] += gk
-            dv[:, :, keys] += gv
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
-
-
-def causal_cpu(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    allowed: torch.Tensor | None = None,
-    chunk: int = CPU_CAUSAL_CHUNK,
-) -> torch.Tensor:
-    """Causal attention on CPU in chunks of `chunk` queries (module doc): (B, H, T, D) queries,
-    (B, kv_heads, T, D) keys and values -> (B, H, T, D), SDPA's result; `allowed` (B, 1, T, T)
-    bool: packed documents' mask (`Documents.mask`), None for plain causal attention."""
-    if q.shape[2] <= chunk:
-        gqa = q.size(1) != k.size(1)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, is_causal=allowed is None, enable_gqa=gqa
-        )
-    return _ChunkedCausal.apply(q, k, v, allowed, chunk)
-
-
-def _chunked_causal_applies(q: torch.Tensor, implementation: str, documents: Documents | None) -> bool:
-    """SDPA on CPU, eager, where one call wastes work: with a documents' mask (a masked call visits
-    every key), or causal within one key tile (longer, the kernel's own tiles skip most of it)."""
-    cpu_sdpa = implementation == "sdpa" and q.device.type == "cpu" and q.dtype in CPU_FLASH_DTYPES
-    if not cpu_sdpa or torch.compiler.is_compiling():  # inductor lowers SDPA itself
-        return False
-    if documents is not None:
-        return documents.kernel == "dense"
-    return q.shape[2] <= CPU_FLASH_KEY_TILE
+def sdpa_maps_kv_heads(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether the kernel SDPA picks for these queries maps grouped-query K/V heads itself. The
+    flash kernels do (CUDA's, for fp16/bf16 without a mask; the CPU's); CUDA's memory-efficient
+    kernel, which fp32 (`32-true`) and masks get, does not, and SDPA would fall to its math kernel
+    (fp32 (B, heads, T, T) scores): for it K/V are copied to the query heads (O(T) memory)."""
+    return q.device.type != "cuda" or (q.dtype in FLASH_DTYPES and mask is None)
 
 
 def attend(
@@ -371,12 +241,10 @@ def attend(
     if documents is not None and documents.kernel is None:
         documents.prepare(implementation)
     if documents is not None and documents.kernel == "flex":
-        return _flex(q, k, v, documents)
+        return flex(q, k, v, documents.block_mask())
     mask = documents.mask() if documents is not None else None
-    if _chunked_causal_applies(q, implementation, documents):
-        return causal_cpu(q, k, v, mask)
     r = q.size(1) // k.size(1)
-    if implementation == "sdpa" and _SDPA_HAS_GQA:
+    if implementation == "sdpa" and _SDPA_HAS_GQA and sdpa_maps_kv_heads(q, mask):
         # sdpa maps query head h to kv head h // r itself, without materialising copies of k, v.
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=r > 1

@@ -39,7 +39,8 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = 
     The inputs are already aligned (logits at t predict labels at t: the caller shifted the
     labels and put -100 where nothing is predicted). Computed in fp32 as HF does.
     The tensor-parallel strategy swaps `LlamaForCausalLM.loss_fn` for a vocab-parallel version
-    with this same signature.
+    with this same signature (and a `head_loss(head, hidden, labels, reduction)` that the model's
+    loss calls instead, running the sharded head and the loss in token chunks).
     """
     logits, labels = logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1)
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction=reduction)
@@ -250,15 +251,18 @@ class LlamaModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ) -> torch.Tensor:
         """`hidden_states` replaces the embedding's output (a pipeline stage's input); a module a
         pipeline split removed (None) is skipped, so one forward serves every stage.
-        `document_ids` (B, T) keep packed documents apart (attention stays inside a document)."""
+        `document_ids` (B, T) keep packed documents apart (attention stays inside a document);
+        `cu_seqlens` / `max_seqlen`, their offsets for flash-attn (`attention.varlen_offsets`)."""
         x = self.embed_tokens(input_ids) if hidden_states is None else hidden_states  # (B, T, C)
         cos, sin = self.rotary_tables(input_ids.shape, position_ids, x)
         documents = None
         if document_ids is not None:  # built here, once, not inside a (compiled) layer
-            documents = self.attention_backend.prepare(Documents(document_ids))
+            documents = self.attention_backend.prepare(Documents(document_ids, cu_seqlens, max_seqlen))
         for layer in self.layers:
             x = layer(x, cos, sin, documents)
         return x if self.norm is None else self.norm(x)
@@ -355,17 +359,23 @@ class LlamaForCausalLM(nn.Module):
         hidden_states: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         target_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ) -> torch.Tensor:
         """Without a head (a pipeline stage before the last) returns the hidden states (B, T, C).
         With `document_ids` packed documents do not see each other, and (``labels=``) the last
-        token of a document is not asked to predict the next document's first. `labels` (aligned
-        with input_ids, HF's meaning) or `target_ids` (already shifted): see the class docstring."""
+        token of a document is not asked to predict the next document's first; `cu_seqlens` and
+        `max_seqlen` are their flash-attn offsets, made with the batch (`data.document_fields`).
+        `labels` (aligned with input_ids, HF's meaning) or `target_ids` (already shifted): see the
+        class docstring."""
         if labels is not None and target_ids is not None:
             raise ValueError(
                 "pass labels= (aligned with input_ids, shifted by the model) or target_ids= (already "
                 "shifted), not both"
             )
-        h = self.model(input_ids, position_ids, hidden_states, document_ids)  # (B, T, C)
+        h = self.model(
+            input_ids, position_ids, hidden_states, document_ids, cu_seqlens, max_seqlen
+        )  # (B, T, C)
         if self.lm_head is None:
             return h
         if labels is None and target_ids is None:
@@ -376,7 +386,9 @@ class LlamaForCausalLM(nn.Module):
         if self.loss_fn is causal_lm_loss and type(self.lm_head) is nn.Linear:
             # the plain head and loss: fused over token chunks, the logits never held (fused_loss.py)
             loss_sum = linear_cross_entropy(h, self.lm_head.weight, target_ids, reduction="sum")
-        else:  # e.g. tensor parallelism's vocab-parallel loss
+        elif hasattr(self.loss_fn, "head_loss"):  # a loss that runs the head itself (tensor parallelism's)
+            loss_sum = self.loss_fn.head_loss(self.lm_head, h, target_ids, reduction="sum")
+        else:
             loss_sum = self.loss_fn(self.lm_head(h), target_ids, reduction="sum")
         if divisor is None:
             divisor = (target_ids != IGNORE_INDEX).sum()  # the plain mean (NaN with no valid target)

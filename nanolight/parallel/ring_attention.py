@@ -6,37 +6,35 @@ next rank of the ring and receives the previous rank's, `cp` blocks in all, post
 exchange before it computes on the current block. Each block gives a partial result and its
 row-wise log-sum-exp; partials merge exactly by the log-sum-exp rule, so the output equals
 attention over the whole sequence. The backward pass rotates K/V again and sends each block's
-key/value gradients around with it, so they arrive back at the block's owner.
+key/value gradients around with it, so they arrive back at the block's owner; each step adds
+its share and posts the sum on, waiting for the previous rank's only after its own kernels ran.
 
 Causal load balance (zigzag): the sequence is cut into 2·cp chunks and rank r holds chunks r and
 2·cp−1−r (`zigzag_shard`), so every rank has the same share of the causal triangle. Positions
 (for RoPE and the mask) are global (`zigzag_positions`). Grouped-query attention rotates only
-the kv heads. Packed documents stay apart across chunk boundaries: each rank's document ids are
-all-gathered once per forward (`prepare`), and a block's mask compares them.
+the kv heads, and the kernels map them to the query heads (no copy per head). Packed documents
+stay apart across chunk boundaries: each rank's document ids are all-gathered once per forward
+(`prepare`), and each query of a block sees one range of its keys (`_first_keys`).
 
-The block kernel is exact attention in fp32 with the softmax statistics kept (one (c × c) score
-tile per chunk pair, c = T/(2·cp)); pairs wholly in the future are skipped, pairs wholly in the
-past need no causal mask. Every exchange goes through `p2p.post` (NCCL's batched p2p rules).
+Each block (chunk pair, c = T/(2·cp) tokens) runs the fused kernel the device has, returning the
+softmax statistics (`parallel/ring_kernels.py`). Pairs wholly in the future are skipped, pairs
+wholly in the past need no causal mask. Autocast is off
+inside the ring: forward and backward compute in the dtype q, k, v arrive in. Every exchange
+goes through `p2p.post` (NCCL's batched p2p rules).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from nanolight.models.attention import (
-    CPU_FLASH_DTYPES,
-    Documents,
-    additive_mask,
-    cpu_flash,
-    cpu_flash_backward,
-)
+from nanolight.models.attention import Documents
 from nanolight.parallel.p2p import post
+from nanolight.parallel.ring_kernels import Block, block_kernel
 
 
 def zigzag_chunks(rank: int, cp: int) -> tuple[int, int]:
@@ -139,8 +137,8 @@ class RingAttention:
         self, step: int, ring_ids: torch.Tensor | None, T: int
     ) -> list[tuple[slice, slice, bool, torch.Tensor | None]]:
         """At ring step `step` (holding the K/V of rank `rank - step`): the (query half, key half,
-        causal, documents' mask) blocks to compute. Key chunks wholly in a query chunk's future
-        are left out, the diagonal one is causal, the rest see every key but other documents'."""
+        causal, first visible key) blocks to compute. Key chunks wholly in a query chunk's future
+        are left out, the diagonal one is causal, the rest see every key of their document."""
         src = (self.rank - step) % self.cp
         c = T // 2
         q_chunks, k_chunks = zigzag_chunks(self.rank, self.cp), zigzag_chunks(src, self.cp)
@@ -150,146 +148,22 @@ class RingAttention:
                 if kc > qc:
                     continue
                 qs, ks = slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c)
-                same = None
-                if ring_ids is not None:  # (B, 1, c, c): the same document
-                    same = (ring_ids[self.rank][:, qs, None] == ring_ids[src][:, None, ks])[:, None]
-                blocks.append((qs, ks, kc == qc, same))
+                first = None
+                if ring_ids is not None:
+                    first = _first_keys(ring_ids[self.rank][:, qs], ring_ids[src][:, ks], kc == qc)
+                blocks.append((qs, ks, kc == qc, first))
         return blocks
 
 
-# --- block kernels: one (query chunk, key chunk) block -> its output and log-sum-exp ------------
-
-
-def _visible(causal: bool, same: torch.Tensor | None, c: int, device: torch.device) -> torch.Tensor | None:
-    """(B or 1, 1, c, c) bool: which keys each query sees, None when all of them."""
-    mask = torch.ones(c, c, dtype=torch.bool, device=device).tril()[None, None] if causal else None
-    if same is not None:
-        mask = same if mask is None else same & mask
-    return mask
-
-
-@dataclass
-class Block:
-    """One (query chunk, key chunk) block: (B, H, c, D) q, k, v (kv heads already expanded),
-    whether it is the causal diagonal, the documents' mask (None: one document) and the scale."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    causal: bool
-    same: torch.Tensor | None
-    scale: float
-
-
-class MathKernel:
-    """Exact attention with the scores written out in fp32: any device, dtype and mask. The
-    reference the fused kernels are tested against, and the fallback where none applies."""
-
-    def forward(self, b: Block) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v, causal, same, scale = b.q, b.k, b.v, b.causal, b.same, b.scale
-        """fp32 (B, H, c, D) output and (B, H, c) log-sum-exp; -inf for a row that sees no key."""
-        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-        mask = _visible(causal, same, q.shape[2], q.device)
-        if mask is not None:
-            s = s.masked_fill(~mask, float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-        return torch.matmul(p, v.float()), lse
-
-    def backward(
-        self, b: Block, do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v, causal, same, scale = b.q, b.k, b.v, b.causal, b.same, b.scale
-        """fp32 dq, dk, dv of one block, given the merged output and log-sum-exp of the whole row."""
-        qf, kf, vf, do = q.float(), k.float(), v.float(), do.float()
-        p = torch.exp(torch.matmul(qf, kf.transpose(-1, -2)) * scale - lse[..., None])
-        mask = _visible(causal, same, q.shape[2], q.device)
-        if mask is not None:
-            p = p.masked_fill(~mask, 0.0)
-        delta = (do * out.float()).sum(-1, keepdim=True)  # rowsum(dO * O): softmax's backward correction
-        ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - delta)
-        return (
-            torch.matmul(ds, kf) * scale,
-            torch.matmul(ds.transpose(-1, -2), qf) * scale,
-            torch.matmul(p.transpose(-1, -2), do),
-        )
-
-
-class CpuFlashKernel:
-    """PyTorch's CPU flash-attention kernel (what SDPA runs on CPU), which returns the
-    log-sum-exp and takes it back in its backward: no (c x c) scores held. A row that sees no
-    key comes back with output 0 and log-sum-exp 0; it is set to -inf so the merge ignores it."""
-
-    def forward(self, b: Block) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v, causal, same, scale = b.q, b.k, b.v, b.causal, b.same, b.scale
-        bias = None if same is None else additive_mask(same, q.dtype)
-        out, lse = cpu_flash(q, k, v, causal, bias, scale)
-        if same is not None:
-            sees = _visible(causal, same, q.shape[2], q.device).any(-1)  # (B, 1, c)
-            lse = lse.masked_fill(~sees, float("-inf"))
-        return out.float(), lse
-
-    def backward(
-        self, b: Block, do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v, causal, same, scale = b.q, b.k, b.v, b.causal, b.same, b.scale
-        bias = None if same is None else additive_mask(same, q.dtype)
-        dq, dk, dv = cpu_flash_backward(do.to(q.dtype), q, k, v, out.to(q.dtype), lse, causal, bias, scale)
-        return dq.float(), dk.float(), dv.float()
-
-
-class CudaFlashKernel:
-    """PyTorch's CUDA flash-attention kernel (what SDPA runs for fp16/bf16 without a mask), which
-    returns the log-sum-exp and takes it back in its backward. Blocks with a documents' mask go
-    to `MathKernel` (this kernel takes no mask). The forward's bookkeeping outputs (cumulative
-    lengths, RNG state: unused without dropout) are kept and handed back to the backward, as
-    SDPA's own autograd formula does."""
-
-    def __init__(self) -> None:
-        self._rest: tuple | None = None
-
-    def forward(self, b: Block) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse, cum_q, cum_k, _, _, rng_state, unused, _ = (
-            torch.ops.aten._scaled_dot_product_flash_attention(
-                b.q, b.k, b.v, 0.0, b.causal, False, scale=b.scale
-            )
-        )
-        self._rest = (cum_q, cum_k, rng_state, unused)
-        return out.float(), lse
-
-    def backward(
-        self, b: Block, do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v, causal, scale = b.q, b.k, b.v, b.causal, b.scale
-        cum_q, cum_k, rng_state, unused = self._rest
-        c = q.shape[2]
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            do.to(q.dtype).contiguous(),
-            q,
-            k,
-            v,
-            out.to(q.dtype).contiguous(),
-            lse.contiguous(),
-            cum_q,
-            cum_k,
-            c,
-            c,
-            0.0,
-            causal,
-            rng_state,
-            unused,
-            scale=scale,
-        )
-        return dq.float(), dk.float(), dv.float()
-
-
-def block_kernel(q: torch.Tensor, masked: bool) -> MathKernel | CpuFlashKernel | CudaFlashKernel:
-    """The fused kernel PyTorch has for these inputs, else the exact math one."""
-    if q.device.type == "cpu" and q.dtype in CPU_FLASH_DTYPES:
-        return CpuFlashKernel()
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and not masked:
-        return CudaFlashKernel()
-    return MathKernel()
+def _first_keys(ids_q: torch.Tensor, ids_k: torch.Tensor, diagonal: bool) -> torch.Tensor:
+    """(B, c) int64: the first key of the block that each query sees (c: none), from the document
+    ids of its queries and keys, (B, c) each. Documents are contiguous runs, so the keys a query
+    sees are one range: on the diagonal from its document's start; in a past chunk the chunk's
+    last run of keys, if that is the query's document (it then spans the chunks in between)."""
+    if diagonal:
+        return Documents(ids_q).starts()
+    tail = Documents(ids_k).starts()[:, -1:]  # (B, 1): where the key chunk's last document starts
+    return torch.where(ids_q == ids_k[:, -1:], tail, ids_k.shape[1])
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -300,20 +174,11 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     lse.copy_(new)
 
 
-def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
-    """(B, kv_heads, c, D) -> (B, heads, c, D): query head h reads kv head h // groups."""
-    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
-
-
-def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
-    """The inverse of `_expand` for gradients: sum the query heads that share a kv head."""
-    if groups == 1:
-        return grad
-    B, H, c, D = grad.shape
-    return grad.view(B, H // groups, groups, c, D).sum(2)
-
-
 class _RingAttention(torch.autograd.Function):
+    """Forward and backward run with autocast off: the kernels compute in q, k, v's own dtype
+    (what the projections produced) both ways, with fp32 statistics -- under autocast a forward
+    matmul would run in bf16 while its backward, outside autocast, ran in fp32."""
+
     @staticmethod
     def forward(
         ctx: Any,
@@ -326,48 +191,52 @@ class _RingAttention(torch.autograd.Function):
         B, H, T, D = q.shape
         if T % 2:
             raise ValueError(f"ring attention holds two equal chunks per rank; got {T} local tokens")
-        groups, scale = H // k.shape[1], 1.0 / math.sqrt(D)
+        scale = 1.0 / math.sqrt(D)
         out = torch.zeros(B, H, T, D, dtype=torch.float32, device=q.device)
         lse = torch.full((B, H, T), float("-inf"), dtype=torch.float32, device=q.device)
         kernels = []  # one per block, in order: the backward meets the blocks in the same order
-        for step, kv in ring.around(torch.stack([k, v]).contiguous()):
-            for qs, _, block in _blocks(ring, step, kv, q, groups, ring_ids, scale):
-                kernel = block_kernel(q, block.same is not None)
-                block_out, block_lse = kernel.forward(block)
-                _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
-                kernels.append(kernel)
-        ctx.ring, ctx.ring_ids, ctx.scale, ctx.groups, ctx.kernels = ring, ring_ids, scale, groups, kernels
+        with torch.autocast(q.device.type, enabled=False):
+            for step, kv in ring.around(torch.stack([k, v]).contiguous()):
+                for qs, _, block in _blocks(ring, step, kv, q, ring_ids, scale):
+                    kernel = block_kernel(q, block.first is not None)
+                    block_out, block_lse = kernel.forward(block)
+                    _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
+                    kernels.append(kernel)
+        ctx.ring, ctx.ring_ids, ctx.scale, ctx.kernels = ring, ring_ids, scale, kernels
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        ring, groups = ctx.ring, ctx.groups
-        kernels = iter(ctx.kernels)
+        ring, kernels = ctx.ring, iter(ctx.kernels)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        # the gradients of the K/V block a rank holds travel with it (fp32: summed over the ring)
-        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
-        for step, kv in ring.around(torch.stack([k, v]).contiguous()):
-            dk = torch.zeros(
-                q.shape, dtype=torch.float32, device=q.device
-            )  # expanded kv: q's heads and length
-            dv = torch.zeros_like(dk)
-            for qs, ks, block in _blocks(ring, step, kv, q, groups, ctx.ring_ids, ctx.scale):
-                block_dq, block_dk, block_dv = next(kernels).backward(
-                    block, grad_out[:, :, qs], out[:, :, qs], lse[:, :, qs]
-                )
-                dq[:, :, qs] += block_dq
-                dk[:, :, ks] += block_dk
-                dv[:, :, ks] += block_dv
-            dkv[0] += _fold(dk, groups)
-            dkv[1] += _fold(dv, groups)
-            # the accumulated gradients follow their block to the next rank; after the last step
-            # this send brings each block's gradients home to its owner
-            dkv, works = ring.rotate(dkv)
-            for work in works:
-                work.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        # the gradients of the K/V block a rank holds travel with it (fp32: summed over the ring).
+        # Each step computes its own share first, then waits for the share the previous rank sent
+        # (posted a step earlier), adds it and posts the sum on: the rotation overlaps a step's compute.
+        arriving: tuple[torch.Tensor, list[Any]] | None = None
+        with torch.autocast(q.device.type, enabled=False):
+            for step, kv in ring.around(torch.stack([k, v]).contiguous()):
+                dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
+                for qs, ks, block in _blocks(ring, step, kv, q, ctx.ring_ids, ctx.scale):
+                    block_dq, block_dk, block_dv = next(kernels).backward(
+                        block, grad_out[:, :, qs], out[:, :, qs], lse[:, :, qs]
+                    )
+                    dq[:, :, qs] += block_dq
+                    dkv[0][:, :, ks] += block_dk
+                    dkv[1][:, :, ks] += block_dv
+                if arriving is not None:
+                    received, works = arriving
+                    for work in works:
+                        work.wait()
+                    dkv += received
+                # the accumulated gradients follow their block to the next rank; after the last
+                # step this send brings each block's gradients home to its owner
+                arriving = ring.rotate(dkv)
+        received, works = arriving
+        for work in works:
+            work.wait()
+        return dq.to(q.dtype), received[0].to(k.dtype), received[1].to(v.dtype), None, None
 
 
 def _blocks(
@@ -375,22 +244,10 @@ def _blocks(
     step: int,
     kv: torch.Tensor,
     q: torch.Tensor,
-    groups: int,
     ring_ids: torch.Tensor | None,
     scale: float,
 ) -> Iterator[tuple[slice, slice, Block]]:
     """The blocks of ring step `step`, whose K/V (2, B, kv_heads, T, D) this rank holds now."""
-    k, v = _expand(kv[0], groups), _expand(kv[1], groups)
-    for qs, ks, causal, same in ring.pairs(step, ring_ids, q.shape[2]):
-        yield (
-            qs,
-            ks,
-            Block(
-                q[:, :, qs].contiguous(),
-                k[:, :, ks].contiguous(),
-                v[:, :, ks].contiguous(),
-                causal,
-                same,
-                scale,
-            ),
-        )
+    for qs, ks, causal, first in ring.pairs(step, ring_ids, q.shape[2]):
+        k, v = (kv[i][:, :, ks].contiguous() for i in (0, 1))
+        yield qs, ks, Block(q[:, :, qs].contiguous(), k, v, causal, first, scale)

@@ -108,6 +108,8 @@ class CausalLMPretrain(NanoModule):
             batch["input_ids"],
             position_ids=batch.get("position_ids"),
             document_ids=batch.get("document_ids"),
+            cu_seqlens=batch.get("cu_seqlens"),
+            max_seqlen=batch.get("max_seqlen"),
             **targets,
         )
 

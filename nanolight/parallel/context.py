@@ -29,6 +29,7 @@ world-wide work at start-up is O(number of partitions), not O(world) (`scripts/b
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nanolight.parallel.agreement import Agreed, PendingStoreMax, StoreAgreements
 from nanolight.parallel.config import ParallelConfig
 
 MESH_DIMS = ("dp", "cp", "pp", "tp")  # outermost first: tp's ranks are adjacent global ranks
@@ -143,15 +145,17 @@ class ParallelContext:
             # group's first operation has all its ranks (torch's rule for a first
             # batch_isend_irecv; under NCCL it creates the group's communicator with all of them)
             dist.all_reduce(torch.zeros(1, device=self.device), group=self.pp_p2p_group)
-        # Host-side agreements (pre-emption flags, picklable objects) travel on the CPU: a gloo
-        # group over the whole world, also when the world itself is gloo, so that the device
-        # groups carry the same operations on CPU as on GPUs. Not the rendezvous store: under
-        # torchrun the agent hosts it, and workers whose agent was killed must still agree to save
-        # (tests/test_faults_distributed.py).
+        # Host-side exchanges (picklable objects) travel on the CPU: a gloo group over the whole
+        # world, also when the world itself is gloo, so that the device groups carry the same
+        # operations on CPU as on GPUs. Not the rendezvous store: under torchrun the agent hosts
+        # it, and workers whose agent was killed must still agree to save
+        # (tests/test_faults_distributed.py). The per-step agreements use a store rank 0 hosts
+        # (`agreement.py`), made at the first `start_max`.
         # (torch's fake world, a simulated rank of a large one that counts set-up, has no peers to
         # reach over gloo: its host group is fake too)
         host = "fake" if self.backend == "fake" else "gloo"
         self.host_group = dist.new_group(backend=host, timeout=timeout)
+        self._agreements: StoreAgreements | None = None
 
     @classmethod
     def from_config(
@@ -279,12 +283,16 @@ class ParallelContext:
 
     def start_max(
         self, value: int, guard: Callable[[], AbstractContextManager] = nullcontext
-    ) -> Agreed | PendingMax:
-        """Start agreeing on the maximum of `value` over every rank, on the host (no device
-        sync); ``.wait()`` gives it. One process: already agreed, no collective."""
+    ) -> Agreed | PendingStoreMax:
+        """Start agreeing on the maximum of `value` (>= 0) over every rank, on the host (no device
+        sync, O(1) requests per rank: `agreement.py`); ``.wait()`` gives it. One process: already
+        agreed. The first call on each rank is collective: it hands rank 0's store address round."""
         if self.world_size == 1:
             return Agreed(value)
-        return PendingMax(value, self.host_group, guard)  # all ranks send an int, get the max
+        if self._agreements is None:
+            share = functools.partial(self.broadcast_object, src=0, guard=guard)
+            self._agreements = StoreAgreements.hosted(self.global_rank, self.world_size, share, self.timeout)
+        return self._agreements.start(value, guard)  # one add (and a rare compare-and-set) per rank
 
     def broadcast_object(
         self, obj: Any, src: int = 0, guard: Callable[[], AbstractContextManager] = nullcontext
@@ -313,50 +321,3 @@ class ParallelContext:
         """Tear down every group (and the world); call once at the end of the process."""
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-# Agreeing on a small integer over every rank without stalling the device or the step.
-#
-# Why: a question every rank must answer alike every step (pre-emption: "did a signal reach any
-# rank, and which?") is an all-reduce of one integer. Done on the device under NCCL, reading the
-# answer (``.item()``) makes the host wait for every kernel queued before it, once per step. So
-# the answer travels on the host: an all-reduce of a CPU tensor over a gloo group
-# (`ParallelContext.host_group`), started without waiting (``async_op=True``) and waited for later,
-# typically at the next step, by when it has long arrived. Reading a CPU tensor is no device sync;
-# it is read with ``.numpy()``, which a device tensor refuses, so the box cannot silently move to
-# the GPU and bring the sync back.
-
-
-class Agreed:
-    """An agreement already complete (one process: nothing to exchange)."""
-
-    def __init__(self, value: int) -> None:
-        self.value = value
-
-    def wait(self) -> int:
-        return self.value
-
-
-class PendingMax:
-    """The maximum of each rank's `value`, all-reduced over `group` (a gloo group), in flight
-    until `wait`. `guard` wraps the start and the wait (e.g. a
-    heartbeat watch that names a silent peer)."""
-
-    def __init__(
-        self, value: int, group: Any = None, guard: Callable[[], AbstractContextManager] = nullcontext
-    ) -> None:
-        self.guard = guard
-        self.box = torch.tensor([value], dtype=torch.int64)  # on the host, always
-        with guard():
-            # every rank of `group` (the whole world) sends its integer; all receive the maximum
-            self.work: Any = dist.all_reduce(self.box, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        self.value: int | None = None
-
-    def wait(self) -> int:
-        """The agreed value (the same on every rank); waits only if it has not arrived yet."""
-        if self.value is None:
-            with self.guard():
-                self.work.wait()
-            self.work = None  # let go of gloo's work object (and its hold on the box) at once
-            self.value = int(self.box.numpy()[0])  # a host tensor: no device sync
-        return self.value

@@ -352,7 +352,7 @@ def report(m: dict[str, Any], seq_len: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--presets", nargs="+", default=["smollm-135m", "smollm-1.7b"])
+    p.add_argument("--presets", nargs="*", default=["smollm-135m", "smollm-1.7b"])
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--worlds", nargs="*", type=int, default=[8, 64, 1024, 4096])
     p.add_argument("--thread-worlds", nargs="*", type=int, default=[8, 64, 256])

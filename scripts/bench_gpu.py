@@ -195,11 +195,21 @@ def is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err)
 
 
-def plan(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
-    """(impl, compiled, recompute) in the order they run: the peers first, compiled before eager."""
+def plan(args: argparse.Namespace) -> list[tuple[str, bool, str, str]]:
+    """(impl, compiled, recompute, precision) in the order they run: the peers first, compiled
+    before eager. `--headline`: nanolight first (its figures stand whatever the time limit cuts),
+    compiled ("both": on), nothing recomputed -- at its own precision, then at the peer's, then the
+    peer: the ratio compares one precision."""
     compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
-    runs = [("transformers", c, "none") for c in compiles]
-    runs += [("nanolight", c, ac) for c in sorted(compiles, reverse=True) for ac in args.recompute]
+    if args.headline:
+        compiled = compiles[-1]
+        precisions = dict.fromkeys([args.precision, args.peer_precision])
+        runs = [("nanolight", compiled, "none", p) for p in precisions]
+        return [*runs, ("transformers", compiled, "none", args.peer_precision)]
+    runs = [("transformers", c, "none", args.peer_precision) for c in compiles]
+    runs += [
+        ("nanolight", c, ac, args.precision) for c in sorted(compiles, reverse=True) for ac in args.recompute
+    ]
     return runs
 
 
@@ -225,8 +235,7 @@ def bench_model(
     config = LlamaConfig.preset(preset, attn_implementation=args.attn)
     mb = args.micro_batch or DEFAULT_MICRO_BATCH.get(preset, 2)
     results: list[Result] = []
-    for impl, compiled, recompute in plan(args):
-        precision = args.precision if impl == "nanolight" else args.peer_precision
+    for impl, compiled, recompute, precision in plan(args):
         r = Result(preset, impl, compiled, recompute, precision, mb)
         started = time.perf_counter()
         if not limit.allows_another():
@@ -273,7 +282,8 @@ def ratios(results: list[Result]) -> None:
         peers = {r.compiled: r for r in mine if r.impl == "transformers"}
         ours = [r for r in mine if r.impl == "nanolight"]
         for compiled, peer in peers.items():
-            same = next((r for r in ours if r.compiled == compiled and r.recompute == "none"), None)
+            alike = [r for r in ours if r.compiled == compiled and r.recompute == "none"]
+            same = next((r for r in alike if r.precision == peer.precision), alike[0] if alike else None)
             if same:
                 print(f"{preset}: nanolight/transformers, compile {'on' if compiled else 'off'}, "
                       f"nothing recomputed ({same.precision} vs {peer.precision}): "
@@ -307,6 +317,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
         help="seconds for the whole benchmark: a run that would end later is skipped",
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--headline", action="store_true",
+                   help="nanolight first, then transformers at the same precision; compiled, nothing recomputed")  # fmt: skip
     args = p.parse_args(argv)
     device = torch.device(args.device)
     args.recompute = args.recompute.split(",")

@@ -1,15 +1,19 @@
-"""Every check that needs a GPU, in one prepared run, then the benchmark: the whole run within
-``--budget`` seconds (default 450: under 8 minutes with the start-up).
+"""The headline figure first, then every check that needs a GPU, in one prepared run: the whole
+run within ``--budget`` seconds (default 450: under 8 minutes with the start-up).
 
     python scripts/gpu_check.py                  # on a CUDA machine; exit status 1 if any check failed
     python scripts/gpu_check.py --cpu-dry-run    # the checks that make sense on a CPU, tiny sizes, no
                                                  # benchmark: proves this script's code paths (a test runs it)
 
-The CPU test suite cannot see what only CUDA does: a host sync inside a training step, flash-attn's
-kernels, inductor's code, the fused AdamW kernel. Each check prints one line -- PASS / FAIL / SKIP,
-its name, the number it measured and what was compared -- then `scripts/bench_gpu.py` runs with
-what is left of the budget as its ``--time-limit`` (it starts a run only if it would end in time),
-killed if it still overruns.
+A lent GPU may be lent for minutes only, so what it is lent for comes first: `scripts/bench_gpu.py
+--headline` -- nanolight, then transformers at the same precision, each compiled, on smollm-1.7b
+then smollm-360m: tokens/s and MFU over timed steps after untimed warm-ups (compilation happens in
+those) -- in `HEADLINE_SHARE` of the budget as its ``--time-limit`` (it starts a run only if it would
+end in time; killed if it still overruns). Each row is printed as it finishes, so whatever the
+budget cuts later, the figures printed stand. Then the checks: the CPU test suite cannot see what
+only CUDA does (a host sync inside a training step, flash-attn's kernels, inductor's code, the
+fused AdamW kernel); each prints one line as it finishes -- PASS / FAIL / SKIP, its name, the
+number it measured and what was compared.
 
 - sync-free step: the model's train step (forward, backward, clipping, fused AdamW) under
   ``torch.cuda.set_sync_debug_mode("error")``, with packed documents; and, when the trainer's
@@ -428,13 +432,17 @@ def planned_run(checks: Checks, preset: str, seq_len: int) -> tuple[Any, int, in
 
 
 BENCH_START_UP = 45.0  # seconds: the interpreter, CUDA and transformers' import before the first run
+HEADLINE_SHARE = 0.55  # of the budget: the headline's; the checks run in the rest
+HEADLINE_PRESETS = ("smollm-1.7b", "smollm-360m")  # the first: the MFU target's model
 
 
 def run_bench(checks: Checks, left: float) -> None:
-    """`scripts/bench_gpu.py` in what is `left` of the budget: its time limit leaves room for its
-    start-up; past the budget it is killed (a FAIL: the run overran)."""
+    """`scripts/bench_gpu.py --headline` in `left` seconds: its time limit leaves room for its
+    start-up; past them it is killed (a FAIL: the run overran)."""
     limit = max(0.0, left - BENCH_START_UP)
-    bench = [sys.executable, str(REPO / "scripts" / "bench_gpu.py"), "--time-limit", f"{limit:.0f}"]
+    presets = [arg for preset in HEADLINE_PRESETS for arg in ("--preset", preset)]
+    bench = [sys.executable, str(REPO / "scripts" / "bench_gpu.py"), "--headline", "--compile", "on", *presets,
+             "--time-limit", f"{limit:.0f}"]  # fmt: skip
     print(f"$ {' '.join(bench)}", flush=True)
     start = time.perf_counter()
     try:
@@ -457,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--budget", type=float, default=450.0, help="seconds for the whole run, benchmark included"
     )
-    p.add_argument("--no-bench", action="store_true", help="the checks only")
+    p.add_argument("--no-bench", action="store_true", help="the checks only, no headline")
     args = p.parse_args(argv)
     start = time.perf_counter()
     if not args.cpu_dry_run and not torch.cuda.is_available():
@@ -467,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     checks = Checks(device, args.seq_len or (32 if args.cpu_dry_run else 1024), args.cpu_dry_run)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)"
     print(f"gpu_check on {name}, torch {torch.__version__}, T={checks.seq_len}", flush=True)
+    if not (args.cpu_dry_run or args.no_bench):
+        run_bench(checks, HEADLINE_SHARE * args.budget - (time.perf_counter() - start))
     checks.run("sync-free model step", checks.sync_free_model)
     checks.run("sync-free trainer steps", lambda: checks.sync_free_trainer("bf16-mixed"))
     checks.run("sync-free trainer master", lambda: checks.sync_free_trainer("bf16-master"))
@@ -479,8 +489,6 @@ def main(argv: list[str] | None = None) -> int:
     checks.run("bf16-master vs bf16-mixed", checks.bf16_master)
     for preset in ("smollm-tiny",) if args.cpu_dry_run else ("smollm-135m", "smollm-360m"):
         checks.run(f"planner {preset}", lambda preset=preset: checks.planner(preset))
-    if not (args.cpu_dry_run or args.no_bench):
-        run_bench(checks, args.budget - (time.perf_counter() - start))
     verdict = (
         f"{len(checks.failed)} failed: {', '.join(checks.failed)}" if checks.failed else "every check passed"
     )

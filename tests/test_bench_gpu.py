@@ -142,3 +142,21 @@ def test_the_time_limit_skips_a_run_that_would_end_past_it() -> None:
     assert limit.allows_another()
     limit.record(3600.0)  # a run of an hour would not end in time
     assert not limit.allows_another()
+
+
+def test_the_headline_runs_nanolight_first_and_compares_one_precision() -> None:
+    """`--headline` (what gpu_check runs first on a lent GPU): nanolight's rows before the peer's,
+    so a time limit that cuts the run still leaves nanolight's figures; the ratio is taken at the
+    peer's precision, not bf16-master against bf16-mixed."""
+    args = ["--device", "cpu", "--preset", "smollm-tiny", "--seq-len", "32", "--micro-batch", "1",
+            "--steps", "1", "--warmup", "1", "--compile", "off", "--headline"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", RUN, *args], capture_output=True, text=True, timeout=300,
+                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("smollm-tiny  ")]
+    assert [(r[1], r[4]) for r in rows] == [
+        ("nanolight", "bf16-master"),
+        ("nanolight", "bf16-mixed"),
+        ("transformers", "bf16-mixed"),
+    ], done.stdout
+    assert "nothing recomputed (bf16-mixed vs bf16-mixed):" in done.stdout

@@ -260,3 +260,35 @@ def test_dp2_zero1_checkpoint_holds_masters_and_resumes_exactly(tmp_path: Path) 
     )
     assert all(torch.equal(state[n], masters[n]) for n in masters)
     assert {t.dtype for t in state.values()} == {torch.float32}
+
+
+def _recorded_steps_worker(rank: int, world: int, root: str) -> Any:
+    from _nccl_emulation import recording
+
+    trainer = NanoTrainer(
+        max_steps=3, seed=SEED, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+        strategy=Parallel3DStrategy(dp=2, zero_stage=1, precision="bf16-master", dp_bucket_bytes=BUCKET),
+        default_root_dir=root,
+    )  # fmt: skip
+    trainer.fit(TinyLM(tiny_config(layers=2), seed=SEED), token_loader(3 * MICRO * world, targets=True))
+    return recording()
+
+
+def test_the_step_count_does_not_queue_behind_the_weight_gathers(tmp_path: Path) -> None:
+    """Each step's valid-target count (a blocking all-reduce: micro-batch 0's loss divides by it)
+    is issued before the next forward waits for ZeRO-1's overlapped bf16 gathers. NCCL runs one
+    communicator's ops in issue order, so on the gathers' communicator the count -- and the compute
+    stream waiting for it -- would stall until every bucket's gather finished, before the first
+    layer (recorded under `_nccl_emulation`: which op on which group, and when each is waited for)."""
+    for ops in run_distributed(_recorded_steps_worker, 2, str(tmp_path), timeout=300):
+        waited = {op.target: op.seq for op in ops if op.kind == "wait"}
+        gathers = [op for op in ops if op.kind == "collective" and op.name.startswith("all_gather")]
+        counts = [op for op in ops if op.name == "all_reduce" and op.dtype == "torch.int64"]
+        assert len(counts) == 3 and len(gathers) >= 2 * 2  # three steps, two or more buckets each
+        behind = [
+            (c.seq, g.seq)
+            for c in counts
+            for g in gathers
+            if g.group == c.group and g.seq < c.seq < waited.get(g.seq, len(ops))
+        ]
+        assert not behind, f"(count, gather in flight on its communicator): {behind}"

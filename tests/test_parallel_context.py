@@ -100,7 +100,9 @@ def _check_context(rank: int, world: int, tp: int, pp: int) -> dict:
         expected = formula_groups(dims, dp, 1, pp, tp)[rank]
         assert members == ctx.ranks(name) == expected, (name, members, expected)
         assert ctx.size(name) == len(expected) and ctx.rank_in(name) == dist.get_rank(group)
-    assert ctx.group("loss") is ctx.dp_group and ctx.group("replica") is ctx.dp_group  # cp = 1: one group
+    assert ctx.group("loss") is ctx.dp_group and ctx.group("batch") is ctx.dp_group  # cp = 1: one group
+    # ... but the gradients' and ZeRO-1's overlapped traffic has a communicator of its own
+    assert ctx.group("replica") is not ctx.dp_group and ctx.ranks("replica") == ctx.dp_ranks
     assert (ctx.cp_size, ctx.cp_rank, ctx.cp_ranks) == (1, 0, [rank])
     if pp > 1:  # the tied embedding's pair: this (dp, cp, tp) coordinate at the first and last stage
         ends = [formula_rank(ctx.dp_rank, 0, stage, ctx.tp_rank, 1, pp, tp) for stage in (0, pp - 1)]

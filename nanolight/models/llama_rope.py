@@ -91,7 +91,7 @@ class _Rope(torch.autograd.Function):
 
 
 class _RopeQKV(torch.autograd.Function):
-    """q and k rotated out of the fused projection's output, v passed through, and in backward the
+    """q and k rotated out of the fused projection's output, v copied, and in backward the
     three gradients written into one buffer shaped like that output (autograd would give three
     tensors and join them with a copy). qkv (B, T, n_kv, r + 2, head_dim): each kv group's r query
     heads, its key, its value (`CausalSelfAttention`'s layout); cos/sin as `_Rope` takes them."""
@@ -103,7 +103,9 @@ class _RopeQKV(torch.autograd.Function):
         ctx.qkv_shape = qkv.shape
         q = _rotate(qkv[:, :, :, :r], cos, sin)  # (B, T, n_kv, r, head_dim)
         k = _rotate(qkv[:, :, :, r], cos[:, :, :, 0], sin[:, :, :, 0])  # (B, T, n_kv, head_dim)
-        return q.flatten(2, 3), k, qkv[:, :, :, r + 1]  # v: a view
+        # v copied out: a view would keep the whole projection output alive for the attention's
+        # backward, q's and k's unrotated rows included ((h + h_kv)·T bytes more per layer)
+        return q.flatten(2, 3), k, qkv[:, :, :, r + 1].contiguous()
 
     @staticmethod
     def backward(ctx, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
@@ -137,7 +139,7 @@ def rope_qkv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q and k rotated, v as is, from the fused projection's output qkv (B, T, n_kv, r + 2,
     head_dim) (each kv group: r query heads, the key, the value): q (B, T, n_kv * r, head_dim)
-    and k (B, T, n_kv, head_dim) contiguous, v (B, T, n_kv, head_dim) a view; cos/sin (B or 1, T,
+    and k (B, T, n_kv, head_dim) and v (B, T, n_kv, head_dim) contiguous; cos/sin (B or 1, T,
     head_dim). Under `torch.compile` the split and `apply_rope`'s plain ops (inductor fuses them)."""
     r = qkv.shape[3] - 2
     if torch.compiler.is_compiling():

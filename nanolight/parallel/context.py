@@ -14,12 +14,22 @@ sequences, `ring_attention.py`), then dp (the least frequent traffic). A group a
 Some concerns span several dimensions; they get named flattened groups (`FLATTENED`): "batch" the
 ranks reading different samples (dp), "loss" the ranks holding different tokens of the global
 batch, over which the step's valid targets are counted (dp x cp), "replica" the ranks holding the
-same weights, over which gradients reduce (dp x cp). At cp = 1 "loss" and "replica" are the dp
-groups themselves (the same process group, not a copy).
+same weights, over which gradients reduce (dp x cp). At cp = 1 "batch" and "loss" are the dp
+groups themselves (the same process group, not a copy); "replica" always has a communicator of its
+own (`OWN_COMMUNICATOR`).
+
+Set-up cost. Under NCCL with a bound device (`launcher.py`) every `new_group` call is an
+``ncclCommSplit`` over the whole world, ranks outside the new group included: one call per group
+of every partition would be ~2,200 world-wide operations at 1,024 ranks, 1,024 of them for cp's
+one-rank groups. So each partition of the world is made with one call: `dist.split_group` (one
+split, every group a colour) where the world can split, else `new_group` of this rank's own group
+with ``use_local_synchronization`` (only its members meet: nothing world-wide). Either way the
+world-wide work at start-up is O(number of partitions), not O(world) (`scripts/bench_counts.py`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -28,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nanolight.parallel.agreement import Agreed, PendingStoreMax, StoreAgreements
 from nanolight.parallel.config import ParallelConfig
 
 MESH_DIMS = ("dp", "cp", "pp", "tp")  # outermost first: tp's ranks are adjacent global ranks
@@ -36,6 +47,12 @@ FLATTENED: dict[str, tuple[str, ...]] = {
     "loss": ("dp", "cp"),  # different tokens of the global batch: the valid-target count sums here
     "replica": ("dp", "cp"),  # the same weights: gradients reduce (and ZeRO-1 shards) here
 }
+# Names whose traffic must not queue behind, or ahead of, another name's on one NCCL communicator
+# (its ops run in issue order): "replica" carries the overlapped bulk traffic (each bucket's
+# reduce-scatter, ZeRO-1's post-step all-gathers, waited for layer by layer in the next forward);
+# the step's first blocking collective (the valid-target count, on "batch") and the metrics (on
+# "loss") would otherwise wait behind every bucket's gather before the first layer runs.
+OWN_COMMUNICATOR = ("replica",)
 
 
 def rank_mesh(tp: int, pp: int, dp: int, cp: int = 1) -> torch.Tensor:
@@ -106,33 +123,39 @@ class ParallelContext:
         self.mesh = rank_mesh(tp, pp, self.sizes["dp"], cp)
         self.coords = coordinates(self.mesh, self.global_rank)
 
-        # Every rank must call new_group for every group, in the same order, even for groups it
-        # is not a member of; it keeps the handle of the one it belongs to. A name whose groups
-        # hold the same ranks as an earlier name's shares its process group (at cp = 1 "loss" is dp).
+        # Every partition of the world is made once, by every rank, in the same order (`_partition`);
+        # a name whose groups hold the same ranks as an earlier name's shares its process group (at
+        # cp = 1 "loss" is dp) unless it asks for its own communicator.
         self._groups: dict[str, Any] = {}
         self._ranks: dict[str, list[int]] = {}
-        made: dict[tuple[tuple[int, ...], ...], Any] = {}  # partition of the world -> my group in it
+        self._splits = getattr(dist.group.WORLD, "bound_device_id", None) is not None
+        made: dict[tuple, Any] = {}  # (partition of the world, own communicator) -> my group in it
         for name, dims in [*((d, (d,)) for d in ("tp", "pp", "dp", "cp")), *FLATTENED.items()]:
             partition = group_ranks(self.mesh, dims)
-            key = tuple(map(tuple, partition))
+            key = (tuple(map(tuple, partition)), name if name in OWN_COMMUNICATOR else "")
             if key not in made:
-                made[key] = self._new_groups(partition)
+                made[key] = self._partition(partition, name)
             self._groups[name] = made[key]
             self._ranks[name] = next(ranks for ranks in partition if self.global_rank in ranks)
         # The pipeline's point-to-point traffic, both directions, on one group of its own (one NCCL
         # communicator: `pipeline/p2p.py`); none without pp.
-        self.pp_p2p_group = self._new_groups(group_ranks(self.mesh, "pp")) if pp > 1 else None
+        self.pp_p2p_group = self._partition(group_ranks(self.mesh, "pp"), "pp_p2p") if pp > 1 else None
         if self.pp_p2p_group is not None:
             # every stage of this pipeline joins one all-reduce of a zero on the group, so that the
             # group's first operation has all its ranks (torch's rule for a first
             # batch_isend_irecv; under NCCL it creates the group's communicator with all of them)
             dist.all_reduce(torch.zeros(1, device=self.device), group=self.pp_p2p_group)
-        # Host-side agreements (pre-emption flags, picklable objects) travel on the CPU: a gloo
-        # group over the whole world, also when the world itself is gloo, so that the device
-        # groups carry the same operations on CPU as on GPUs. Not the rendezvous store: under
-        # torchrun the agent hosts it, and workers whose agent was killed must still agree to save
-        # (tests/test_faults_distributed.py).
-        self.host_group = dist.new_group(backend="gloo", timeout=timeout)
+        # Host-side exchanges (picklable objects) travel on the CPU: a gloo group over the whole
+        # world, also when the world itself is gloo, so that the device groups carry the same
+        # operations on CPU as on GPUs. Not the rendezvous store: under torchrun the agent hosts
+        # it, and workers whose agent was killed must still agree to save
+        # (tests/test_faults_distributed.py). The per-step agreements use a store rank 0 hosts
+        # (`agreement.py`), made at the first `start_max`.
+        # (torch's fake world, a simulated rank of a large one that counts set-up, has no peers to
+        # reach over gloo: its host group is fake too)
+        host = "fake" if self.backend == "fake" else "gloo"
+        self.host_group = dist.new_group(backend=host, timeout=timeout)
+        self._agreements: StoreAgreements | None = None
 
     @classmethod
     def from_config(
@@ -140,13 +163,15 @@ class ParallelContext:
     ) -> ParallelContext:
         return cls(tp=config.tp, pp=config.pp, dp=config.dp, timeout=timeout, cp=config.cp)
 
-    def _new_groups(self, partition: list[list[int]]) -> Any:
-        mine = None
-        for ranks in partition:
-            group = dist.new_group(ranks=ranks, timeout=self.timeout)
-            if self.global_rank in ranks:
-                mine = group
-        return mine
+    def _partition(self, partition: list[list[int]], desc: str) -> Any:
+        """This rank's group of `partition` (every global rank in exactly one of its lists, each
+        list ascending), made with one call whatever the world's size (see the module docstring)."""
+        if self._splits:
+            # every rank of the world joins one ncclCommSplit; each list of the partition a colour
+            return dist.split_group(split_ranks=partition, timeout=self.timeout, group_desc=desc)
+        mine = next(ranks for ranks in partition if self.global_rank in ranks)
+        # only `mine`'s members take part (a rendezvous in the store under the group's own prefix)
+        return dist.new_group(mine, timeout=self.timeout, use_local_synchronization=True, group_desc=desc)
 
     # ---- groups by name: a mesh dimension ("dp", "cp", "pp", "tp") or a flattened one (`FLATTENED`)
     def group(self, name: str) -> Any:
@@ -189,10 +214,15 @@ class ParallelContext:
 
     def stage_pair_group(self, first: int, last: int) -> Any:
         """The group of this rank's (dp, cp, tp) coordinate at pipeline stages `first` and `last`
-        (the tied embedding's two copies). Collective: every rank creates every pair's group, in order."""
+        (the tied embedding's two copies); None on the stages between. Collective: every rank calls it,
+        in the same order (one partition: the pairs, and every other rank on its own)."""
         axis = MESH_DIMS.index("pp")
         at_first, at_last = (self.mesh.select(axis, s).reshape(-1).tolist() for s in (first, last))
-        return self._new_groups([[a, b] for a, b in zip(at_first, at_last, strict=True)])
+        pairs = [[a, b] for a, b in zip(at_first, at_last, strict=True)]
+        ends = set(at_first) | set(at_last)
+        others = [[r] for r in range(self.world_size) if r not in ends]
+        group = self._partition(pairs + others, f"stages_{first}_{last}")  # the others: groups of one
+        return group if self.global_rank in ends else None
 
     @property
     def pp_ring(self) -> tuple[int, int]:
@@ -253,12 +283,16 @@ class ParallelContext:
 
     def start_max(
         self, value: int, guard: Callable[[], AbstractContextManager] = nullcontext
-    ) -> Agreed | PendingMax:
-        """Start agreeing on the maximum of `value` over every rank, on the host (no device
-        sync); ``.wait()`` gives it. One process: already agreed, no collective."""
+    ) -> Agreed | PendingStoreMax:
+        """Start agreeing on the maximum of `value` (>= 0) over every rank, on the host (no device
+        sync, O(1) requests per rank: `agreement.py`); ``.wait()`` gives it. One process: already
+        agreed. The first call on each rank is collective: it hands rank 0's store address round."""
         if self.world_size == 1:
             return Agreed(value)
-        return PendingMax(value, self.host_group, guard)  # all ranks send an int, get the max
+        if self._agreements is None:
+            share = functools.partial(self.broadcast_object, src=0, guard=guard)
+            self._agreements = StoreAgreements.hosted(self.global_rank, self.world_size, share, self.timeout)
+        return self._agreements.start(value, guard)  # one add (and a rare compare-and-set) per rank
 
     def broadcast_object(
         self, obj: Any, src: int = 0, guard: Callable[[], AbstractContextManager] = nullcontext
@@ -287,50 +321,3 @@ class ParallelContext:
         """Tear down every group (and the world); call once at the end of the process."""
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-# Agreeing on a small integer over every rank without stalling the device or the step.
-#
-# Why: a question every rank must answer alike every step (pre-emption: "did a signal reach any
-# rank, and which?") is an all-reduce of one integer. Done on the device under NCCL, reading the
-# answer (``.item()``) makes the host wait for every kernel queued before it, once per step. So
-# the answer travels on the host: an all-reduce of a CPU tensor over a gloo group
-# (`ParallelContext.host_group`), started without waiting (``async_op=True``) and waited for later,
-# typically at the next step, by when it has long arrived. Reading a CPU tensor is no device sync;
-# it is read with ``.numpy()``, which a device tensor refuses, so the box cannot silently move to
-# the GPU and bring the sync back.
-
-
-class Agreed:
-    """An agreement already complete (one process: nothing to exchange)."""
-
-    def __init__(self, value: int) -> None:
-        self.value = value
-
-    def wait(self) -> int:
-        return self.value
-
-
-class PendingMax:
-    """The maximum of each rank's `value`, all-reduced over `group` (a gloo group), in flight
-    until `wait`. `guard` wraps the start and the wait (e.g. a
-    heartbeat watch that names a silent peer)."""
-
-    def __init__(
-        self, value: int, group: Any = None, guard: Callable[[], AbstractContextManager] = nullcontext
-    ) -> None:
-        self.guard = guard
-        self.box = torch.tensor([value], dtype=torch.int64)  # on the host, always
-        with guard():
-            # every rank of `group` (the whole world) sends its integer; all receive the maximum
-            self.work: Any = dist.all_reduce(self.box, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        self.value: int | None = None
-
-    def wait(self) -> int:
-        """The agreed value (the same on every rank); waits only if it has not arrived yet."""
-        if self.value is None:
-            with self.guard():
-                self.work.wait()
-            self.work = None  # let go of gloo's work object (and its hold on the box) at once
-            self.value = int(self.box.numpy()[0])  # a host tensor: no device sync
-        return self.value

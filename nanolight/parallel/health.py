@@ -4,7 +4,8 @@ A rank that is stopped (SIGSTOP, a debugger, swapping) or hung (a GPU fault) lea
 blocked in the next collective until the process-group timeout, after which gloo/NCCL report
 "Timed out waiting 60000ms for recv operation" -- naming neither the operation nor the rank.
 Every rank therefore writes a heartbeat (``time.time()``) into the rendezvous store every
-`interval` seconds from a daemon thread with its own store connection; when a collective fails,
+`interval` seconds (1 s, longer in worlds over `STORE_BEATS_PER_S` ranks, so the store's host
+serves a bounded number of writes whatever the world) from a daemon thread with its own store connection; when a collective fails,
 `PeerError.of` reads the heartbeats and names the ranks that fell silent. A stopped process's
 heartbeat thread stops with it, which is what makes the silent rank identifiable.
 
@@ -34,6 +35,7 @@ from nanolight.errors import NanolightError
 KEY = "nanolight/heartbeat/{}"
 PID_KEY = "nanolight/pid/{}"  # "host pid" of each rank
 ERROR_KEY = "nanolight/error/{}"  # the error a rank ended on (`publish_error`)
+STORE_BEATS_PER_S = 500  # the heartbeat writes the store's host serves per second at most, whatever the world
 STORE_TIMEOUT_S = 2.0  # the longest the beating thread may spend in one store call (see `_beat`)
 F = TypeVar("F", bound=Callable[..., Any])
 _SIGNS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "peer", "aborted")
@@ -66,9 +68,12 @@ class Heartbeat:
         port: int,
         rank: int,
         world_size: int,
-        interval: float = 1.0,
+        interval: float | None = None,
         trace: str | None = None,
     ) -> None:
+        # one beat a second, but never more than STORE_BEATS_PER_S writes a second reach the store's
+        # host: each rank beats less often in a large world (a silent rank is named after 3 beats)
+        interval = interval if interval is not None else max(1.0, world_size / STORE_BEATS_PER_S)
         self.host, self.port, self.rank, self.world_size, self.interval = (
             host,
             port,

@@ -40,8 +40,8 @@ from nanolight.checkpoint.load import load_model, load_optimizers, trainer_state
 from nanolight.checkpoint.reader import CheckpointReader
 from nanolight.checkpoint.save import ExportExtras, save_checkpoint
 from nanolight.errors import UsageError
+from nanolight.parallel.agreement import Agreed
 from nanolight.parallel.blocks import BlockOptions, CompiledBlocks
-from nanolight.parallel.context import Agreed
 from nanolight.parallel.grads import clip_, global_norm
 from nanolight.parallel.layout import ModelLayout
 from nanolight.parallel.loss_tokens import loss_divisor, step_targets

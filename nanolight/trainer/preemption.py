@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 # ``ckpt_path="last"`` (recipe: ``checkpoint.resume=last``) continues exactly.
 #
 # The agreement must not cost a device sync every step: it is one host-side maximum of one integer
-# (0 nothing, 1 SIGUSR1, 2 SIGTERM), a gloo all-reduce (`parallel/context.py`) started at the end
+# (0 nothing, 1 SIGUSR1, 2 SIGTERM), through a store rank 0 hosts (`parallel/agreement.py`: O(1)
+# requests per rank, whatever the world; no torchrun agent needed) started at the end
 # of step k without waiting (`Strategy.start_max`) and read at the end of step k+1, when it has
 # long arrived. So with several ranks the run stops (and saves) one step after the signal's step;
 # one process exchanges nothing and stops at the signal's step. When the fit loop ends, the

@@ -234,6 +234,34 @@ def test_accumulation_times_whole_steps_once_per_logged_step(tmp_path, capsys):
     assert [ln.split()[1] for ln in lines] == ["2/6", "4/6", "6/6"]
 
 
+class ValidatedLM(TokenLM):
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", self.training_step(batch, batch_idx), prog_bar=True)
+
+
+def test_plain_lines_keep_the_eta_and_show_each_validation_once(tmp_path, capsys):
+    """Piped (stdout not a tty): every logged step's line has the elapsed time and the ETA; a
+    validation's value is printed once, on its own line, and never again on later steps' lines."""
+    ids = torch.randint(0, 32, (64, 8))
+    data = DataLoader([{"input_ids": r, "labels": r} for r in ids], batch_size=4)
+    trainer = _trainer(
+        tmp_path,
+        max_steps=8,
+        log_every_n_steps=2,
+        val_check_interval=4,
+        limit_val_batches=2,
+        callbacks=[RichProgressBar()],
+    )
+    trainer.fit(ValidatedLM(), data, data)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
+    steps = [ln for ln in lines if "/8" in ln]
+    assert [ln.split()[1] for ln in steps] == ["2/8", "4/8", "6/8", "8/8"], lines
+    assert all("elapsed " in ln and "ETA " in ln for ln in steps), steps
+    assert not any("val/loss" in ln for ln in steps), steps  # no stale validation on a step's line
+    validations = [ln for ln in lines if "val/loss" in ln]
+    assert [ln.split()[1] for ln in validations] == ["4", "8"], lines
+
+
 # lightning.fabric.utilities.throughput.get_available_flops (Lightning 2.6.6, recorded with the device
 # name patched and _is_ampere_or_later True): (float32 with matmul precision "highest", "high", bf16).
 LIGHTNING_PEAKS = {

@@ -301,3 +301,35 @@ def test_throughput_without_peak_omits_mfu(tmp_path):
     trainer.fit(TokenLM(), data)
     assert "throughput/tflops_per_device" in trainer.callback_metrics
     assert "throughput/mfu" not in trainer.callback_metrics  # CPU: unknown peak
+
+
+class Epochs(Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []  # (global step, epoch) after each update
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.seen.append((trainer.global_step, trainer.current_epoch))
+
+
+def test_save_on_train_end_saves_the_last_step_inside_its_epoch(tmp_path):
+    """max_steps ends a run mid-epoch: the step is saved as a step-triggered save would save it
+    (Lightning's loop counts the epoch as ended once training stops), so resuming it continues
+    that epoch, as the uninterrupted run does."""
+
+    def fit(root, max_steps, ckpt_path=None) -> Epochs:
+        epochs = Epochs()
+        ckpt = ModelCheckpoint(  # as the recipe: no save at epoch ends, every 100 steps and the last
+            dirpath=root,
+            filename="step-{step}",
+            every_n_train_steps=100,
+            save_on_train_end=True,
+            save_top_k=-1,
+        )
+        trainer = _trainer(root, max_steps=max_steps, enable_checkpointing=True, callbacks=[ckpt, epochs])
+        trainer.fit(MLPModule(), loader(make_data(64), 4), ckpt_path=ckpt_path)  # 16 steps an epoch
+        return epochs
+
+    fit(tmp_path / "split", 5)
+    resumed = fit(tmp_path / "split", 10, "last")
+    full = fit(tmp_path / "full", 10)
+    assert resumed.seen == full.seen[5:] and {e for _, e in full.seen} == {0}, resumed.seen

@@ -114,7 +114,7 @@ def test_accumulation_logs_one_line_and_one_row_per_logged_step(tmp_path: Path, 
         "trainer.log_every_n_steps=2",
         "trainer.val_check_interval=4",
     )
-    lines = [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("step ") and "loss" in ln]
+    lines = [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("step ") and " loss " in ln]
     assert lines == ["2/4", "4/4"], proc.stdout
     with open(run_dir / "metrics.csv") as f:
         rows = list(csv.DictReader(f))

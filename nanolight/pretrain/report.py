@@ -43,6 +43,19 @@ def saved_wandb_id(root: Path) -> str | None:
         return None
 
 
+def converter_script(recipe: str) -> str:
+    """scripts/convert_nanolight_to_hf.py beside the recipe's directory (as typed), else beside the
+    package's (an editable install)."""
+    name = os.path.join("scripts", "convert_nanolight_to_hf.py")
+    beside_recipe = os.path.join(os.path.dirname(os.path.dirname(recipe)), name)
+    beside_package = str(Path(__file__).resolve().parents[2] / name)
+    return (
+        beside_recipe
+        if os.path.isfile(beside_recipe) or not os.path.isfile(beside_package)
+        else beside_package
+    )
+
+
 class EdgeValidations(Callback):
     """Validation before step 1 (a fresh run) and after the last step of ``max_steps`` (the loop's
     own pass, asked for as Lightning's loop does for a stopping run: `should_stop` makes the
@@ -147,9 +160,7 @@ class RunReport(Callback):
         kept = [o for o in self.overrides if o.lstrip("+~").split("=", 1)[0] not in NEXT_COMMAND_KEYS]
         more = max(2 * self.max_steps, self.last_step + 1)
         resume = [*kept, "checkpoint.resume=last", f"trainer.max_steps={more}"]
-        converter = os.path.join(
-            os.path.dirname(os.path.dirname(script)), "scripts", "convert_nanolight_to_hf.py"
-        )
+        converter = converter_script(script)
         hf_dir = Path("hf") / (self.root.resolve().name or "model")
         load = f"import nanolight; print(nanolight.load_pretrained({json.dumps(str(last_dir))}).config)"
         return [

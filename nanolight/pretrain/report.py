@@ -87,6 +87,7 @@ class RunReport(Callback):
         self.launcher = "python" if env is None or env.source == "subprocess" else f"<{env.source} as before>"
         self.first_step: int | None = None  # the step this command started training from (None: it did not)
         self.last_step = self.max_steps = self.tokens = 0
+        self.stopped_by: str | None = None
         self.train_loss: float | None = None
         self.val: tuple[int, dict[str, float]] | None = None  # (step, values) of the newest validation
         self.wandb: list[str] = []  # where the wandb run is, and how to upload it
@@ -108,6 +109,7 @@ class RunReport(Callback):
         if self.first_step is None or not trainer.is_global_zero:
             return
         self.last_step, self.tokens = trainer.global_step, trainer.progress["tokens"]
+        self.stopped_by = trainer.preempted_by  # a signal (saved, resumable), or None: it ran its course
         loss = trainer.callback_metrics.get("train/loss")
         self.train_loss = float(loss) if loss is not None else None
         for lg in trainer.loggers:
@@ -128,7 +130,8 @@ class RunReport(Callback):
         steps = f"steps {first + 1}-{last}" if first else f"{last} steps"
         steps += f" of {self.max_steps}" if self.max_steps > 0 else ""
         lines = [
-            f"nanolight: run done: {steps}, {self.tokens:,} tokens, "
+            f"nanolight: run {'stopped by ' + self.stopped_by if self.stopped_by else 'done'}: {steps}, "
+            f"{self.tokens:,} tokens, "
             f"{clock(time.monotonic() - self.started)} wall time (this command)"
         ]
         figures = [f"train loss {self.train_loss:.4f} (step {last})"] if self.train_loss is not None else []

@@ -234,6 +234,34 @@ def test_accumulation_times_whole_steps_once_per_logged_step(tmp_path, capsys):
     assert [ln.split()[1] for ln in lines] == ["2/6", "4/6", "6/6"]
 
 
+class ValidatedLM(TokenLM):
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", self.training_step(batch, batch_idx), prog_bar=True)
+
+
+def test_plain_lines_keep_the_eta_and_show_each_validation_once(tmp_path, capsys):
+    """Piped (stdout not a tty): every logged step's line has the elapsed time and the ETA; a
+    validation's value is printed once, on its own line, and never again on later steps' lines."""
+    ids = torch.randint(0, 32, (64, 8))
+    data = DataLoader([{"input_ids": r, "labels": r} for r in ids], batch_size=4)
+    trainer = _trainer(
+        tmp_path,
+        max_steps=8,
+        log_every_n_steps=2,
+        val_check_interval=4,
+        limit_val_batches=2,
+        callbacks=[RichProgressBar()],
+    )
+    trainer.fit(ValidatedLM(), data, data)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
+    steps = [ln for ln in lines if "/8" in ln]
+    assert [ln.split()[1] for ln in steps] == ["2/8", "4/8", "6/8", "8/8"], lines
+    assert all("elapsed " in ln and "ETA " in ln for ln in steps), steps
+    assert not any("val/loss" in ln for ln in steps), steps  # no stale validation on a step's line
+    validations = [ln for ln in lines if "val/loss" in ln]
+    assert [ln.split()[1] for ln in validations] == ["4", "8"], lines
+
+
 # lightning.fabric.utilities.throughput.get_available_flops (Lightning 2.6.6, recorded with the device
 # name patched and _is_ampere_or_later True): (float32 with matmul precision "highest", "high", bf16).
 LIGHTNING_PEAKS = {
@@ -273,3 +301,35 @@ def test_throughput_without_peak_omits_mfu(tmp_path):
     trainer.fit(TokenLM(), data)
     assert "throughput/tflops_per_device" in trainer.callback_metrics
     assert "throughput/mfu" not in trainer.callback_metrics  # CPU: unknown peak
+
+
+class Epochs(Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []  # (global step, epoch) after each update
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.seen.append((trainer.global_step, trainer.current_epoch))
+
+
+def test_save_on_train_end_saves_the_last_step_inside_its_epoch(tmp_path):
+    """max_steps ends a run mid-epoch: the step is saved as a step-triggered save would save it
+    (Lightning's loop counts the epoch as ended once training stops), so resuming it continues
+    that epoch, as the uninterrupted run does."""
+
+    def fit(root, max_steps, ckpt_path=None) -> Epochs:
+        epochs = Epochs()
+        ckpt = ModelCheckpoint(  # as the recipe: no save at epoch ends, every 100 steps and the last
+            dirpath=root,
+            filename="step-{step}",
+            every_n_train_steps=100,
+            save_on_train_end=True,
+            save_top_k=-1,
+        )
+        trainer = _trainer(root, max_steps=max_steps, enable_checkpointing=True, callbacks=[ckpt, epochs])
+        trainer.fit(MLPModule(), loader(make_data(64), 4), ckpt_path=ckpt_path)  # 16 steps an epoch
+        return epochs
+
+    fit(tmp_path / "split", 5)
+    resumed = fit(tmp_path / "split", 10, "last")
+    full = fit(tmp_path / "full", 10)
+    assert resumed.seen == full.seen[5:] and {e for _, e in full.seen} == {0}, resumed.seen

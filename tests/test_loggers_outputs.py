@@ -122,3 +122,25 @@ def test_wandb_logger_reads_the_saved_directory_through_the_public_property(monk
     monkeypatch.setattr(logger, "_log_checkpoint", uploaded.append)
     logger.after_save_checkpoint(SimpleNamespace(last_checkpoint_saved="/ckpt/epoch=0-step=4"))
     assert uploaded == ["/ckpt/epoch=0-step=4"]
+
+
+def test_recipe_resume_continues_the_wandb_run(tmp_path, monkeypatch):
+    """The recipe's loggers: a resume in the same run directory logs into the wandb run the first
+    run recorded (resume="allow" with its id), so the history is one run, not one per resume."""
+    from nanolight.pretrain.config import CheckpointConfig, LoggerConfig, PretrainConfig
+    from nanolight.pretrain.report import RunReport
+    from nanolight.pretrain.run import build_loggers
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    ds = make_data(32)
+    for resume in (None, "last"):
+        config = PretrainConfig(checkpoint=CheckpointConfig(resume=resume), logger=LoggerConfig(csv=False))
+        trainer = NanoTrainer(
+            max_steps=2, logger=build_loggers(config, tmp_path), enable_progress_bar=False,
+            callbacks=[RunReport(tmp_path, [], 0.0, None)], enable_checkpointing=False, default_root_dir=tmp_path,
+        )  # fmt: skip
+        trainer.fit(MLPModule(), loader(ds, 4))
+    runs = sorted(tmp_path.glob("wandb/offline-run-*"))  # wandb names them offline-run-<time>-<run id>
+    assert len(runs) == 2 and runs[0].name.rsplit("-", 1)[1] == runs[1].name.rsplit("-", 1)[1], runs

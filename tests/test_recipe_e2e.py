@@ -4,6 +4,7 @@ loss, and `checkpoint.resume=last` continuing with the uninterrupted run's losse
 from __future__ import annotations
 
 import csv
+import math
 import os
 import shutil
 import subprocess
@@ -113,7 +114,7 @@ def test_accumulation_logs_one_line_and_one_row_per_logged_step(tmp_path: Path, 
         "trainer.log_every_n_steps=2",
         "trainer.val_check_interval=4",
     )
-    lines = [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("step ") and "loss" in ln]
+    lines = [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("step ") and " loss " in ln]
     assert lines == ["2/4", "4/4"], proc.stdout
     with open(run_dir / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
@@ -132,3 +133,63 @@ def test_resuming_a_finished_run_says_so(tmp_path: Path, cache_dir: Path) -> Non
     again = recipe(run_dir, cache_dir, "logger=csv", "trainer.max_steps=2", "checkpoint.resume=last")
     assert "already reached trainer.max_steps=2 (step 2)" in again.stdout, again.stdout
     assert "exists and is not empty" not in again.stdout + again.stderr
+
+
+def _offline_run_ids(run_dir: Path) -> list[str]:
+    """The run id of every offline wandb run written there (wandb names them offline-run-<time>-<id>)."""
+    return [p.name.rsplit("-", 1)[1] for p in sorted((run_dir / "wandb").glob("offline-run-*"))]
+
+
+def _shell(command: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`command` as a user pastes it into a shell: `python` is this interpreter."""
+    env = {
+        **os.environ,
+        "WANDB_SILENT": "true",
+        "PYTHONPATH": pythonpath(REPO),
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    }
+    proc = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
+    assert proc.returncode == 0, command + "\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_a_run_starts_from_a_validation_and_ends_with_a_summary_whose_commands_work(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """The first thing a run measures is the untrained model (validation before step 1, logged at
+    step 0), the last one the final model (a validation after the last step, here off the
+    every-3-steps schedule); then a summary block whose next commands work as pasted: the resume
+    continues the same wandb run and the epoch column, and the load command loads the run."""
+    run_dir = tmp_path / "run"
+    proc = recipe(run_dir, cache_dir, "trainer.max_steps=4", "trainer.val_check_interval=3")
+    out = proc.stdout.splitlines()
+    first_val = next(i for i, ln in enumerate(out) if ln.startswith("step 0  val/loss "))
+    assert first_val < next(i for i, ln in enumerate(out) if ln.startswith("step 1/4")), proc.stdout
+    with open(run_dir / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    vals = {int(r["step"]): float(r["val/loss"]) for r in rows if r.get("val/loss")}
+    # before step 1 (step 0), after step 3 and after the last, step 4 (Lightning's step: 2 and 3)
+    assert sorted(vals) == [0, 2, 3], vals
+    assert abs(vals[0] - math.log(8192)) < 0.5, vals  # untrained: about ln(vocab)
+    assert next(r for r in rows if r["step"] == "0")["val/bits_per_byte"]
+    assert not any("val/" in ln for ln in out if ln.startswith("step ") and "/4 " in ln)  # never stale
+
+    block = proc.stdout[proc.stdout.index("nanolight: run done:") :]
+    assert "4 steps of 4" in block and f"val loss {vals[3]:.4f} (step 4)" in block, block
+    assert "bits per byte of held-out text (gzip -9 " in block and "-> step-4" in block, block
+    assert str(run_dir / "wandb" / "offline-run-") in block, block
+    commands = {ln.split(":", 1)[0].strip(): ln.split(":", 1)[1].strip() for ln in block.splitlines()[-3:]}
+    assert sorted(commands) == ["continue", "export", "load"], block
+
+    loaded = _shell(commands["load"], tmp_path)
+    assert "vocab_size=8192" in loaded.stdout, loaded.stdout
+    resumed = _shell(commands["continue"], tmp_path)
+    assert "exists and is not empty" not in resumed.stdout + resumed.stderr
+    assert "steps 5-8 of 8" in resumed.stdout, resumed.stdout
+    ids = _offline_run_ids(run_dir)
+    assert len(ids) == 2 and ids[0] == ids[1], ids  # one wandb run, continued
+    with open(run_dir / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows if r.get("train/loss")] == list(range(8))
+    assert {r["epoch"] for r in rows} == {"0"}  # one epoch throughout, resumed or not

@@ -11,7 +11,9 @@ Arguments, defaults, triggers, top-k selection, names and state follow Lightning
 * ``/`` in a formatted name (a metric ``val/loss``) becomes ``_``, with a one-time warning: a
   checkpoint sits directly in ``dirpath``, where ``last`` names it by its bare name;
 * extras: ``keep_last_n`` keeps the newest N saves besides the top-k ones, ``save_on_train_end``
-  saves the last step; the step training starts from is never saved again.
+  saves the last step -- the step that reaches ``max_steps`` where a step-triggered save would
+  (inside its epoch: a resume continues that epoch, as from any other step's save), any other end
+  at ``on_train_end``; the step training starts from is never saved again.
 
 Every decision that depends on the filesystem or a score is taken on global rank zero and
 broadcast, so all ranks agree on names (they all write the same directory).
@@ -156,7 +158,8 @@ class ModelCheckpoint(Callback):
     ) -> None:
         skip_state = self._should_skip_saving_checkpoint(trainer)
         n = self._every_n_train_steps
-        skip_batch = n < 1 or trainer.global_step % n != 0
+        last = self.save_on_train_end and 0 < trainer.max_steps <= trainer.global_step
+        skip_batch = (n < 1 or trainer.global_step % n != 0) and not last
         skip_time, now = True, time.monotonic()
         if self._train_time_interval is not None:
             prev = self._last_time_checked

@@ -2,8 +2,11 @@
 `GreedySamples` (the model's greedy continuation of a fixed prompt after each validation).
 
 On a terminal the bar is a rich progress bar; otherwise (CI logs, pipes, ``nohup``) a live bar
-would spam or vanish, so it prints one plain line every ``log_every_n_steps`` steps instead.
-Only global rank zero draws; its time is `StepTimer`'s (validation excluded).
+would spam or vanish, so it prints one plain line every ``log_every_n_steps`` steps instead, with
+the time elapsed and the time left (the bar's own columns). A validation pass prints its values
+once, on a line of its own: a step's line shows what that step measured, never an older
+validation's. Only global rank zero draws; tokens/s is `StepTimer`'s (validation excluded), the
+ETA the wall clock's (validation included: it is part of the time left).
 
 Numbers say a run learns; a sample shows what it learned ("the the the" after 200 steps is a
 different run from one that writes plausible code). Sampling works at every layout: each step runs
@@ -15,12 +18,20 @@ Printed on rank 0 and sent to the loggers (``Logger.log_text``: a W&B table).
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 import torch
 
 from nanolight.callbacks.base import Callback
 from nanolight.callbacks.throughput import StepTimer
+
+
+def clock(seconds: float) -> str:
+    """``m:ss``, or ``h:mm:ss`` from an hour up (as rich's time columns)."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 class RichProgressBar(StepTimer):
@@ -34,9 +45,13 @@ class RichProgressBar(StepTimer):
         self._progress: Any = None
         self._task: Any = None
         self._tokens0 = 0
+        self._wall0, self._step0 = 0.0, 0  # the wall clock and step when training started
+        self._before_eval: dict[str, Any] = {}  # the bar's values when a validation pass started
+        self._eval_keys: set[str] = set()  # what validation shows: on its own line, not on a step's
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         super().on_train_start(trainer, pl_module)
+        self._wall0, self._step0 = time.monotonic(), trainer.global_step
         if not trainer.is_global_zero or self.force_plain or not sys.stdout.isatty():
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -68,7 +83,9 @@ class RichProgressBar(StepTimer):
     def on_timed(self, trainer: Any, seconds: float, steps: int) -> None:
         if not trainer.is_global_zero:
             return
-        m = {k: float(v) for k, v in trainer.progress_bar_metrics.items()}  # syncs: logging steps only
+        m = {  # syncs: logging steps only
+            k: float(v) for k, v in trainer.progress_bar_metrics.items() if k not in self._eval_keys
+        }
         loss, tps = m.pop("train/loss", None), (trainer.progress["tokens"] - self._tokens0) / seconds
         fields = {
             "loss": f"{loss:.4f}" if loss is not None else "-",
@@ -79,8 +96,32 @@ class RichProgressBar(StepTimer):
             self._progress.update(self._task, **fields)
             return
         total = f"/{trainer.max_steps}" if trainer.max_steps > 0 else ""
-        line = f"step {trainer.global_step}{total}  loss {fields['loss']}  tok/s {fields['tps']}  {fields['extra']}"
-        print(line.rstrip(), flush=True)
+        line = f"step {trainer.global_step}{total}  loss {fields['loss']}  tok/s {fields['tps']}  {self._times(trainer)}"
+        print(f"{line}  {fields['extra']}".rstrip(), flush=True)
+
+    def _times(self, trainer: Any) -> str:
+        """``elapsed m:ss  ETA m:ss``: the wall clock since training started, and the steps left at
+        this run's pace so far (no ETA for an open-ended run)."""
+        elapsed, done = time.monotonic() - self._wall0, trainer.global_step - self._step0
+        times = f"elapsed {clock(elapsed)}"
+        if trainer.max_steps > 0 and done > 0:
+            times += f"  ETA {clock(elapsed / done * max(0, trainer.max_steps - trainer.global_step))}"
+        return times
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        super().on_validation_start(trainer, pl_module)
+        self._before_eval = dict(trainer.progress_bar_metrics)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        """This pass's values, once: ``step N  val/loss 4.7970  ...`` (each pass publishes new ones)."""
+        super().on_validation_end(trainer, pl_module)
+        if trainer.sanity_checking:
+            return
+        new = {k: v for k, v in trainer.progress_bar_metrics.items() if self._before_eval.get(k) is not v}
+        self._eval_keys |= set(new)
+        if trainer.is_global_zero and new:
+            values = "  ".join(f"{k} {float(v):.4f}" for k, v in new.items())
+            print(f"step {trainer.global_step}  {values}", flush=True)
 
     def _stop(self) -> None:
         if self._progress is not None:

@@ -13,6 +13,7 @@ Order matters and is chosen so that a bad run fails fast and in one place:
 from __future__ import annotations
 
 import json
+import time
 import warnings
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from nanolight.pretrain.auto import Prediction, PredictionCheck, auto_layout
 from nanolight.pretrain.config import ConfigError, PretrainConfig, to_dict
 from nanolight.pretrain.lock import run_lock
 from nanolight.pretrain.module import CausalLMPretrain, held_out
+from nanolight.pretrain.report import EdgeValidations, RunReport, saved_wandb_id
 from nanolight.strategies import Parallel3DStrategy, SingleDeviceStrategy, Strategy
 from nanolight.trainer import NanoTrainer
 
@@ -153,9 +155,17 @@ def build_loggers(config: PretrainConfig, root: Path) -> list[Logger]:
     loggers: list[Logger] = [csv_logger] if lg.csv else []
     if lg.wandb:
         offline = lg.offline if lg.offline is not None else not has_wandb_credentials()
+        # a resume continues the run's wandb run (its id recorded by `RunReport`), one curve
+        run_id = saved_wandb_id(root) if config.checkpoint.resume is not None else None
+        continued = {"id": run_id, "resume": "allow"} if run_id else {}
         loggers.append(
             WandbLogger(
-                project=lg.project, name=lg.name, offline=offline, save_dir=root, log_model=lg.log_model
+                project=lg.project,
+                name=lg.name,
+                offline=offline,
+                save_dir=root,
+                log_model=lg.log_model,
+                **continued,
             )
         )
     return loggers
@@ -164,8 +174,10 @@ def build_loggers(config: PretrainConfig, root: Path) -> list[Logger]:
 def build_trainer(config: PretrainConfig, strategy: Strategy, root: Path, *extra: Callback) -> NanoTrainer:
     t, c = config.trainer, config.checkpoint
     loggers = build_loggers(config, root)
-    # LearningRateMonitor needs a logger (as Lightning's, it raises without one)
+    # LearningRateMonitor needs a logger (as Lightning's, it raises without one); the validation
+    # before step 1 comes first, so no timer counts it
     callbacks = [
+        EdgeValidations(),
         *([LearningRateMonitor()] if loggers else []),
         ThroughputMonitor(),
         FinishedRunNotice(),
@@ -197,6 +209,7 @@ def build_trainer(config: PretrainConfig, strategy: Strategy, root: Path, *extra
         precision=t.run_precision,
         val_check_interval=t.val_check_interval,
         limit_val_batches=t.limit_val_batches,
+        num_sanity_val_steps=0,  # a fresh run validates in full before step 1 (`EdgeValidations`)
         log_every_n_steps=t.log_every_n_steps,
         callbacks=callbacks,
         logger=loggers or False,
@@ -239,15 +252,17 @@ def run(config: PretrainConfig, overrides: list[str] | None = None) -> NanoTrain
     """Pretrain per `config` (already validated by `load_config`). Returns the finished trainer.
     Under `+parallel=auto` the planner picks the layout first; `overrides` (the command line) says
     which of its knobs the user pinned."""
-    prediction = None
+    started, prediction = time.monotonic(), None
     if config.auto_parallel:
         config, prediction = auto_layout(config, list(overrides or ()))
     check_layout(config)
     with run_lock(Path(config.trainer.default_root_dir)):  # before anything is written there
-        return _run(config, prediction)
+        return _run(config, prediction, list(overrides or ()), started)
 
 
-def _run(config: PretrainConfig, prediction: Prediction | None) -> NanoTrainer:
+def _run(
+    config: PretrainConfig, prediction: Prediction | None, overrides: list[str], started: float
+) -> NanoTrainer:
     """`run`'s body, under the run directory's lock."""
     root = check_run_dir(config)
     dm = build_data(config)  # tokenizes into the cache once, before any rank is spawned
@@ -272,11 +287,15 @@ def _run(config: PretrainConfig, prediction: Prediction | None) -> NanoTrainer:
         config.model, config.optim, t.seq_len, t.max_steps, config.checkpoint.init_from, bytes_per_token
     )
     checks = [PredictionCheck(prediction)] if prediction is not None else []
-    trainer = build_trainer(config, strategy, root, GreedySamples(dm.tokenizer), *checks)
+    report = RunReport(root, overrides, started, heldout)
+    trainer = build_trainer(config, strategy, root, GreedySamples(dm.tokenizer), report, *checks)
     if config.checkpoint.resume is not None:  # Lightning's warning is for a fresh run writing over old files
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
     # resume="last" with no checkpoint yet starts fresh with a warning, as Lightning does
     trainer.fit(module, dm.train_loader, dm.val_loader, ckpt_path=config.checkpoint.resume)
+    summary = report.summary() if trainer.is_global_zero else None
+    if summary:  # after the loggers closed: the last thing the run prints
+        print(summary, flush=True)
     return trainer
 
 

@@ -265,7 +265,7 @@ class FitLoop:
                 complete = True
                 break
         if complete and self.val_check_batch == math.inf and self._validates_epoch():
-            self._validate()  # an unsized loader: its last batch is known only now
+            self.validate()  # an unsized loader: its last batch is known only now
         self._epoch_end(complete)
 
     def _after_window(self, first: int, n: int, last: bool) -> None:
@@ -273,7 +273,7 @@ class FitLoop:
         trainer.progress["total_batch_idx"] += n
         if self._validation_due(first, n, last):
             trainer.hooks.module("on_validation_model_zero_grad")
-            self._validate()
+            self.validate()
         trainer.optimization.update_lr_schedulers("step", plateau=True, batch_idx=first + n - 1)
         trainer.progress["stepped"] += 1
         self.window_open = False
@@ -294,7 +294,9 @@ class FitLoop:
         start = first if per_epoch else self.trainer.progress["total_batch_idx"] - n
         return any((start + k + 1) % vcb == 0 for k in range(n))
 
-    def _validate(self) -> None:
+    def validate(self) -> None:
+        """One validation pass now, as the loop runs one when due (the recipe also runs one before
+        step 1 and after the last step: `pretrain/report.py`)."""
         trainer = self.trainer
         trainer.state.stage = "validate"
         try:

@@ -8,8 +8,7 @@ HF -> nanolight -> HF unchanged), one ``model.safetensors`` of full tensors unde
 (a tied lm_head is not stored), and the tokenizer files, copied verbatim so
 ``AutoTokenizer.from_pretrained(dir)`` works. Its ``"sharding"`` is null; a training step
 directory is a model directory too, with ``{"index": "index.json", "prefix": "model."}`` (the
-module's shards, the model's tensors under that prefix), or ``"index": null`` when written before
-the one format (one model.safetensors of the whole module).
+module's shards, the model's tensors under that prefix).
 
 Directories are written atomically (`atomic.py`). HF weights are read straight from safetensors
 (single file or a sharded index), one tensor at a time, never by instantiating a transformers
@@ -102,8 +101,7 @@ def read_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tens
 
     A model directory (one `model.safetensors`) or a training step directory saved at any
     layout, whose config.json says `"sharding": {"index": "index.json", "prefix": "model."}`
-    (the weights are reassembled from the shards, `reader.py`; an older one-process one may say
-    `"index": null`). Only the tensors under `prefix` (the module attribute holding the causal
+    (the weights are reassembled from the shards, `reader.py`). Only the tensors under `prefix` (the module attribute holding the causal
     LM) are kept and the prefix is removed. Either way the state dict has nanolight parameter names,
     full tensors, and no tied `lm_head.weight`. `path` may also name a run's newest step as the
     converter and ``checkpoint.resume`` do: its ``last`` pointer, ``checkpoints/`` or the run's root.

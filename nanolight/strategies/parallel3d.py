@@ -49,7 +49,6 @@ from nanolight.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from nanolight.parallel.grads import GradientSync
 from nanolight.parallel.health import Heartbeat, watch, watched
 from nanolight.parallel.launcher import detect_environment, ensure_processes, init_distributed
-from nanolight.parallel.layout import one_process_order
 from nanolight.parallel.pipeline import PipelineStage
 from nanolight.parallel.pipeline.schedules import Action, check_micro_batches
 from nanolight.parallel.ring_attention import RingAttention, zigzag_shard, zigzag_unshard
@@ -379,12 +378,6 @@ class Parallel3DStrategy(Strategy):
     def on_weights_loaded(self) -> None:
         if self.grads is not None and self.grads.zero is not None:
             self.grads.zero.reload_master_weights()  # ZeRO-1's fp32 master shards follow the weights
-
-    def optimizer_param_names(self) -> list[list[str]]:
-        local = super().optimizer_param_names()
-        if self.stage is None:
-            return local
-        return one_process_order(self.optimizers, local, list(self.layout.full_shapes), self._ctx.pp_group)
 
 
 def _last_block(module: nn.Module) -> nn.Module | None:

@@ -17,12 +17,13 @@ from functools import lru_cache
 from pathlib import Path
 
 # Packages (and top-level modules) from the bottom up: a module imports only from lower tiers.
-# Packages of one tier are siblings and import nothing from each other (checkpoint/ is handed a
-# layout, it does not import parallel/). "" is nanolight/__init__.py, the public names.
+# Packages of one tier are siblings and import nothing from each other. checkpoint/ is below
+# models/ and parallel/: it is handed a layout, and the model loads itself (models/pretrained.py). "" is nanolight/__init__.py, the public names.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
+    ("checkpoint",),
     ("models", "precision", "seed"),
-    ("parallel", "checkpoint"),
+    ("parallel",),
     ("data", "planner"),
     ("strategies",),
     ("module", "loggers"),

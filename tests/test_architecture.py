@@ -38,7 +38,8 @@ def report(violations: list[str]) -> str:
 LAYERED = {
     "models/llama.py": "from nanolight.errors import UsageError\n",
     "parallel/shard.py": "from nanolight.models import llama\n",
-    "checkpoint/load.py": "from ..models.llama import LlamaForCausalLM\n",
+    "checkpoint/load.py": "from nanolight.errors import UsageError\n",
+    "models/pretrained.py": "from nanolight.checkpoint import load\n",
     "callbacks/base.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from nanolight.trainer import NanoTrainer\n",
     "trainer/trainer.py": "from nanolight.callbacks.base import Callback\n",
     "errors.py": "",
@@ -59,14 +60,14 @@ def test_imports_point_down() -> None:
             "models imports parallel.shard (higher",
         ),
         (
-            "models/llama.py",
-            "def f():\n    from nanolight import checkpoint\n",
-            "models imports checkpoint (higher",
+            "checkpoint/load.py",
+            "def f():\n    from nanolight.models import llama\n",
+            "checkpoint imports models.llama (higher",
         ),
         (
             "checkpoint/load.py",
             "from nanolight.parallel import shard\n",
-            "checkpoint imports parallel.shard (sibling",
+            "checkpoint imports parallel.shard (higher",
         ),
         (
             "parallel/shard.py",
@@ -78,7 +79,7 @@ def test_imports_point_down() -> None:
             "if TYPE_CHECKING:\n    from nanolight.trainer import T\n",
             "parallel imports trainer",
         ),
-        ("checkpoint/load.py", "from .. import parallel\n", "checkpoint imports parallel (sibling"),
+        ("checkpoint/load.py", "from .. import parallel\n", "checkpoint imports parallel (higher"),
         ("models/llama.py", "import scripts.plan\n", "imports scripts.plan (the library imports no program)"),
         ("newpkg/x.py", "", "package 'newpkg' has no place in LAYERS"),
     ],

@@ -128,7 +128,10 @@ class Parallel3DStrategy(Strategy):
 
     @classmethod
     def from_config(cls, config: ParallelConfig, **kwargs: Any) -> Parallel3DStrategy:
-        return cls(**dataclasses.asdict(config), **kwargs)  # the Hydra `parallel` group (+parallel.tp=2 ...)
+        # the Hydra `parallel` group (+parallel.tp=2 ...)
+        strategy = cls(**dataclasses.asdict(config), **kwargs)
+        strategy.config = config  # the instance the command line built and `check_layout` checked
+        return strategy
 
     # ---- topology ------------------------------------------------------------------------
     @property

@@ -255,7 +255,71 @@ def test_the_map_fails_when_broken(tmp_path: Path) -> None:
     ]
 
 
-# 6. The consolidation's size targets (issue 23) --------------------------------------------------
+# 5b. No parallel code in the trainer --------------------------------------------------------------
+
+
+def test_trainer_holds_no_parallel_code() -> None:
+    violations = arch.parallel_code_in_trainer(PKG)
+    assert not violations, report(violations)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "from nanolight.parallel.grads import GradientSync\n",
+        "def f():\n    from nanolight.parallel import grads\n",
+        "import torch.distributed as dist\n",
+        "from torch.distributed import all_reduce\n",
+    ],
+)
+def test_parallel_code_in_the_trainer_fails_when_broken(tmp_path: Path, code: str) -> None:
+    core = {"parallel/environment.py": "", "parallel/grads.py": ""}
+    allowed = "from nanolight.parallel.environment import detect_environment\n"
+    clean = write_tree(tmp_path / "clean", {**core, "trainer/arguments.py": allowed})
+    assert arch.parallel_code_in_trainer(clean) == []
+    broken = write_tree(
+        tmp_path / "broken", {**core, "trainer/arguments.py": allowed, "trainer/step.py": code}
+    )
+    assert [v.split(":")[0] for v in arch.parallel_code_in_trainer(broken)] == ["trainer/step.py"]
+
+
+# 6. Every collective says who exchanges what ------------------------------------------------------
+
+COMMENTED = (
+    "import torch.distributed as dist\n"
+    "def f(x, g):\n"
+    "    # the tp ranks of g add their partial x\n"
+    "    op = dist.ReduceOp.SUM\n"
+    "    dist.all_reduce(x, op=op, group=g)\n"
+    "    dist.barrier()  # every rank waits for the others\n"
+    "    return dist.get_rank(g)\n"
+)
+
+
+def test_every_collective_has_a_comment() -> None:
+    violations = arch.collectives_without_comment(PKG)
+    assert not violations, report(violations)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import torch.distributed as dist\ndef f(x, g):\n    # a comment too far up\n    a = 1\n    b = 2\n"
+        "    c = 3\n    dist.all_reduce(x, group=g)\n",
+        "from torch.distributed import all_gather_object\ndef f(out, x):\n    all_gather_object(out, x)\n",
+        "import torch\ndef f():\n    torch.distributed.barrier()\n",
+        "from torch import distributed as d\ndef f(x):\n    s = '# a string, not a comment'\n    d.broadcast(x, 0)\n",
+    ],
+)
+def test_collective_comments_fail_when_broken(tmp_path: Path, code: str) -> None:
+    assert (
+        arch.collectives_without_comment(write_tree(tmp_path / "clean", {"parallel/a.py": COMMENTED})) == []
+    )
+    broken = write_tree(tmp_path / "broken", {"parallel/a.py": COMMENTED, "parallel/b.py": code})
+    assert [v.split(":")[0] for v in arch.collectives_without_comment(broken)] == ["parallel/b.py"]
+
+
+# 7. The consolidation's size targets (issue 23) --------------------------------------------------
 
 
 def test_few_fmt_skips() -> None:

@@ -362,7 +362,7 @@ class Parallel3DStrategy(Strategy):
     @watched("a barrier")
     def barrier(self, name: str | None = None) -> None:
         if self._ctx is not None:
-            dist.barrier()
+            dist.barrier()  # every rank of the world waits for all the others; nothing is exchanged
 
     @watched("a broadcast from rank 0")
     def broadcast(self, obj: Any, src: int = 0) -> Any:

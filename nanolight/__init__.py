@@ -32,14 +32,14 @@ _EXPORTS = {
     "NanoDataModule": "nanolight.module",
     "NanoModule": "nanolight.module",
     "NanoTrainer": "nanolight.trainer",
-    "load_pretrained": "nanolight.checkpoint.pretrained",
-    "save_pretrained": "nanolight.checkpoint.pretrained",
+    "load_pretrained": "nanolight.models.pretrained",
+    "save_pretrained": "nanolight.models.pretrained",
     "seed_everything": "nanolight.seed",
 }
 
 if TYPE_CHECKING:
     from nanolight.callbacks import Callback
-    from nanolight.checkpoint.pretrained import load_pretrained, save_pretrained
+    from nanolight.models.pretrained import load_pretrained, save_pretrained
     from nanolight.module import NanoDataModule, NanoModule
     from nanolight.seed import seed_everything
     from nanolight.trainer import NanoTrainer

@@ -19,8 +19,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from nanolight.callbacks import Callback
-from nanolight.checkpoint import convert_hf_to_nanolight
 from nanolight.models import LlamaConfig
+from nanolight.models.pretrained import convert_hf_to_nanolight
 from nanolight.pretrain.config import OptimConfig
 from nanolight.pretrain.module import CausalLMPretrain, adamw_kernel, warmup_cosine
 from nanolight.strategies import SingleDeviceStrategy

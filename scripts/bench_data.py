@@ -78,7 +78,8 @@ def _child(kind: str, corpus: str, tok_dir: str, out: str) -> None:
     whichever side ran second."""
     if kind == "prepare":
         start, cpu = time.perf_counter(), _cpu()
-        index = prepare(PrepareConfig(source=corpus, tokenizer=tok_dir, out=out, num_proc=2), progress=False)
+        data = DataConfig(path=corpus, tokenizer=tok_dir, num_proc=2, tokenize_batch_size=256)
+        index = prepare(PrepareConfig(data, out), progress=False)
         wall, cpu = time.perf_counter() - start, _cpu() - cpu
         n = {"tokens": index["num_tokens"], "documents": index["num_documents"]}
         print(json.dumps({"prepare": wall, "prepare_cpu": cpu, **n}))

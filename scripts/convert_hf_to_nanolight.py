@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 try:
-    from nanolight.checkpoint import convert_hf_to_nanolight
+    from nanolight.models.pretrained import convert_hf_to_nanolight
 except ImportError:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from nanolight.checkpoint import convert_hf_to_nanolight
+    from nanolight.models.pretrained import convert_hf_to_nanolight
 
 
 def main(argv: list[str] | None = None) -> int:

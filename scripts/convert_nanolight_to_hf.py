@@ -20,10 +20,10 @@ import sys
 from pathlib import Path
 
 try:
-    from nanolight.checkpoint import convert_nanolight_to_hf
+    from nanolight.models.pretrained import convert_nanolight_to_hf
 except ImportError:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from nanolight.checkpoint import convert_nanolight_to_hf
+    from nanolight.models.pretrained import convert_nanolight_to_hf
 
 
 def main(argv: list[str] | None = None) -> int:

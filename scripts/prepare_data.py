@@ -23,12 +23,16 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nanolight.data import DataError, PrepareConfig, prepare  # noqa: E402
+from nanolight.data import DataConfig, DataError, PrepareConfig, prepare  # noqa: E402
+
+OUTPUT_FLAGS = ("out", "shard_size_mb", "chunk_docs")  # the rest are the run's data keys (`dest`)
 
 
 def parse_args(argv: list[str] | None = None) -> PrepareConfig:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--source", required=True, help="hub dataset id, local file/dir/glob, or `embedded`")
+    p.add_argument(
+        "--source", dest="path", required=True, help="hub dataset id, local file/dir/glob, or `embedded`"
+    )
     p.add_argument("--name", default=None, help="hub dataset config name (e.g. sample-10BT)")
     p.add_argument("--split", default="train")
     p.add_argument("--revision", default=None, help="hub dataset revision (pin it for reproducible shards)")
@@ -40,11 +44,15 @@ def parse_args(argv: list[str] | None = None) -> PrepareConfig:
     p.add_argument(
         "--chunk-docs", type=int, default=None, help="documents per commit (default 20000 x num-proc)"
     )
-    p.add_argument("--batch-size", type=int, default=256, help="documents per tokenizer call")
+    p.add_argument(
+        "--batch-size", dest="tokenize_batch_size", type=int, default=256, help="documents per tokenizer call"
+    )
     p.add_argument(
         "--cache-dir", default="~/.cache/nanolight", help="embedded corpus/tokenizer, datasets cache"
     )
-    return PrepareConfig(**vars(p.parse_args(argv)))  # every flag is the field of its name
+    flags = vars(p.parse_args(argv))
+    output = {k: flags.pop(k) for k in OUTPUT_FLAGS}
+    return PrepareConfig(DataConfig(**flags), **output)  # every other flag is the data key of its dest
 
 
 def main(argv: list[str] | None = None) -> int:

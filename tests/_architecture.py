@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import ast
 import re
+import tokenize
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 # Packages (and top-level modules) from the bottom up: a module imports only from lower tiers.
-# Packages of one tier are siblings and import nothing from each other (checkpoint/ is handed a
-# layout, it does not import parallel/). "" is nanolight/__init__.py, the public names.
+# Packages of one tier are siblings and import nothing from each other. checkpoint/ is below
+# models/ and parallel/: it is handed a layout, and the model loads itself (models/pretrained.py). "" is nanolight/__init__.py, the public names.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
+    ("checkpoint",),
     ("models", "precision", "seed"),
-    ("parallel", "checkpoint"),
+    ("parallel",),
     ("data", "planner"),
     ("strategies",),
     ("module", "loggers"),
@@ -459,4 +461,82 @@ def pipelined_in_trainer(pkg: Path) -> list[str]:
                 for n in m.nodes
                 if isinstance(n, ast.Attribute) and n.attr == "pipelined"
             ]
+    return out
+
+
+# torch.distributed's collectives and point-to-point calls: each one in nanolight has a comment saying
+# who exchanges what (ARCHITECTURE.md's invariants)
+COLLECTIVES = frozenset(
+    {
+        *("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all"),
+        *("all_to_all_single", "reduce_scatter", "reduce_scatter_tensor", "reduce", "gather"),
+        *("gather_object", "scatter", "scatter_object_list", "broadcast", "broadcast_object_list"),
+        *("barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv"),
+    }
+)
+DIST_MODULES = ("torch.distributed", "torch.distributed._functional_collectives")
+
+
+def _collective_name(call: ast.Call, aliases: set[str], imported: set[str]) -> str | None:
+    """The collective `call` makes (``dist.all_reduce(...)``, ``torch.distributed.barrier()``, or a
+    name imported from torch.distributed), else None."""
+    f = call.func
+    if isinstance(f, ast.Name) and f.id in imported:
+        return f.id
+    if isinstance(f, ast.Attribute) and f.attr in COLLECTIVES:
+        owner = ast.unparse(f.value)
+        if owner in aliases or owner in DIST_MODULES:
+            return f.attr
+    return None
+
+
+def _comment_lines(path: Path) -> set[int]:
+    """The line numbers holding a comment (a ``#`` in a string is not one)."""
+    with path.open("rb") as f:
+        return {t.start[0] for t in tokenize.tokenize(f.readline) if t.type == tokenize.COMMENT}
+
+
+def collectives_without_comment(pkg: Path, reach: int = 3) -> list[str]:
+    """Collective calls with no comment on their lines or on the `reach` lines above them (a comment
+    may open the few lines that prepare the call: the group, the op)."""
+    out = []
+    for m in modules(pkg):
+        aliases, imported = set(), set()
+        for node in m.nodes:
+            if isinstance(node, ast.Import):
+                aliases |= {a.asname or a.name for a in node.names if a.name in DIST_MODULES}
+            elif isinstance(node, ast.ImportFrom) and node.module in DIST_MODULES:
+                imported |= {a.asname or a.name for a in node.names if a.name in COLLECTIVES}
+            elif isinstance(node, ast.ImportFrom) and node.module == "torch":
+                aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+        comments = _comment_lines(m.path)
+        for node in m.nodes:
+            if not isinstance(node, ast.Call) or (name := _collective_name(node, aliases, imported)) is None:
+                continue
+            if comments.isdisjoint(range(node.lineno - reach, (node.end_lineno or node.lineno) + 1)):
+                out.append(f"{m.rel}:{node.lineno}: {name} without a comment saying who exchanges what")
+    return out
+
+
+# The trainer's one window on the parallel core: where this process was launched (not parallel code)
+TRAINER_MAY_IMPORT = ("parallel.environment",)
+
+
+def parallel_code_in_trainer(pkg: Path) -> list[str]:
+    """Imports in trainer/ of torch.distributed or of parallel/ beyond `TRAINER_MAY_IMPORT`."""
+    out = []
+    for imp in imports(pkg):
+        if imp.source.layer == "trainer" and imp.target.split(".")[0] == "parallel":
+            if imp.target not in TRAINER_MAY_IMPORT:
+                out.append(
+                    f"{imp.source.rel}:{imp.line}: imports {imp.target} (parallel code in the trainer)"
+                )
+    for m in modules(pkg):
+        if m.layer != "trainer":
+            continue
+        for node in m.nodes:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
+                out.append(f"{m.rel}:{node.lineno}: imports torch.distributed (parallel code in the trainer)")
     return out

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from nanolight.data import PrepareConfig, load_tokenizer, prepare
+from nanolight.data import DataConfig, PrepareConfig, load_tokenizer, prepare
 from nanolight.data.tokenizer import train_bpe_tokenizer
 
 DOCS = [f"def f{i}(x):\n    return x * {i}  # doc {i} " + "word " * (i % 7) for i in range(200)]
@@ -54,7 +54,9 @@ def expected_tokens(tok, docs: list[str | None]) -> list[int]:
 
 def prepared(source: str, out: str, tok_dir: str, after_commit=None, **kw) -> dict:
     """Prepare `source` into `out` quietly; returns the index."""
-    cfg = PrepareConfig(source=source, tokenizer=tok_dir, out=out, **kw)
+    output = {k: kw.pop(k) for k in ("shard_size_mb", "chunk_docs") if k in kw}
+    data = {"tokenize_batch_size": 256, **kw}  # prepare_data.py's --batch-size default
+    cfg = PrepareConfig(DataConfig(path=source, tokenizer=tok_dir, **data), out, **output)
     return prepare(cfg, progress=False, after_commit=after_commit)
 
 

@@ -38,7 +38,8 @@ def report(violations: list[str]) -> str:
 LAYERED = {
     "models/llama.py": "from nanolight.errors import UsageError\n",
     "parallel/shard.py": "from nanolight.models import llama\n",
-    "checkpoint/load.py": "from ..models.llama import LlamaForCausalLM\n",
+    "checkpoint/load.py": "from nanolight.errors import UsageError\n",
+    "models/pretrained.py": "from nanolight.checkpoint import load\n",
     "callbacks/base.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from nanolight.trainer import NanoTrainer\n",
     "trainer/trainer.py": "from nanolight.callbacks.base import Callback\n",
     "errors.py": "",
@@ -59,14 +60,14 @@ def test_imports_point_down() -> None:
             "models imports parallel.shard (higher",
         ),
         (
-            "models/llama.py",
-            "def f():\n    from nanolight import checkpoint\n",
-            "models imports checkpoint (higher",
+            "checkpoint/load.py",
+            "def f():\n    from nanolight.models import llama\n",
+            "checkpoint imports models.llama (higher",
         ),
         (
             "checkpoint/load.py",
             "from nanolight.parallel import shard\n",
-            "checkpoint imports parallel.shard (sibling",
+            "checkpoint imports parallel.shard (higher",
         ),
         (
             "parallel/shard.py",
@@ -78,7 +79,7 @@ def test_imports_point_down() -> None:
             "if TYPE_CHECKING:\n    from nanolight.trainer import T\n",
             "parallel imports trainer",
         ),
-        ("checkpoint/load.py", "from .. import parallel\n", "checkpoint imports parallel (sibling"),
+        ("checkpoint/load.py", "from .. import parallel\n", "checkpoint imports parallel (higher"),
         ("models/llama.py", "import scripts.plan\n", "imports scripts.plan (the library imports no program)"),
         ("newpkg/x.py", "", "package 'newpkg' has no place in LAYERS"),
     ],
@@ -254,7 +255,71 @@ def test_the_map_fails_when_broken(tmp_path: Path) -> None:
     ]
 
 
-# 6. The consolidation's size targets (issue 23) --------------------------------------------------
+# 5b. No parallel code in the trainer --------------------------------------------------------------
+
+
+def test_trainer_holds_no_parallel_code() -> None:
+    violations = arch.parallel_code_in_trainer(PKG)
+    assert not violations, report(violations)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "from nanolight.parallel.grads import GradientSync\n",
+        "def f():\n    from nanolight.parallel import grads\n",
+        "import torch.distributed as dist\n",
+        "from torch.distributed import all_reduce\n",
+    ],
+)
+def test_parallel_code_in_the_trainer_fails_when_broken(tmp_path: Path, code: str) -> None:
+    core = {"parallel/environment.py": "", "parallel/grads.py": ""}
+    allowed = "from nanolight.parallel.environment import detect_environment\n"
+    clean = write_tree(tmp_path / "clean", {**core, "trainer/arguments.py": allowed})
+    assert arch.parallel_code_in_trainer(clean) == []
+    broken = write_tree(
+        tmp_path / "broken", {**core, "trainer/arguments.py": allowed, "trainer/step.py": code}
+    )
+    assert [v.split(":")[0] for v in arch.parallel_code_in_trainer(broken)] == ["trainer/step.py"]
+
+
+# 6. Every collective says who exchanges what ------------------------------------------------------
+
+COMMENTED = (
+    "import torch.distributed as dist\n"
+    "def f(x, g):\n"
+    "    # the tp ranks of g add their partial x\n"
+    "    op = dist.ReduceOp.SUM\n"
+    "    dist.all_reduce(x, op=op, group=g)\n"
+    "    dist.barrier()  # every rank waits for the others\n"
+    "    return dist.get_rank(g)\n"
+)
+
+
+def test_every_collective_has_a_comment() -> None:
+    violations = arch.collectives_without_comment(PKG)
+    assert not violations, report(violations)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import torch.distributed as dist\ndef f(x, g):\n    # a comment too far up\n    a = 1\n    b = 2\n"
+        "    c = 3\n    dist.all_reduce(x, group=g)\n",
+        "from torch.distributed import all_gather_object\ndef f(out, x):\n    all_gather_object(out, x)\n",
+        "import torch\ndef f():\n    torch.distributed.barrier()\n",
+        "from torch import distributed as d\ndef f(x):\n    s = '# a string, not a comment'\n    d.broadcast(x, 0)\n",
+    ],
+)
+def test_collective_comments_fail_when_broken(tmp_path: Path, code: str) -> None:
+    assert (
+        arch.collectives_without_comment(write_tree(tmp_path / "clean", {"parallel/a.py": COMMENTED})) == []
+    )
+    broken = write_tree(tmp_path / "broken", {"parallel/a.py": COMMENTED, "parallel/b.py": code})
+    assert [v.split(":")[0] for v in arch.collectives_without_comment(broken)] == ["parallel/b.py"]
+
+
+# 7. The consolidation's size targets (issue 23) --------------------------------------------------
 
 
 def test_few_fmt_skips() -> None:

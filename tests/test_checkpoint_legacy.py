@@ -1,13 +1,16 @@
 """Checkpoints written before the core redesign (nanolight 0.1.0, tests/fixtures/legacy_v1/, made by
-fixtures/make_legacy_checkpoints.py) still load: a one-process step directory and a tp2·pp2·dp2
-ZeRO-1 one resume on one device, and at tp2, with the losses the uninterrupted run had. So does a
-one-process directory of the layout before the one format (the same files plus checksums.json),
-whose checksums are still checked."""
+fixtures/make_legacy_checkpoints.py) still resume, on one device and at tp2, with the losses the
+uninterrupted run had: the tp2·pp2·dp2 ZeRO-1 one as it is (it is the one format), the one-process
+one once `scripts/upgrade_checkpoint.py` has converted it (the trainer reads one format; opening the
+old one says to run the script). The script checks a ``checksums.json`` when there, and refuses a
+parameter order the stored shapes contradict."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
+import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -23,13 +26,35 @@ from nanolight.checkpoint import CheckpointError  # noqa: E402
 from nanolight.strategies import Parallel3DStrategy, SingleDeviceStrategy  # noqa: E402
 
 EXPECTED = {int(k): v for k, v in json.loads((OUT / "losses.json").read_text()).items()}
+SCRIPT = Path(__file__).parents[1] / "scripts" / "upgrade_checkpoint.py"
+_spec = importlib.util.spec_from_file_location("upgrade_checkpoint", SCRIPT)
+upgrade_checkpoint = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(upgrade_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def upgraded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The one-process fixture, converted by the script's command line."""
+    new = tmp_path_factory.mktemp("upgraded") / "step-2"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(OUT / "single" / "step-2"), str(new)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return new
+
+
+def _saved(saved: str, upgraded: Path) -> str:
+    return str(upgraded if saved == "single" else OUT / saved / "step-2")
 
 
 @pytest.mark.parametrize("saved", ["single", "tp2_pp2_dp2_zero1"])
-def test_legacy_checkpoint_resumes_on_one_device(saved: str) -> None:
+def test_legacy_checkpoint_resumes_on_one_device(saved: str, upgraded: Path) -> None:
     record = Losses()
     t = trainer(SingleDeviceStrategy("cpu"), 4, [record])
-    t.fit(LegacyLM(), train_dataloaders=loader(), ckpt_path=str(OUT / saved / "step-2"))
+    t.fit(LegacyLM(), train_dataloaders=loader(), ckpt_path=_saved(saved, upgraded))
     assert sorted(record.losses) == [3, 4]
     for step, loss in record.losses.items():
         assert loss == pytest.approx(EXPECTED[step], rel=1e-5), (step, loss, EXPECTED[step])
@@ -38,13 +63,13 @@ def test_legacy_checkpoint_resumes_on_one_device(saved: str) -> None:
 def _tp2(rank: int, world: int, saved: str) -> dict[int, float]:
     record = Losses()
     t = trainer(Parallel3DStrategy(tp=2), 4, [record])
-    t.fit(LegacyLM(), train_dataloaders=loader(), ckpt_path=str(OUT / saved / "step-2"))
+    t.fit(LegacyLM(), train_dataloaders=loader(), ckpt_path=saved)
     return record.losses
 
 
 @pytest.mark.parametrize("saved", ["single", "tp2_pp2_dp2_zero1"])
-def test_legacy_checkpoint_resumes_at_tp2(saved: str) -> None:
-    for losses in run_distributed(_tp2, 2, saved, timeout=120):
+def test_legacy_checkpoint_resumes_at_tp2(saved: str, upgraded: Path) -> None:
+    for losses in run_distributed(_tp2, 2, _saved(saved, upgraded), timeout=120):
         assert sorted(losses) == [3, 4]
         for step, loss in losses.items():
             assert loss == pytest.approx(EXPECTED[step], rel=1e-5), (step, loss, EXPECTED[step])
@@ -66,6 +91,13 @@ def test_legacy_weights_agree() -> None:
         assert rel <= 2e-5, (key, float(rel))
 
 
+def test_an_old_one_process_checkpoint_names_the_script() -> None:
+    with pytest.raises(CheckpointError, match=r"convert it once with `python scripts/upgrade_checkpoint.py "):
+        trainer(SingleDeviceStrategy("cpu"), 4).fit(
+            LegacyLM(), train_dataloaders=loader(), ckpt_path=str(OUT / "single" / "step-2")
+        )
+
+
 def _with_checksums(tmp_path: Path) -> Path:
     """The one-process fixture as the writer before the one format left it: plus checksums.json."""
     step = tmp_path / "step-2"
@@ -78,26 +110,28 @@ def _with_checksums(tmp_path: Path) -> Path:
     return step
 
 
-def test_checksummed_one_process_checkpoint_resumes_and_is_verified(tmp_path: Path) -> None:
+def test_the_upgrade_checks_checksums(tmp_path: Path) -> None:
     step = _with_checksums(tmp_path)
-    record = Losses()
-    trainer(SingleDeviceStrategy("cpu"), 4, [record]).fit(
-        LegacyLM(), train_dataloaders=loader(), ckpt_path=str(step)
-    )
-    assert sorted(record.losses) == [3, 4]
-    for at, loss in record.losses.items():
-        assert loss == pytest.approx(EXPECTED[at], rel=1e-5), (at, loss, EXPECTED[at])
+    upgrade_checkpoint.upgrade(step, tmp_path / "new")  # intact: converts
+    assert (tmp_path / "new" / "index.json").is_file()
 
     data = (step / "optimizer.pt").read_bytes()  # one flipped bit, the size kept
     (step / "optimizer.pt").write_bytes(data[:-10] + bytes([data[-10] ^ 1]) + data[-9:])
     with pytest.raises(CheckpointError, match=r"optimizer.pt is damaged: its checksum differs"):
-        trainer(SingleDeviceStrategy("cpu"), 4).fit(
-            LegacyLM(), train_dataloaders=loader(), ckpt_path=str(step)
-        )
+        upgrade_checkpoint.upgrade(step, tmp_path / "bad")
     (step / "checksums.json").write_bytes(b"\xc7\xff not json")
     with pytest.raises(
         CheckpointError, match=r"checksums file .*checksums.json is unreadable: truncated or damaged"
     ):
-        trainer(SingleDeviceStrategy("cpu"), 4).fit(
-            LegacyLM(), train_dataloaders=loader(), ckpt_path=str(step)
-        )
+        upgrade_checkpoint.upgrade(step, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_the_upgrade_refuses_an_order_the_shapes_contradict(tmp_path: Path) -> None:
+    step = tmp_path / "step-2"
+    shutil.copytree(OUT / "single" / "step-2", step)
+    states = torch.load(step / "optimizer.pt", weights_only=True)
+    states[0]["param_groups"][0]["params"].reverse()  # the matrices numbered last to first
+    torch.save(states, step / "optimizer.pt")
+    with pytest.raises(CheckpointError, match=r"no param group's next parameter has the shape of model"):
+        upgrade_checkpoint.upgrade(step, tmp_path / "new")

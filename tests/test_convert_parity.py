@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from nanolight.checkpoint.pretrained import convert_hf_to_nanolight, load_pretrained
+from nanolight.models.pretrained import convert_hf_to_nanolight, load_pretrained
 
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
 LLAMA3 = {

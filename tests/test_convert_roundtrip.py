@@ -15,14 +15,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from nanolight.checkpoint.pretrained import (
+from nanolight.models import LlamaConfig, LlamaForCausalLM
+from nanolight.models.llama_config import DIRECTORY_ROPE_KEY
+from nanolight.models.pretrained import (
     convert_hf_to_nanolight,
     convert_nanolight_to_hf,
     load_pretrained,
     save_pretrained,
 )
-from nanolight.models import LlamaConfig, LlamaForCausalLM
-from nanolight.models.llama_config import DIRECTORY_ROPE_KEY
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = dict(

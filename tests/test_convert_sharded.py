@@ -22,13 +22,13 @@ from torch.utils.data import DataLoader
 
 from nanolight import NanoTrainer
 from nanolight.checkpoint import write_last_pointer
-from nanolight.checkpoint.pretrained import (
+from nanolight.models import LlamaConfig, LlamaForCausalLM
+from nanolight.models.pretrained import (
     convert_nanolight_to_hf,
     load_pretrained,
     read_checkpoint,
     save_pretrained,
 )
-from nanolight.models import LlamaConfig, LlamaForCausalLM
 from nanolight.parallel.tensor_parallel.apply import gather_full, shard_dims
 from nanolight.strategies.parallel3d import Parallel3DStrategy
 

@@ -96,7 +96,7 @@ def source_of(sources: list[str], cfg: DataConfig) -> dict[tuple[int, ...], int]
     for i, p in enumerate(sources):
         train = build_datamodule(
             DataConfig(path=p, val_fraction=cfg.val_fraction), BatchGeometry(T, 1)
-        ).train_loader.dataset
+        ).train_loader.source.dataset
         for row in train.rows(np.arange(len(train))).tolist():
             assert rows.setdefault(tuple(row), i) == i
     return rows
@@ -114,7 +114,7 @@ def test_every_global_batch_holds_the_weights_at_every_layout(sources) -> None:
     small = [row for batch in run(cfg, 1, 10, 1, 130) for row in batch if owner[row] == 2]
     train2 = build_datamodule(
         DataConfig(path=sources[2], val_fraction=0.05), BatchGeometry(T, 1)
-    ).train_loader.dataset
+    ).train_loader.source.dataset
     every = Counter(tuple(r) for r in train2.rows(np.arange(len(train2))).tolist())
     n = len(train2)
     assert Counter(small[:n]) == every == Counter(small[n : 2 * n]) and small[:n] != small[n : 2 * n]
@@ -142,7 +142,7 @@ def test_repeat_warns_and_stop_ends_the_epoch(sources) -> None:
         mix_cfg(sources, mixture_exhausted="stop"), BatchGeometry(T, 10, seed=9)
     ).train_loader
     epoch0 = [b["input_ids"].tolist() for b in stop]
-    n_small = len(stop.sources[2])
+    n_small = len(stop.source.sources[2])
     assert len(epoch0) == len(stop) == n_small * 10 // 10 and len(epoch0) > 0  # 1 of 10 is source 2
     epoch1 = [b["input_ids"].tolist() for b in stop]
     assert len(epoch1) == len(epoch0) and epoch1 != epoch0  # a new order in the next epoch

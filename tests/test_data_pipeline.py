@@ -90,8 +90,10 @@ def test_build_datamodule_local_batches_and_val(tmp_path, tok, tok_dir) -> None:
     ids = batch["input_ids"]
     assert ids.shape == (2, 16) and batch["target_ids"].tolist() == [r[1:] + [-100] for r in ids.tolist()]
     n_blocks = len(token_file(cfg, t).tokens) // 16
-    assert len(train.dataset) + len(val.dataset) == n_blocks and len(val.dataset) == round(0.1 * n_blocks)
-    assert set(train.dataset.block_ids).isdisjoint(val.dataset.block_ids)
+    assert len(train.source.dataset) + len(val.source.dataset) == n_blocks and len(
+        val.source.dataset
+    ) == round(0.1 * n_blocks)
+    assert set(train.source.dataset.block_ids).isdisjoint(val.source.dataset.block_ids)
     assert vocab_size(t) == 512
 
 

@@ -49,12 +49,15 @@ def test_shards_hold_every_document_then_eos_like_the_token_file(tmp_path, tok, 
     assert len(index["shards"]) >= 3 and index["num_tokens"] == len(ref)
     assert index["dtype"] == "uint16" and index["tokenizer"]["eos_token_id"] == tok.eos_token_id
     assert index["num_documents"] == sum(1 for d in docs if d) and index["source"]["num_rows"] == len(docs)
-    # document boundaries: each shard's ends land on EOS, documents are never split across shards
+    # document boundaries are the EOS tokens: each shard ends on one, documents are never split
+    # across shards, and nothing else is written per document
     for i, shard in enumerate(index["shards"]):
-        ends = np.fromfile(tmp_path / "out" / f"shard-{i:05d}.doc", dtype="<i8")
         toks = np.fromfile(tmp_path / "out" / f"shard-{i:05d}.bin", dtype=np.uint16)
-        assert len(ends) == shard["documents"] and ends[-1] == len(toks) == shard["tokens"]
-        assert (toks[ends - 1] == tok.eos_token_id).all() and (toks == tok.eos_token_id).sum() == len(ends)
+        assert len(toks) == shard["tokens"] and toks[-1] == tok.eos_token_id
+        assert (toks == tok.eos_token_id).sum() == shard["documents"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith("shard-")) == [
+        f"shard-{i:05d}.bin" for i in range(len(index["shards"]))
+    ]
     rows = [(s["first_row"], s["end_row"]) for s in index["shards"]]
     assert (
         rows[0][0] == 0
@@ -66,7 +69,8 @@ def test_shards_hold_every_document_then_eos_like_the_token_file(tmp_path, tok, 
 def test_same_inputs_same_bytes_at_any_worker_count_and_chunking(tmp_path, tok_dir) -> None:
     src = write_docs(str(tmp_path / "docs.jsonl"), MIXED * 3)
     prepared(src, str(tmp_path / "a"), tok_dir, shard_size_mb=0.002)
-    prepared(src, str(tmp_path / "b"), tok_dir, shard_size_mb=0.002, num_proc=2, chunk_docs=150, batch_size=5)
+    kw = {"shard_size_mb": 0.002, "num_proc": 2, "chunk_docs": 150, "tokenize_batch_size": 5}
+    prepared(src, str(tmp_path / "b"), tok_dir, **kw)
     a, b = shard_bytes(str(tmp_path / "a")), shard_bytes(str(tmp_path / "b"))
     assert a == b and "index.json" in a and any(k.startswith("tokenizer") for k in a)
 
@@ -192,8 +196,8 @@ def test_damaged_shards_are_named_then_repaired_by_a_rerun(tmp_path, tok_dir) ->
         DataError, match=r"shard-00002.bin has 100 bytes but index.json says \d+ .*same arguments"
     ):
         PreparedData.open(out)
-    os.remove(os.path.join(out, "shard-00003.doc"))
-    with pytest.raises(DataError, match="shard-00003.doc is missing"):
+    os.remove(os.path.join(out, "shard-00003.bin"))
+    with pytest.raises(DataError, match="shard-00003.bin is missing"):
         PreparedData.open(out)
     prepared(src, out, tok_dir, shard_size_mb=0.002)
     assert shard_bytes(out) == good

@@ -73,7 +73,7 @@ def test_each_dp_rank_reads_only_its_own_samples_bytes(embedded) -> None:
         it = iter(loader)
         for _ in range(n):
             next(it)
-    per_rank = [loader.dataset.tokens.bytes_read for loader in loaders]
+    per_rank = [loader.source.dataset.tokens.bytes_read for loader in loaders]
     total_needed = dp * mbs * n * T * 2  # the samples of n global batches, uint16
     assert sum(per_rank) == total_needed
     assert per_rank == [total_needed // dp] * dp  # exactly its own samples: 1/dp each

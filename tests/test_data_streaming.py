@@ -13,7 +13,7 @@ import pytest
 import torch
 from _data_helpers import DOCS, write_docs
 
-from nanolight.data import BatchGeometry, DataConfig, StreamingPackedLoader, build_datamodule
+from nanolight.data import BatchGeometry, DataConfig, PackedLoader, StreamingPackedLoader, build_datamodule
 from nanolight.data.streaming import digest
 
 T = 16
@@ -35,9 +35,7 @@ def jsonl_stream(tmp_path):
     return datasets.load_dataset("json", data_files=files, split="train", streaming=True), docs
 
 
-def loaders(
-    ds, tok, dp: int, mbs: int = 1, acc: int = 1, window: int = 8, **kw
-) -> list[StreamingPackedLoader]:
+def loaders(ds, tok, dp: int, mbs: int = 1, acc: int = 1, window: int = 8, **kw) -> list[PackedLoader]:
     return [
         StreamingPackedLoader(
             ds, tok, "text", BatchGeometry(T, mbs, acc, r, dp, seed=5), shuffle_buffer=window, **kw
@@ -50,9 +48,9 @@ class _SecondPass(Exception):
     pass
 
 
-def first_pass(loader: StreamingPackedLoader) -> tuple[int, list[list[int]]]:
+def first_pass(loader: PackedLoader) -> tuple[int, list[list[int]]]:
     """(bytes read, rows served) over exactly one reading of the loader's share of the stream."""
-    make, opened = loader.stream.make_stream, []
+    make, opened = loader.source.stream.make_stream, []
 
     def counted():
         opened.append(1)
@@ -60,7 +58,7 @@ def first_pass(loader: StreamingPackedLoader) -> tuple[int, list[list[int]]]:
             raise _SecondPass  # stop before the next pass reads anything
         return make()
 
-    loader.stream.make_stream = counted
+    loader.source.stream.make_stream = counted
     start, rows = rchar(), []
     try:
         for batch in loader:
@@ -70,7 +68,7 @@ def first_pass(loader: StreamingPackedLoader) -> tuple[int, list[list[int]]]:
     raise AssertionError("unreachable: the loader never ends")
 
 
-def global_steps(ls: list[StreamingPackedLoader], acc: int, n: int) -> list[list[list[int]]]:
+def global_steps(ls: list[PackedLoader], acc: int, n: int) -> list[list[list[int]]]:
     its = [iter(loader) for loader in ls]
     return [
         [row for it in its for _ in range(acc) for row in next(it)["input_ids"].tolist()] for _ in range(n)
@@ -102,7 +100,7 @@ def test_ranks_read_disjoint_documents_that_cover_the_stream(tok, jsonl_stream) 
     ds, docs = jsonl_stream
     per_rank = []
     for loader in loaders(ds, tok, 2, window=1):
-        texts = [t for _, _, batch, _ in loader.stream.batches(None) for t in batch]
+        texts = [t for _, _, batch, _ in loader.source.stream.batches(None) for t in batch]
         per_rank.append(texts)
         served = np.concatenate(
             [b["input_ids"].numpy().ravel() for _, b in zip(range(10), loader, strict=False)]
@@ -114,15 +112,15 @@ def test_ranks_read_disjoint_documents_that_cover_the_stream(tok, jsonl_stream) 
     assert set(per_rank[0]).isdisjoint(per_rank[1]) and sorted(per_rank[0] + per_rank[1]) == sorted(docs)
 
 
-def _count_reads(loader: StreamingPackedLoader, counts: list[int]) -> None:
-    real = loader.stream.batches
+def _count_reads(loader: PackedLoader, counts: list[int]) -> None:
+    real = loader.source.stream.batches
 
     def counted(state):
         for item in real(state):
             counts.append(len(item[2]))  # documents in this read batch
             yield item
 
-    loader.stream.batches = counted
+    loader.source.stream.batches = counted
 
 
 @pytest.mark.parametrize("stop", [1, 5, 8, -1])  # mid-window, at a window edge, past a rank's pass end
@@ -200,8 +198,8 @@ def test_validation_documents_are_the_streams_first_and_never_trained_on(tmp_pat
             [tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for d in docs[:20]]
         )
         assert len(val) == 6 // (2 * dp) * 2 and val[0] == ids[:T].tolist()  # the stream's first blocks
-        held = dms[0].train_loader.stream.skip
+        held = dms[0].train_loader.source.stream.skip
         assert digest(docs[0]) in held and len(held) < 70
         for dm in dms:
-            texts = [t for _, _, batch, _ in dm.train_loader.stream.batches(None) for t in batch]
+            texts = [t for _, _, batch, _ in dm.train_loader.source.stream.batches(None) for t in batch]
             assert texts and not {digest(t) for t in texts} & held

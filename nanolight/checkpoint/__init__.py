@@ -4,7 +4,8 @@
 `index.py` / `reader.py` (the format: any block of any tensor, whatever layout wrote it; which
 checkpoint is intact), `save.py` (the one writer: every rank's shards + the index, one process
 the one-shard case), `load.py` (resharding into this rank's layout), `pretrained.py` (model
-directories, Hugging Face conversion through the model's own `models/hf_adapter.py`)."""
+directories read and written). No model is known here: the Llama's own loading and Hugging Face
+conversion are `models/pretrained.py`'s."""
 
 from nanolight.checkpoint.atomic import (
     LAST_POINTER,
@@ -15,13 +16,6 @@ from nanolight.checkpoint.atomic import (
     write_last_pointer,
 )
 from nanolight.checkpoint.index import INDEX_FILE, CheckpointIndex
-from nanolight.checkpoint.pretrained import (
-    convert_hf_to_nanolight,
-    convert_nanolight_to_hf,
-    load_pretrained,
-    read_checkpoint,
-    save_pretrained,
-)
 from nanolight.checkpoint.reader import CheckpointReader, is_sharded_checkpoint
 from nanolight.checkpoint.save import ExportExtras
 
@@ -34,12 +28,7 @@ __all__ = [
     "ExportExtras",
     "MissingCheckpointFile",
     "atomic_directory",
-    "convert_hf_to_nanolight",
-    "convert_nanolight_to_hf",
     "is_sharded_checkpoint",
-    "load_pretrained",
-    "read_checkpoint",
     "resolve_checkpoint",
-    "save_pretrained",
     "write_last_pointer",
 ]

@@ -301,10 +301,3 @@ def load_json(path: Path, what: str = "checkpoint file") -> Any:
 def open_tensors(path: Path, what: str = "checkpoint shard") -> Any:
     """A safetensors handle (``keys``, ``get_tensor``, ``get_slice``) for `path`."""
     return _read(path, what, lambda p: safe_open(str(p), framework="pt"))
-
-
-class InMemoryTensors(dict):
-    """Tensors already in memory (a one-process ``optimizer.pt``) behind the safetensors handle
-    interface (`open_tensors`) the reader uses."""
-
-    get_tensor = get_slice = dict.__getitem__

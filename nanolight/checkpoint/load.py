@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -112,14 +111,9 @@ def load_optimizers(
     optimizers: list[Any],
     module: nn.Module,
     layout: Any,
-    param_names: Callable[[], list[list[str]]],
 ) -> None:
-    """Build each optimizer's ``torch.optim`` state dict from the checkpoint and load it.
-
-    `param_names()` lists every optimizer's parameter keys in the one-process flat order (only
-    called for an old one-process checkpoint, whose ``optimizer.pt`` names parameters by position). A
-    ZeRO optimizer takes the same format and keeps its own flat partition of it."""
-    reader.bind_param_names(param_names)
+    """Build each optimizer's ``torch.optim`` state dict from the checkpoint and load it. A ZeRO
+    optimizer takes the same format and keeps its own flat partition of it."""
     saved_groups = reader.optimizer_groups()
     if len(saved_groups) != len(optimizers):
         raise UsageError(

@@ -8,10 +8,10 @@ rows/columns (safetensors slices come from the memory-mapped file). ZeRO-1 piece
 of a block; their block is rebuilt from the pieces that overlap.
 
 Plus one read path without an index, kept for what has none: a model directory's one
-``model.safetensors`` (`pretrained.py`; a Hugging Face model's files too, for conversion), and a
-one-process checkpoint written before the format was one (``model.safetensors`` +
-``optimizer.pt``, ``checksums.json`` for sizes and CRCs). The same index is built for it in memory
-(every tensor one whole shard), so it is read and resharded the same way.
+``model.safetensors`` (`pretrained.py`; a Hugging Face model's files too, for conversion). The
+same index is built for it in memory (every tensor one whole shard), so it is read and resharded
+the same way. A one-process training checkpoint written before the format was one is not read:
+``scripts/upgrade_checkpoint.py`` converts it once, and opening it says so.
 
 Each file is checked when this rank first opens it -- there, as large as written, the same CRC-32
 (damage that keeps the size) -- so a missing or damaged shard is an error naming the file. Only
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,6 @@ import torch
 
 from nanolight.checkpoint.atomic import (
     CheckpointError,
-    InMemoryTensors,
     MissingCheckpointFile,
     load_json,
     load_torch,
@@ -44,9 +42,8 @@ from nanolight.checkpoint.index import INDEX_FILE, CheckpointIndex, Shard, Tenso
 
 TRAINER_FILE, CONFIG_FILE = "trainer_state.pt", "config.json"
 GROUPS_FILE = "optimizer_groups.pt"  # every optimizer's param-group hyperparameters
-WEIGHTS_FILE = "model.safetensors"  # no index: a model directory's, or an old one-process checkpoint's
+WEIGHTS_FILE = "model.safetensors"  # no index: a model directory's
 HF_INDEX = "model.safetensors.index.json"  # a Hugging Face model's weights in several files
-OPTIMIZER_FILE, CHECKSUMS_FILE = "optimizer.pt", "checksums.json"  # old one-process checkpoints only
 SAFETENSORS_DTYPES = {
     "F64": "float64",
     "F32": "float32",
@@ -83,7 +80,6 @@ class CheckpointReader:
         self.path, self.index, self.indexed = path, index, indexed  # indexed: per-rank files too
         self._handles: dict[str, Any] = {}
         self._verified: set[str] = set()
-        self._groups: list[list[dict[str, Any]]] = []
 
     @classmethod
     def open(cls, path: str | Path) -> CheckpointReader:
@@ -93,11 +89,13 @@ class CheckpointReader:
             index_file = path / INDEX_FILE
             text = index_file.read_text(errors="replace")  # not UTF-8: from_json names the file
             return cls(path, CheckpointIndex.from_json(text, index_file), True)
+        if (path / TRAINER_FILE).is_file():  # a training checkpoint without an index: the old format
+            raise CheckpointError(
+                f"{path} is a one-process checkpoint of the format before the index (nanolight 0.1): "
+                f"convert it once with `python scripts/upgrade_checkpoint.py {path} NEW` and resume from NEW"
+            )
         if (path / WEIGHTS_FILE).is_file() or (path / HF_INDEX).is_file():  # no index: build it in memory
             index = CheckpointIndex({"tp": 1, "pp": 1, "dp": 1, "world_size": 1}, {}, {})
-            manifest = path / CHECKSUMS_FILE  # absent in checkpoints written before checksums
-            for name, rec in (load_json(manifest, "checksums file") if manifest.is_file() else {}).items():
-                index.files[name], index.checksums[name] = rec["size"], rec["crc32"]
             return cls(path, index, False)._index_weights()
         saved = (
             [p.name for p in path.iterdir() if p.suffix in (".safetensors", ".pt")] if path.is_dir() else []
@@ -128,32 +126,6 @@ class CheckpointReader:
         shard = Shard(file, key, [0] * len(shape), shape)
         self.index.tensors[name] = TensorEntry(shape, dtype, [shard])
 
-    def bind_param_names(self, param_names: Callable[[], list[list[str]]]) -> None:
-        """Index an old ``optimizer.pt``, which names parameters by position: `param_names()[k]` are
-        optimizer k's parameter keys in its flat order (asked only then, and once)."""
-        if self.indexed or OPTIMIZER_FILE in self._handles:
-            return
-        names = param_names()
-        states = load_torch(self._checked(OPTIMIZER_FILE), "optimizer state")
-        if len(states) != len(names):
-            raise ValueError(
-                f"checkpoint {self.path} holds {len(states)} optimizer(s), configure_optimizers returned {len(names)}"
-            )
-        tensors: dict[str, torch.Tensor] = {}
-        self._groups = []
-        for k, (sd, keys) in enumerate(zip(states, names, strict=True)):
-            self._groups.append([{h: v for h, v in g.items() if h != "params"} for g in sd["param_groups"]])
-            for idx, entry in sd["state"].items():
-                for skey, value in entry.items():
-                    name = f"optim/{k}/{keys[int(idx)]}/{skey}"
-                    if isinstance(value, torch.Tensor):
-                        tensors[name] = value
-                        dtype = str(value.dtype).removeprefix("torch.")
-                        self._add_whole(name, OPTIMIZER_FILE, name, list(value.shape), dtype)
-                    else:
-                        self.index.extras[name] = value
-        self._handles[OPTIMIZER_FILE] = InMemoryTensors(tensors)
-
     # ---- what is stored --------------------------------------------------------------------------
     @property
     def topology(self) -> dict[str, Any]:
@@ -176,7 +148,7 @@ class CheckpointReader:
     def optimizer_groups(self) -> list[list[dict[str, Any]]]:
         """Every optimizer's param-group hyperparameters (without the parameters), as saved."""
         if not self.indexed:
-            return self._groups
+            return []
         there = (self.path / GROUPS_FILE).exists()
         return load_torch(self._checked(GROUPS_FILE), "optimizer hyperparameters") if there else []
 
@@ -261,8 +233,6 @@ class CheckpointReader:
         for file in sorted(set(index.files) | {s.file for e in index.tensors.values() for s in e.shards}):
             self._checked(file) if file in index.files else self._handle(file)
         self.trainer_state()
-        if not self.indexed:
-            load_torch(self._checked(OPTIMIZER_FILE), "optimizer state")
 
     def model_state(self, strip_prefix: str = "") -> dict[str, torch.Tensor]:
         """Every model tensor in full, keyed by state-dict name (minus `strip_prefix`), aliases
@@ -290,8 +260,8 @@ def _blocks(shards: list[Shard]) -> list[tuple[list[int], list[int], list[Shard]
 
 
 def is_intact(path: str | Path) -> bool:
-    """Every file of checkpoint `path` is there, as large as written and with its checksum (a
-    checkpoint from before checksums: every file opens)."""
+    """Every file of checkpoint `path` is there, as large as written and with its checksum (an
+    index from before checksums: every file opens)."""
     try:
         CheckpointReader.open(path).verify_all()
     except (CheckpointError, OSError, ValueError):

@@ -15,7 +15,7 @@ makes every rank raise, no one hangs, nothing is published); rank 0 gathers the 
 writes ``index.json`` last (a directory without an index is never a checkpoint), and renames the
 directory into place (`atomic.publish`). The trainer moves ``last`` only after this returns.
 
-A module holding a model that describes itself (`DescribesItself`: the Llama of `models/` does)
+A module holding a model with a `directory_config()` (`HasDirectoryConfig`: the Llama of `models/` does)
 also gets a ``config.json``, so the step directory is a model directory (`load_pretrained`, export to
 Hugging Face); what a run adds to an export (its tokenizer, its HF token ids) is handed in as
 `ExportExtras` by whoever builds the strategy (the recipe).
@@ -51,7 +51,7 @@ FORMAT_NAME, FORMAT_VERSION = "nanolight", 1  # a model directory's config.json 
 
 
 @runtime_checkable
-class DescribesItself(Protocol):
+class HasDirectoryConfig(Protocol):
     """A model whose checkpoints are also model directories: it gives ``config.json``'s fields."""
 
     def directory_config(self) -> dict[str, Any]: ...
@@ -307,7 +307,9 @@ def save_checkpoint(
         groups = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in optimizers]
         shared.record(tmp / GROUPS_FILE, save_torch(tmp / GROUPS_FILE, groups))
         shared.record(tmp / TRAINER_FILE, save_torch(tmp / TRAINER_FILE, trainer_state))
-        described = next(((n, m) for n, m in module.named_modules() if isinstance(m, DescribesItself)), None)
+        described = next(
+            ((n, m) for n, m in module.named_modules() if isinstance(m, HasDirectoryConfig)), None
+        )
         if described is not None:  # the step directory is also a model directory
             prefix, model = described
             sharding = {"index": INDEX_FILE, "prefix": f"{prefix}." if prefix else ""}

@@ -1,7 +1,7 @@
 """Data pipeline: text (embedded stdlib corpus, local files or a hub dataset) -> tokenizer ->
 token shards (scripts/prepare_data.py, or prepared once into the data cache) -> packed `seq_len`
-blocks, alone or in a weighted mixture -> dp-sharded, resumable micro-batches; or a stream of
-which each dp rank reads its own share.
+blocks, alone or in a weighted mixture, or a stream of which each dp rank reads its own share ->
+one loader (`PackedLoader`): dp-sharded, resumable micro-batches.
 
 The recipe calls `build_datamodule(cfg.data, BatchGeometry(seq_len, micro_batch_size, ...))`;
 everything else here is exported for tests, benchmarks and users assembling their own pipeline.

@@ -1,10 +1,11 @@
 """`build_datamodule`: the one call the recipe makes to turn a `DataConfig` into loaders.
 
-Two sources, one contract (batches, state_dict, the global batch rule of loader.py):
-- token shards (shards.py), read through `PackedLoader`, or `MixtureLoader` for `data.mixture`:
-  a directory made by scripts/prepare_data.py (`data.path=<dir>`, nothing built at run time),
-  or the embedded corpus, local files or a hub dataset prepared the same way once into the data
-  cache (preparation.py `token_file`);
+One loader, `PackedLoader` (batches, state_dict, the global batch rule of loader.py), over one of
+three sources of token rows:
+- token shards (shards.py): a directory made by scripts/prepare_data.py (`data.path=<dir>`, nothing
+  built at run time), or the embedded corpus, local files or a hub dataset prepared the same way
+  once into the data cache (preparation.py `token_file`);
+- a mixture of prepared directories (`data.mixture`, mixture.py);
 - a stream (`data.streaming=true`): each dp rank reads and tokenizes its share (streaming.py).
 """
 
@@ -17,20 +18,20 @@ from typing import Any, NamedTuple
 from transformers import PreTrainedTokenizerBase
 
 from nanolight.data.config import EMBEDDED, BatchGeometry, DataConfig, DataError
-from nanolight.data.loader import EvalLoader, PackedDataset, PackedLoader, split_blocks
-from nanolight.data.mixture import ConcatBlocks, MixtureLoader
+from nanolight.data.loader import PackedDataset, PackedLoader, eval_loader, split_blocks
+from nanolight.data.mixture import ConcatBlocks, MixedRows
 from nanolight.data.preparation import token_file
 from nanolight.data.shards import INDEX, PreparedData, is_prepared_dir
 from nanolight.data.sources import embedded_corpus, local_files, open_hub, open_local
-from nanolight.data.streaming import StreamingPackedLoader, hold_out
+from nanolight.data.streaming import StreamRows, hold_out
 from nanolight.data.tokenizer import load_tokenizer, resolve_tokenizer, tokenizer_identity
 
 
 class DataModule(NamedTuple):
     """What the recipe gets back; unpacks as `train_loader, val_loader, tokenizer = ...`."""
 
-    train_loader: PackedLoader | MixtureLoader | StreamingPackedLoader
-    val_loader: EvalLoader | None
+    train_loader: PackedLoader
+    val_loader: PackedLoader | None
     tokenizer: PreTrainedTokenizerBase
 
 
@@ -102,7 +103,7 @@ def _prepared(
 ) -> DataModule:
     """Loaders over one set of shards (a prepared directory or the cached preparation)."""
     train, val = _blocks(data, cfg, geometry.seq_len, tok.eos_token_id if cfg.document_mask else None)
-    return DataModule(PackedLoader(train, geometry), EvalLoader.of(val, geometry), tok)
+    return DataModule(PackedLoader(train, geometry), eval_loader(val, geometry), tok)
 
 
 def _mixture(cfg: DataConfig, geometry: BatchGeometry) -> DataModule:
@@ -115,9 +116,9 @@ def _mixture(cfg: DataConfig, geometry: BatchGeometry) -> DataModule:
     splits = [_blocks(data, cfg, geometry.seq_len, eos) for _, data in opened]
     names = [f"data.mixture[{i}] ({m.name or m.path})" for i, m in enumerate(cfg.mixture)]
     weights = [m.weight for m in cfg.mixture]
-    loader = MixtureLoader([t for t, _ in splits], weights, names, geometry, cfg.mixture_exhausted)
+    rows = MixedRows([t for t, _ in splits], weights, names, geometry, cfg.mixture_exhausted)
     val = ConcatBlocks([v for _, v in splits])
-    return DataModule(loader, EvalLoader.of(val, geometry), tok)  # type: ignore[arg-type]
+    return DataModule(PackedLoader(rows, geometry), eval_loader(val, geometry), tok)
 
 
 def _streaming(cfg: DataConfig, geometry: BatchGeometry, tok: PreTrainedTokenizerBase) -> DataModule:
@@ -136,7 +137,7 @@ def _streaming(cfg: DataConfig, geometry: BatchGeometry, tok: PreTrainedTokenize
     seq_len = geometry.seq_len
     held = hold_out(ds, tok, cfg.text_field, seq_len, cfg.val_blocks or 0, cfg.tokenize_batch_size)
     eos = tok.eos_token_id if cfg.document_mask else None
-    train = StreamingPackedLoader(
+    rows = StreamRows(
         ds,
         tok,
         cfg.text_field,
@@ -147,5 +148,5 @@ def _streaming(cfg: DataConfig, geometry: BatchGeometry, tok: PreTrainedTokenize
         document_eos=eos,
         source_files=files or [cfg.path],
     )
-    val = EvalLoader.of(PackedDataset(held.tokens, seq_len, None, eos), geometry)
-    return DataModule(train, val, tok)
+    val = eval_loader(PackedDataset(held.tokens, seq_len, None, eos), geometry)
+    return DataModule(PackedLoader(rows, geometry), val, tok)

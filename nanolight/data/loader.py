@@ -32,6 +32,7 @@ targets before its micro-batches run needs them (`parallel/loss_tokens.py`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -157,42 +158,98 @@ class PackedDataset(torch.utils.data.Dataset):
         return make_batch(torch.from_numpy(self.rows(np.asarray(indices))), self.document_eos)
 
 
+class RowSource(Protocol):
+    """Where the token rows of a packed loader come from: prepared shards (`DatasetRows`), a
+    mixture of them (`mixture.MixedRows`) or a stream (`streaming.StreamRows`). Everything else --
+    the global batch rule, micro-batches, targets and document fields, the resumable position --
+    is the one `PackedLoader`'s."""
+
+    seq_len: int
+    document_eos: int | None
+    epoch_samples: int | None  # global samples per epoch; None: no epochs (the loader never ends)
+
+    def rows(self, ks: np.ndarray, epoch: int) -> np.ndarray:
+        """(len(ks), seq_len) int64 rows of this epoch's global samples `ks` (this rank's slice)."""
+        ...
+
+    def step_starts(self, pos: int, global_batch: int) -> None:
+        """Before the first micro-batch of the step starting at global sample `pos`."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class DatasetRows:
+    """A `PackedDataset`'s rows, in an order seeded by (seed, epoch), or in order (`shuffle` off)."""
+
+    def __init__(self, dataset: PackedDataset, seed: int, shuffle: bool = True) -> None:
+        self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
+        self.seq_len, self.document_eos, self.epoch_samples = (
+            dataset.seq_len,
+            dataset.document_eos,
+            len(dataset),
+        )
+        self._epoch_order: tuple[int, np.ndarray] | None = None  # (epoch, its sample order)
+
+    def rows(self, ks: np.ndarray, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return self.dataset.rows(ks)
+        if self._epoch_order is None or self._epoch_order[0] != epoch:
+            self._epoch_order = (epoch, epoch_order(len(self.dataset), self.seed, epoch, True))
+        return self.dataset.rows(self._epoch_order[1][ks])
+
+    def step_starts(self, pos: int, global_batch: int) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
 class PackedLoader:
-    """Yields this dp rank's micro-batches {"input_ids", "target_ids"}: (micro_batch_size, seq_len) int64.
+    """Yields this dp rank's micro-batches {"input_ids", "target_ids"}: (micro_batch_size, seq_len) int64,
+    from `source` (a `RowSource`, or a `PackedDataset`, read through `DatasetRows`).
 
     Iterating runs the rest of the current epoch, then advances to the next one (a new
     permutation), so the trainer's `for batch in loader` loop sees one epoch per pass and a
     resumed loader continues mid-epoch. `state_dict()` counts global samples consumed, so a run
     can resume at a different dp size or micro-batch split as long as it stopped at a step boundary.
-    `MixtureLoader` is this loader over several datasets; it says where global sample k comes from.
+    `restart`: every pass starts at the epoch's beginning (evaluation: `EvalLoader`).
     """
 
-    def __init__(self, dataset: PackedDataset, geometry: BatchGeometry, shuffle: bool = True) -> None:
-        self.dataset, self.shuffle = dataset, shuffle
-        self._start(geometry, epoch_samples=len(dataset))
-        self._epoch_order: tuple[int, np.ndarray] | None = None  # (epoch, its sample order)
-        if len(dataset) < (g := self.global_batch_size):
-            t, mbs, acc = dataset.seq_len, geometry.micro_batch_size, self.accumulate_grad_batches
+    def __init__(
+        self,
+        source: RowSource | PackedDataset,
+        geometry: BatchGeometry,
+        shuffle: bool = True,
+        restart: bool = False,
+    ) -> None:
+        if isinstance(source, PackedDataset):
+            source = DatasetRows(source, geometry.seed, shuffle)
+        self.source, self.geometry, self.seed, self.restart = source, geometry, geometry.seed, restart
+        self.epoch_samples = source.epoch_samples
+        self.accumulate_grad_batches = geometry.accumulate_grad_batches
+        self.global_batch_size = g = geometry.global_batch_size
+        self._epoch = 0
+        self._pos = 0  # global samples of completed global batches in this epoch
+        self._micro = 0  # micro-batches of the current step this rank has yielded
+        n = self.epoch_samples
+        if n is not None and n < g and not restart:
+            t, mbs, acc = source.seq_len, geometry.micro_batch_size, self.accumulate_grad_batches
             raise DataError(
-                f"the training split has {len(dataset)} blocks of seq_len={t} ({len(dataset) * t} tokens) but "
+                f"the training split has {n} blocks of seq_len={t} ({n * t} tokens) but "
                 f"one global batch needs {g} blocks (micro_batch_size={mbs} x accumulate_grad_batches={acc} x "
                 f"dp={geometry.dp_size}) = {g * t} tokens. Use more data, or lower micro_batch_size, "
                 "accumulate_grad_batches, seq_len or data.val_fraction"
             )
 
-    def _start(self, geometry: BatchGeometry, epoch_samples: int | None) -> None:
-        """The position every packed loader keeps, at the run's start; `epoch_samples` None: no epochs."""
-        self.geometry, self.seed, self.epoch_samples = geometry, geometry.seed, epoch_samples
-        self.accumulate_grad_batches = geometry.accumulate_grad_batches
-        self.global_batch_size = geometry.global_batch_size
-        self._epoch = 0
-        self._pos = 0  # global samples of completed global batches in this epoch
-        self._micro = 0  # micro-batches of the current step this rank has yielded
-
     @property
     def steps_per_epoch(self) -> int:
         if self.epoch_samples is None:
-            raise TypeError("a mixture with data.mixture_exhausted=repeat has no epoch length")
+            raise TypeError("this loader has no epoch length (a stream, or a mixture that repeats)")
         return self.epoch_samples // self.global_batch_size
 
     def __len__(self) -> int:
@@ -203,45 +260,40 @@ class PackedLoader:
     def epoch(self) -> int:
         return self._epoch
 
-    def _batch(self, ks: np.ndarray) -> dict[str, torch.Tensor]:
-        """The micro-batch of this epoch's global samples `ks`."""
-        if self._epoch_order is None or self._epoch_order[0] != self._epoch:
-            order = epoch_order(len(self.dataset), self.seed, self._epoch, self.shuffle)
-            self._epoch_order = (self._epoch, order)
-        return self.dataset.batch(self._epoch_order[1][ks])
-
-    def _step_starts(self) -> None:
-        """Called before each step's first micro-batch (a mixture warns about a source repeating)."""
-
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        if self.restart:
+            self._epoch, self._pos, self._micro = 0, 0, 0
         mbs, g = self.geometry.micro_batch_size, self.global_batch_size
         while self.epoch_samples is None or self._pos + g <= self.epoch_samples:
             if self._micro == 0:
-                self._step_starts()
+                self.source.step_starts(self._pos, g)
             start = self._pos + self.geometry.rank_offset(self._micro)
-            batch = self._batch(np.arange(start, start + mbs))
+            rows = self.source.rows(np.arange(start, start + mbs), self._epoch)
             # advance the state before yielding: state_dict() right after this batch must count it
             if self._micro + 1 == self.accumulate_grad_batches:
                 self._pos, self._micro = self._pos + g, 0
             else:
                 self._micro += 1
-            yield batch
+            yield make_batch(torch.from_numpy(rows), self.source.document_eos)
         # Only a pass that runs to its end moves to the next epoch. A loader saved right after the
         # last step of an epoch therefore resumes with an empty pass that closes that epoch, in
         # step with a trainer that counts epochs by passes.
         self._epoch, self._pos, self._micro = self._epoch + 1, 0, 0
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain ints (safe for `torch.load(weights_only=True)`): where the next micro-batch comes from."""
+        """Plain data (safe for `torch.load(weights_only=True)`): where the next micro-batch comes
+        from, and the source's own position and identity."""
         return {
             "epoch": self._epoch,
             "samples_consumed": self._pos,
             "micro_batches_in_step": self._micro,
             "seed": self.seed,
+            **self.source.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at the next unseen micro-batch of the run that saved `state`."""
+        self.source.load_state_dict(state)
         if int(state["seed"]) != self.seed:
             raise DataError(
                 f"the checkpoint's data order comes from seed={state['seed']} but this loader has "
@@ -253,40 +305,30 @@ class PackedLoader:
                 f"the checkpoint stopped after micro-batch {micro} of a step but accumulate_grad_batches="
                 f"{self.accumulate_grad_batches}; resume mid-step only with the same layout"
             )
-        self._epoch, self._pos, self._micro = int(state["epoch"]), int(state["samples_consumed"]), micro
+        self._epoch, self._pos = int(state.get("epoch", 0)), int(state["samples_consumed"])
+        self._micro = micro
 
 
-class EvalLoader:
-    """Validation micro-batches of this dp rank, in fixed order, restarting at every pass.
+def EvalLoader(dataset: PackedDataset | Any, geometry: BatchGeometry) -> PackedLoader:
+    """Validation micro-batches of this dp rank, in fixed order, restarting at every pass: the
+    packed loader at one micro-batch per step. Each pass covers floor(len / (micro_batch_size * dp))
+    micro-batches per rank, the same count on every rank (ranks run the same number of
+    collectives); the few leftover blocks are skipped. `dataset`: a `PackedDataset` or anything with
+    `len`, `seq_len`, `document_eos` and `rows(indices)` (a mixture's held-out blocks)."""
+    one = dataclasses.replace(geometry, accumulate_grad_batches=1)
+    rows = DatasetRows(dataset, geometry.seed, shuffle=False)
+    return PackedLoader(rows, one, restart=True)
 
-    Each pass covers floor(len / (micro_batch_size * dp)) micro-batches per rank, the same count
-    on every rank (ranks run the same number of collectives); the few leftover blocks are skipped.
-    `dataset` is a `PackedDataset` or anything with `len` and `batch(indices)` (a mixture's
-    held-out blocks); `geometry`'s accumulation and seed do not apply.
-    """
 
-    def __init__(self, dataset: PackedDataset, geometry: BatchGeometry) -> None:
-        self.dataset, self.geometry = dataset, geometry
-
-    def __len__(self) -> int:
-        return len(self.dataset) // (self.geometry.micro_batch_size * self.geometry.dp_size)
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        mbs, dp_rank = self.geometry.micro_batch_size, self.geometry.dp_rank
-        for s in range(len(self)):
-            start = (s * self.geometry.dp_size + dp_rank) * mbs
-            yield self.dataset.batch(np.arange(start, start + mbs))
-
-    @classmethod
-    def of(cls, val: PackedDataset, geometry: BatchGeometry) -> EvalLoader | None:
-        """The validation loader, None without held-out blocks; fewer than one batch is an error."""
-        if len(val) == 0:
-            return None
-        mbs, dp = geometry.micro_batch_size, geometry.dp_size
-        if len(val) < mbs * dp:
-            raise DataError(
-                f"the validation split has {len(val)} blocks, fewer than one validation batch "
-                f"(micro_batch_size={mbs} x dp={dp}); raise data.val_fraction / data.val_blocks, "
-                "or set data.val_fraction=0 for no validation"
-            )
-        return cls(val, geometry)
+def eval_loader(val: PackedDataset | Any, geometry: BatchGeometry) -> PackedLoader | None:
+    """The validation loader, None without held-out blocks; fewer than one batch is an error."""
+    if len(val) == 0:
+        return None
+    mbs, dp = geometry.micro_batch_size, geometry.dp_size
+    if len(val) < mbs * dp:
+        raise DataError(
+            f"the validation split has {len(val)} blocks, fewer than one validation batch "
+            f"(micro_batch_size={mbs} x dp={dp}); raise data.val_fraction / data.val_blocks, "
+            "or set data.val_fraction=0 for no validation"
+        )
+    return EvalLoader(val, geometry)

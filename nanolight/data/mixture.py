@@ -20,10 +20,9 @@ from fractions import Fraction
 from typing import Any
 
 import numpy as np
-import torch
 
 from nanolight.data.config import BatchGeometry, DataError
-from nanolight.data.loader import PackedDataset, PackedLoader, epoch_order, make_batch
+from nanolight.data.loader import PackedDataset, PackedLoader, epoch_order
 
 
 class MixtureSchedule:
@@ -80,14 +79,15 @@ def _interleave(counts: np.ndarray) -> np.ndarray:
     return table
 
 
-class MixtureLoader(PackedLoader):
-    """This dp rank's micro-batches from several `PackedDataset`s mixed by weight: a `PackedLoader`
-    whose global sample k comes from the source and sample number `MixtureSchedule` gives it.
+class MixedRows:
+    """The rows of several `PackedDataset`s mixed by weight (a `RowSource`): global sample k comes
+    from the source and sample number `MixtureSchedule` gives it, each source in its own seeded
+    order, one per pass over it.
 
     `exhausted="repeat"`: a source that runs out starts a new pass in a new order (with a
     warning) and the loader never ends an epoch (bound the run with max_steps). `"stop"`: the
     epoch ends at the last full global batch before any source would repeat; the next epoch
-    restarts every source in a new order. `state_dict()` is a consumed-samples counter.
+    restarts every source in a new order.
     """
 
     def __init__(
@@ -106,18 +106,19 @@ class MixtureLoader(PackedLoader):
             if len(ds) == 0:
                 raise DataError(f"{name} has no training sample of seq_len={ds.seq_len}: prepare more data")
         self.sources, self.names, self.exhausted = sources, names, exhausted
+        self.seq_len, self.document_eos = sources[0].seq_len, sources[0].document_eos
+        self.seed, self.dp_rank = geometry.seed, geometry.dp_rank
         self.schedule = MixtureSchedule(weights)
         self._orders: dict[int, tuple[int, np.ndarray]] = {}  # source -> (pass, its sample order)
-        epoch_samples, g = None, geometry.global_batch_size
+        self.epoch_samples, g = None, geometry.global_batch_size
         if exhausted == "stop":
             first_repeat = min(self.schedule.position_of(i, len(ds)) for i, ds in enumerate(sources))
-            epoch_samples = first_repeat // g * g
-            if epoch_samples == 0:
+            self.epoch_samples = first_repeat // g * g
+            if self.epoch_samples == 0:
                 raise DataError(
                     f"with data.mixture_exhausted=stop a source runs out before one global batch of "
                     f"{g} samples: prepare more data for the small sources or use repeat"
                 )
-        self._start(geometry, epoch_samples)
 
     def _order(self, source: int, pass_: int) -> np.ndarray:
         cached = self._orders.get(source)
@@ -126,27 +127,26 @@ class MixtureLoader(PackedLoader):
             self._orders[source] = cached = (pass_, order)
         return cached[1]
 
-    def _batch(self, ks: np.ndarray) -> dict[str, torch.Tensor]:
+    def rows(self, ks: np.ndarray, epoch: int) -> np.ndarray:
         src, local = self.schedule.locate(ks)
         for s in np.unique(src):
             n, mine = len(self.sources[s]), np.flatnonzero(src == s)
-            passes = np.full(len(mine), self._epoch) if self.epoch_samples else local[mine] // n
+            passes = np.full(len(mine), epoch) if self.epoch_samples else local[mine] // n
             for p in np.unique(passes):
                 sel = mine[passes == p]
                 local[sel] = self._order(int(s), int(p))[local[sel] % n]
         return _gather(self.sources, src, local)
 
-    def _step_starts(self) -> None:
+    def step_starts(self, pos: int, global_batch: int) -> None:
         """Under `repeat`, rank 0 warns when this step runs a source out (every rank runs the same schedule)."""
-        if self.epoch_samples is not None or self.geometry.dp_rank != 0:
+        if self.epoch_samples is not None or self.dp_rank != 0:
             return
-        start = self._pos
         for i, ds in enumerate(self.sources):
-            before = self.schedule.count(i, start) // len(ds)
-            after = self.schedule.count(i, start + self.global_batch_size) // len(ds)
+            before = self.schedule.count(i, pos) // len(ds)
+            after = self.schedule.count(i, pos + global_batch) // len(ds)
             if after > before:
                 warnings.warn(
-                    f"{self.names[i]} ran out of samples at step {start // self.global_batch_size} (all "
+                    f"{self.names[i]} ran out of samples at step {pos // global_batch} (all "
                     f"{len(ds)} served {after} time(s)): repeating it in a new order; set "
                     "data.mixture_exhausted=stop to end the epoch there instead",
                     stacklevel=3,
@@ -154,7 +154,6 @@ class MixtureLoader(PackedLoader):
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            **super().state_dict(),
             "mixture_counts": [int(c) for c in self.schedule.counts],
             "source_samples": [len(ds) for ds in self.sources],
         }
@@ -168,7 +167,18 @@ class MixtureLoader(PackedLoader):
                 f"samples per source {saved[1]} vs {now[1]}): its sample position means other samples "
                 "now. Resume with the checkpoint's mixture and seq_len"
             )
-        super().load_state_dict(state)
+
+
+def MixtureLoader(
+    sources: list[PackedDataset],
+    weights: list[float],
+    names: list[str],
+    geometry: BatchGeometry,
+    exhausted: str = "repeat",
+) -> PackedLoader:
+    """This dp rank's micro-batches from several `PackedDataset`s mixed by weight: the packed
+    loader over `MixedRows`. `state_dict()` is a consumed-samples counter."""
+    return PackedLoader(MixedRows(sources, weights, names, geometry, exhausted), geometry)
 
 
 class ConcatBlocks:
@@ -177,20 +187,20 @@ class ConcatBlocks:
     def __init__(self, parts: list[PackedDataset]) -> None:
         self.parts = [p for p in parts if len(p)]
         self.starts = np.cumsum([0] + [len(p) for p in self.parts])
-        self.seq_len = parts[0].seq_len
+        self.seq_len, self.document_eos = parts[0].seq_len, parts[0].document_eos
 
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
+    def rows(self, indices: np.ndarray) -> np.ndarray:
         indices = np.asarray(indices)
         part = np.searchsorted(self.starts, indices, side="right") - 1
         return _gather(self.parts, part, indices - self.starts[part])
 
 
-def _gather(sources: list[PackedDataset], which: np.ndarray, rows: np.ndarray) -> dict[str, torch.Tensor]:
-    """The batch whose j-th row is row `rows[j]` of `sources[which[j]]`."""
+def _gather(sources: list[PackedDataset], which: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The rows whose j-th is row `rows[j]` of `sources[which[j]]`."""
     out = np.empty((len(which), sources[0].seq_len), dtype=np.int64)
     for s in np.unique(which):
         out[which == s] = sources[s].rows(rows[which == s])
-    return make_batch(torch.from_numpy(out), sources[0].document_eos)
+    return out

@@ -12,6 +12,7 @@ whose shards were later damaged is repaired from the first damaged shard on.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import glob
 import json
 import os
@@ -59,46 +60,32 @@ _INPUT_KEYS = ("source", "tokenizer", "text_field", "dtype", "shard_tokens")
 
 @dataclass
 class PrepareConfig:
-    """What to tokenize, with which tokenizer, into which directory (the prepare_data.py flags)."""
+    """A preparation: `data` says what to tokenize and how (the run's own `DataConfig`: `path`,
+    `tokenizer`, `text_field`, `num_proc`, `tokenize_batch_size`, ...), the rest where the shards go
+    and how they are cut (the prepare_data.py flags that are not data keys)."""
 
-    source: str
-    tokenizer: str
+    data: DataConfig
     out: str
-    name: str | None = None
-    split: str = "train"
-    revision: str | None = None
-    text_field: str = "text"
-    num_proc: int = 1
     shard_size_mb: float = 256.0
     chunk_docs: int | None = None
-    batch_size: int = 256
-    cache_dir: str = "~/.cache/nanolight"
 
     def __post_init__(self) -> None:
-        if self.num_proc < 1:
-            raise ValueError(f"--num-proc={self.num_proc} must be >= 1 (1 = one multi-threaded process)")
         if self.shard_size_mb <= 0:
             raise ValueError(f"--shard-size-mb={self.shard_size_mb} must be > 0 (MB of tokens per shard)")
-        if self.chunk_docs is not None and self.chunk_docs < 1 or self.batch_size < 1:
-            raise ValueError("--chunk-docs and --batch-size must be >= 1")
+        if self.chunk_docs is not None and self.chunk_docs < 1:
+            raise ValueError("--chunk-docs must be >= 1")
         if not self.out:
             raise ValueError("--out is empty: name the directory to write the shards into")
+
+    @property
+    def num_proc(self) -> int:
+        """Tokenizing processes (1: this one, the tokenizer multi-threaded)."""
+        return self.data.num_proc or 1
 
     @property
     def docs_per_chunk(self) -> int:
         """Rows committed at a time: a killed run loses at most this much work."""
         return self.chunk_docs or 20_000 * self.num_proc
-
-    def data_config(self) -> DataConfig:
-        return DataConfig(
-            path=self.source,
-            name=self.name,
-            split=self.split,
-            revision=self.revision,
-            text_field=self.text_field,
-            tokenizer=self.tokenizer,
-            cache_dir=self.cache_dir,
-        )
 
 
 _FORKING = [0]  # the pid of the process forking now (read by the child: its parent)
@@ -131,10 +118,10 @@ def prepare(
     tokenizer: PreTrainedTokenizerBase | None = None,
     key: str = "--source",
 ) -> dict[str, Any]:
-    """Tokenize `cfg.source` into `cfg.out` (or finish / repair an earlier run there); returns the index.
+    """Tokenize `cfg.data.path` into `cfg.out` (or finish / repair an earlier run there); returns the index.
 
     `after_commit(next_row)` runs after every committed chunk (tests use it to stop a run midway).
-    `tokenizer` is the one `cfg.tokenizer` names, when the caller has loaded it already; `key` is
+    `tokenizer` is the one `cfg.data.tokenizer` names, when the caller has loaded it already; `key` is
     the option errors name the source by.
     """
     out = os.path.abspath(os.path.expanduser(cfg.out))
@@ -145,12 +132,12 @@ def prepare(
     inputs = {
         "source": _source_identity(cfg, files, ds),
         "tokenizer": {
-            "name": cfg.tokenizer,
+            "name": cfg.data.tokenizer,
             "identity": tokenizer_identity(tok),
             "eos_token_id": tok.eos_token_id,
             "vocab_size": len(tok),
         },
-        "text_field": cfg.text_field,
+        "text_field": cfg.data.text_field,
         "dtype": dtype.name,
         "shard_tokens": max(1, int(cfg.shard_size_mb * 1e6) // dtype.itemsize),
     }
@@ -168,10 +155,10 @@ def prepare(
     if state is None:
         writer.commit(inputs, 0)  # from now on the directory is a preparation a rerun continues
     row = (state or {}).get("next_row", 0)
-    _tokenize(cfg, ds, tok, writer, inputs, row, files or [cfg.source], progress, after_commit)
+    _tokenize(cfg, ds, tok, writer, inputs, row, files or [cfg.data.path], progress, after_commit)
     if not writer.shards and (writer.open is None or writer.open["documents"] == 0):
         raise DataError(
-            f"{key} {cfg.source} holds no text (0 tokens): every `{cfg.text_field}` is empty. Check the "
+            f"{key} {cfg.data.path} holds no text (0 tokens): every `{cfg.data.text_field}` is empty. Check the "
             "files and the text field"
         )
     return writer.finish({"format": FORMAT, "version": VERSION, **inputs}, len(ds))
@@ -181,21 +168,21 @@ def _open_source(
     cfg: PrepareConfig, tok: PreTrainedTokenizerBase | None, key: str
 ) -> tuple[PreTrainedTokenizerBase, Any, list[str] | None]:
     """(tokenizer, map-style dataset, local files or None for a hub dataset) of `cfg`."""
-    dcfg = cfg.data_config()
-    if cfg.source != EMBEDDED and is_prepared_dir(cfg.source):
-        raise DataError(f"{key} {cfg.source} is already a prepared directory; train on it with data.path")
+    dcfg = cfg.data
+    if cfg.data.path != EMBEDDED and is_prepared_dir(cfg.data.path):
+        raise DataError(f"{key} {cfg.data.path} is already a prepared directory; train on it with data.path")
     # the embedded corpus is the source, or what the embedded tokenizer trains on (built once, cached)
     corpus = None
-    if cfg.source == EMBEDDED or (tok is None and cfg.tokenizer == EMBEDDED):
+    if cfg.data.path == EMBEDDED or (tok is None and cfg.data.tokenizer == EMBEDDED):
         corpus = embedded_corpus(dcfg.cache_root, dcfg.embedded_max_mb)
-    files = [corpus] if cfg.source == EMBEDDED and corpus else local_files(cfg.source, key=key)
+    files = [corpus] if cfg.data.path == EMBEDDED and corpus else local_files(cfg.data.path, key=key)
     tok = tok or resolve_tokenizer(dcfg, corpus)
     hf_cache = os.path.join(dcfg.cache_root, "hf-datasets")
     if files:  # downloaded / converted to arrow with the same worker count
         ds = open_local(files, streaming=False, cache_dir=hf_cache, num_proc=cfg.num_proc)
     else:
         ds = open_hub(dcfg, streaming=False, num_proc=cfg.num_proc)
-    check_text_field(ds.column_names, cfg.text_field)
+    check_text_field(ds.column_names, cfg.data.text_field)
     return tok, ds, files
 
 
@@ -214,7 +201,7 @@ def _tokenize(
     import datasets
     from tqdm.auto import tqdm
 
-    encoder = Encoder.of(tok, cfg.text_field, np.dtype(inputs["dtype"]))
+    encoder = Encoder.of(tok, cfg.data.text_field, np.dtype(inputs["dtype"]))
     n_rows, out = len(ds), writer.out
     if progress and row:
         print(f"{out}: resuming at document row {row:,} of {n_rows:,}", file=sys.stderr)
@@ -233,7 +220,7 @@ def _tokenize(
     try:
         while row < n_rows:
             stop = min(row + cfg.docs_per_chunk, n_rows)
-            eos, n, bs = tok.eos_token_id, cfg.num_proc, cfg.batch_size
+            eos, n, bs = tok.eos_token_id, cfg.num_proc, cfg.data.tokenize_batch_size
             tokens, ends, rows = tokenize_rows(ds, row, stop, encoder, eos, n, bs, out, source)
             writer.add(tokens, ends, rows)
             writer.commit(inputs, stop)
@@ -264,7 +251,12 @@ def _remove_leftovers(out: str) -> None:
 
 def _source_identity(cfg: PrepareConfig, files: list[str] | None, ds: Any) -> dict[str, Any]:
     """What the shards were made from: any change (a file edited, another revision) is a new source."""
-    base = {"path": cfg.source, "name": cfg.name, "split": cfg.split, "revision": cfg.revision}
+    base = {
+        "path": cfg.data.path,
+        "name": cfg.data.name,
+        "split": cfg.data.split,
+        "revision": cfg.data.revision,
+    }
     if files:
         return {**base, "files": [list(f) for f in local_identity(files)], "num_rows": len(ds)}
     return {**base, "fingerprint": ds._fingerprint, "num_rows": len(ds)}
@@ -392,18 +384,7 @@ def token_file(
     path = os.path.join(cfg.cache_root, "shards", fingerprint({**identity, "version": VERSION}))
 
     def build(tmp: str) -> None:
-        prep = PrepareConfig(
-            source=corpus if cfg.path == EMBEDDED and corpus else cfg.path,
-            tokenizer=cfg.tokenizer,
-            out=tmp,
-            name=cfg.name,
-            split=cfg.split,
-            revision=cfg.revision,
-            text_field=cfg.text_field,
-            num_proc=cfg.num_proc or 1,
-            batch_size=cfg.tokenize_batch_size,
-            cache_dir=cfg.cache_dir,
-        )
-        prepare(prep, progress=False, tokenizer=tok, key="data.path")
+        data = dataclasses.replace(cfg, path=corpus) if cfg.path == EMBEDDED and corpus else cfg
+        prepare(PrepareConfig(data, tmp), progress=False, tokenizer=tok, key="data.path")
 
     return PreparedData.open(build_once(path, build))

@@ -6,7 +6,6 @@ A directory made by scripts/prepare_data.py holds
                         and per shard its file names, token and document counts and source rows
     shard-00000.bin     token ids (uint16, or uint32 for vocabularies above 65536), every
                         document followed by EOS, documents never split across shards
-    shard-00000.doc     int64 end offset of every document in the shard (its boundaries)
     tokenizer/          the tokenizer, saved with save_pretrained, so a run needs no hub access
 
 Together the shards are one token stream, packed into `seq_len` samples at read time, so one
@@ -15,10 +14,14 @@ on directly is prepared into it in the data cache. Opening checks every file's s
 index (a missing or truncated shard is an error naming it) and maps nothing: a shard is
 memory-mapped the first time one of this rank's samples touches it.
 
-The writer appends documents to the open shard's two files and closes the shard at the first
+Document boundaries are the EOS tokens themselves (what the loaders' document fields read), so
+nothing else is stored per document; preparations before that also wrote ``shard-NNNNN.doc`` end
+offsets, which nothing reads (they are left alone, and cleaned up with their shard).
+
+The writer appends documents to the open shard's file and closes the shard at the first
 document end at or past `shard_tokens`, so shard boundaries depend on the token stream alone
 (not on chunking, worker count or where a run was killed) and the same inputs give the same
-bytes. After each chunk, `commit` flushes and fsyncs the files and then atomically rewrites
+bytes. After each chunk, `commit` flushes and fsyncs the file and then atomically rewrites
 prepare.json with the committed sizes and the next source row. Restarting truncates the open
 shard back to those sizes, drops any shard begun after them, and goes on from that row.
 """
@@ -47,14 +50,9 @@ def token_dtype(vocab: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab <= 2**16 else np.dtype(np.uint32)
 
 
-def shard_names(i: int) -> tuple[str, str]:
-    """(tokens file, document-ends file) of shard `i`."""
-    return f"shard-{i:05d}.bin", f"shard-{i:05d}.doc"
-
-
-def shard_files(i: int, shard: dict[str, Any], itemsize: int) -> list[tuple[str, int]]:
-    """(name, size in bytes) of shard `i`'s two files, as `shard` (its index entry) records them."""
-    return list(zip(shard_names(i), (shard["tokens"] * itemsize, shard["documents"] * 8), strict=True))
+def shard_name(i: int) -> str:
+    """The tokens file of shard `i`."""
+    return f"shard-{i:05d}.bin"
 
 
 def is_prepared_dir(path: str) -> bool:
@@ -69,7 +67,8 @@ def is_prepared_dir(path: str) -> bool:
 
 
 def prepared_leftovers(path: str) -> list[str]:
-    """The shard files prepare_data.py writes that `path` holds (``shard-NNNNN.bin`` / ``.doc``)."""
+    """The shard files prepare_data.py writes that `path` holds (``shard-NNNNN.bin``, and an older
+    preparation's ``.doc``)."""
     return sorted(n for n in os.listdir(path) if re.fullmatch(r"shard-\d{5}\.(bin|doc)", n))
 
 
@@ -110,14 +109,14 @@ def check_shards(path: str, index: dict[str, Any]) -> list[tuple[int, str]]:
     itemsize = np.dtype(index["dtype"]).itemsize
     problems = []
     for i, shard in enumerate(index["shards"]):
-        for name, expected in shard_files(i, shard, itemsize):
-            full = os.path.join(path, name)
-            if not os.path.exists(full):
-                problems.append((i, f"{full} is missing"))
-            elif os.path.getsize(full) != expected:
-                size = os.path.getsize(full)
-                why = f"{full} has {size} bytes but {INDEX} says {expected} (truncated or damaged)"
-                problems.append((i, why))
+        full, expected = os.path.join(path, shard_name(i)), shard["tokens"] * itemsize
+        if not os.path.exists(full):
+            problems.append((i, f"{full} is missing"))
+        elif os.path.getsize(full) != expected:
+            size = os.path.getsize(full)
+            problems.append(
+                (i, f"{full} has {size} bytes but {INDEX} says {expected} (truncated or damaged)")
+            )
     return problems
 
 
@@ -177,7 +176,7 @@ class TokenShards:
 
     def _shard(self, i: int) -> np.ndarray:
         if i not in self._maps:
-            self._maps[i] = np.memmap(os.path.join(self.path, shard_names(i)[0]), dtype=self.dtype, mode="r")
+            self._maps[i] = np.memmap(os.path.join(self.path, shard_name(i)), dtype=self.dtype, mode="r")
         return self._maps[i]
 
     def __getitem__(self, item: slice) -> np.ndarray:
@@ -194,7 +193,7 @@ class TokenShards:
             if piece.size and int(piece.max()) >= self.vocab:
                 at = pos - int(self.starts[i]) + int(piece.argmax())
                 raise DataError(
-                    f"{os.path.join(self.path, shard_names(i)[0])} holds token id {int(piece.max())} (token "
+                    f"{os.path.join(self.path, shard_name(i))} holds token id {int(piece.max())} (token "
                     f"{at}), past the {self.vocab} ids of its tokenizer: the shard is damaged or from another "
                     "tokenizer; re-run scripts/prepare_data.py for this directory"
                 )
@@ -218,7 +217,7 @@ class ShardWriter:
         state = state or {"shards": [], "open": None}
         self.shards: list[dict[str, Any]] = [dict(s) for s in state["shards"]]
         self.open: dict[str, Any] | None = dict(state["open"]) if state["open"] else None
-        self._files: tuple[BinaryIO, BinaryIO] | None = None
+        self._file: BinaryIO | None = None
         self._restore_files()
 
     def _restore_files(self) -> None:
@@ -228,19 +227,20 @@ class ShardWriter:
             if int(name[6:11]) >= n_kept:  # shard-NNNNN.bin / .doc
                 os.remove(os.path.join(self.out, name))
         if self.open:
-            for name, size in shard_files(len(self.shards), self.open, self.dtype.itemsize):
-                path = os.path.join(self.out, name)
-                if not os.path.exists(path) or os.path.getsize(path) < size:
-                    raise RuntimeError(
-                        f"{path} is shorter than {PROGRESS} records; delete {self.out} and start over"
-                    )
-                os.truncate(path, size)
+            path, size = (
+                os.path.join(self.out, shard_name(len(self.shards))),
+                self.open["tokens"] * self.dtype.itemsize,
+            )
+            if not os.path.exists(path) or os.path.getsize(path) < size:
+                raise RuntimeError(
+                    f"{path} is shorter than {PROGRESS} records; delete {self.out} and start over"
+                )
+            os.truncate(path, size)
 
-    def _open_files(self) -> tuple[BinaryIO, BinaryIO]:
-        if self._files is None:
-            names = shard_names(len(self.shards))
-            self._files = tuple(open(os.path.join(self.out, n), "ab") for n in names)  # type: ignore[assignment]
-        return self._files  # type: ignore[return-value]
+    def _open_file(self) -> BinaryIO:
+        if self._file is None:
+            self._file = open(os.path.join(self.out, shard_name(len(self.shards))), "ab")
+        return self._file
 
     def add(self, tokens: np.ndarray, doc_ends: np.ndarray, doc_rows: np.ndarray) -> None:
         """Append documents: `tokens` flat (each document ends with EOS), `doc_ends` their cumulative
@@ -256,33 +256,29 @@ class ShardWriter:
             last = int(np.searchsorted(doc_ends[begin:] - base, room, side="left")) + begin
             closes = last < len(doc_ends)
             last = min(last, len(doc_ends) - 1)
-            piece, ends = tokens[base : doc_ends[last]], doc_ends[begin : last + 1] - base
-            tok_f, doc_f = self._open_files()
-            tok_f.write(piece.astype(self.dtype, copy=False).tobytes())
-            doc_f.write((ends + self.open["tokens"]).astype("<i8").tobytes())
+            piece = tokens[base : doc_ends[last]]
+            self._open_file().write(piece.astype(self.dtype, copy=False).tobytes())
             self.open["tokens"] += len(piece)
             if len(piece):
                 self.open["max_token_id"] = max(self.open["max_token_id"], int(piece.max()))
-            self.open["documents"] += len(ends)
+            self.open["documents"] += last + 1 - begin
             if closes:
                 self._close(end_row=int(doc_rows[last]) + 1)
             begin = last + 1
 
     def _close(self, end_row: int) -> None:
         self._sync()
-        if self._files is not None:
-            for f in self._files:
-                f.close()
-            self._files = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
         assert self.open is not None
         self.shards.append({**self.open, "end_row": end_row})
         self.open = None
 
     def _sync(self) -> None:
-        if self._files is not None:
-            for f in self._files:
-                f.flush()
-                os.fsync(f.fileno())
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
 
     def commit(self, inputs: dict[str, Any], next_row: int) -> None:
         """Make everything written so far durable and record it: the point a restart resumes from."""

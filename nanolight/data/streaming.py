@@ -1,5 +1,5 @@
 """Streaming: each dp rank reads, tokenizes and packs only its own share of a document stream
-(`StreamingPackedLoader`), a source of its own beside the prepared shards.
+(`StreamRows`, the rows of the one `PackedLoader`), a source of its own beside the prepared shards.
 
 The stream is split with `datasets.distributed.split_dataset_by_node`: rank r reads the files
 (or parquet row groups) r, r+dp, ... -- 1/dp of the bytes. Its blocks are served in shuffle
@@ -28,11 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from nanolight.data.config import BatchGeometry
-from nanolight.data.loader import make_batch
+from nanolight.data.loader import PackedLoader
 from nanolight.data.sources import check_text_field, reading
 from nanolight.data.tokenizer import Encoder
 
@@ -146,9 +145,12 @@ def hold_out(
     return HeldOut(flat[: len(flat) // seq_len * seq_len], frozenset(docs))
 
 
-class StreamingPackedLoader:
-    """Micro-batches {"input_ids", "target_ids"} (micro_batch_size, seq_len) of this rank's stream
-    share, for ever (a finished share starts another pass); resuming re-reads at most one window."""
+class StreamRows:
+    """The rows of this rank's stream share (a `RowSource`): its next blocks, whatever global
+    samples the loader asks for, for ever (a finished share starts another pass); resuming
+    re-reads at most one window."""
+
+    epoch_samples = None  # a stream has no epochs
 
     def __init__(
         self,
@@ -162,13 +164,14 @@ class StreamingPackedLoader:
         document_eos: int | None = None,
         source_files: list[str] | None = None,
     ) -> None:
-        self.geometry, self.document_eos = geometry, document_eos
+        self.document_eos = document_eos
         self.seq_len, self.window_blocks = geometry.seq_len, max(1, shuffle_buffer)
         self.dp_rank, self.dp_size, self.seed = geometry.dp_rank, geometry.dp_size, geometry.seed
         share, files = rank_stream(dataset, self.dp_rank, self.dp_size), source_files or ["the stream"]
         self.stream = DocumentStream(share, tokenizer, text_field, tokenize_batch_size, skip_documents, files)
         self._pass, self._window, self._taken, self._blocks_served = 0, 0, 0, 0
         self._cursor: Cursor = (None, 0)
+        self._served: Iterator[np.ndarray] | None = None  # the blocks from the position on
 
     def _blocks(self) -> Iterator[np.ndarray]:
         """This rank's blocks in served order, forever; the state moves before each block is handed out."""
@@ -210,16 +213,17 @@ class StreamingPackedLoader:
         else:
             self._window, self._cursor = self._window + 1, after
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        blocks = self._blocks()
-        while True:
-            rows = np.stack([next(blocks) for _ in range(self.geometry.micro_batch_size)]).astype(np.int64)
-            yield make_batch(torch.from_numpy(rows), self.document_eos)
+    def rows(self, ks: np.ndarray, epoch: int) -> np.ndarray:
+        if self._served is None:
+            self._served = self._blocks()
+        return np.stack([next(self._served) for _ in range(len(ks))]).astype(np.int64)
+
+    def step_starts(self, pos: int, global_batch: int) -> None:
+        pass
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data (ints, strings, the stream's own nested dict): safe for `torch.load(weights_only=True)`."""
         return {
-            "samples_consumed": self._blocks_served * self.dp_size,
             "pass": self._pass,
             "window": self._window,
             "window_blocks_served": self._taken,
@@ -262,6 +266,19 @@ class StreamingPackedLoader:
                     f"the checkpoint's stream was read with {key}={state[key]}, this loader has {key}={mine}: "
                     f"resume with the same {'seed' if key == 'seed' else 'trainer.seq_len / data.shuffle_buffer'}"
                 )
+        self._served = None  # read again from the restored position
         self._pass, self._window = int(state["pass"]), int(state["window"])
         self._taken, self._blocks_served = int(state["window_blocks_served"]), int(state["blocks_served"])
         self._cursor = (state["stream_state"], int(state["token_offset"]))
+
+
+def StreamingPackedLoader(
+    dataset: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    text_field: str,
+    geometry: BatchGeometry,
+    **kwargs: Any,
+) -> PackedLoader:
+    """Micro-batches {"input_ids", "target_ids"} (micro_batch_size, seq_len) of this rank's stream
+    share: the packed loader over `StreamRows` (its keyword arguments)."""
+    return PackedLoader(StreamRows(dataset, tokenizer, text_field, geometry, **kwargs), geometry)

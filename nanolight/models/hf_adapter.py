@@ -1,6 +1,6 @@
 """The Llama <-> Hugging Face mapping, owned by the model (as torchtitan's per-model
 ``state_dict_adapter.py``): tensor names, shapes and fused layouts, and the config's way there and
-back. `checkpoint/pretrained.py` reads and writes the directories; this file knows only Llama.
+back. `models/pretrained.py` loads and converts the directories; this file knows only Llama.
 
 The weights are driven by ONE table (`WEIGHT_MAP`). Each row names a nanolight tensor, the HF
 tensors it is made of, and how they combine:
@@ -177,7 +177,7 @@ def nanolight_to_hf_state_dict(config: LlamaConfig, sd: dict[str, torch.Tensor])
     """Split nanolight tensors into HF ones (the inverse of `hf_to_nanolight_state_dict`).
 
     Accepts `model.state_dict()` directly: with tied embeddings its lm_head entry is dropped.
-    The names and shapes are the caller's to check (`checkpoint/pretrained.py` does, naming them).
+    The names and shapes are the caller's to check (`models/pretrained.py` does, naming them).
     """
     if config.tie_word_embeddings:
         sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}

@@ -12,7 +12,7 @@ instead (SmolLM's 49152 is divisible by every power of two up to 2**14).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from nanolight.errors import UsageError
@@ -45,6 +45,12 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @classmethod
+    def knobs(cls) -> tuple[str, ...]:
+        """The fields that shape the layout (what `+parallel=auto` picks and a command line pins):
+        all but `timeout_s`."""
+        return tuple(f.name for f in fields(ParallelConfig) if f.name != "timeout_s")
 
     def validate(self) -> None:
         """Check each field alone; raises ValueError with a fix-it message."""

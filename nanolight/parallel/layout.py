@@ -29,7 +29,6 @@ from itertools import chain
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from nanolight.parallel.tensor_parallel.apply import shard_dims
@@ -127,25 +126,3 @@ class ModelLayout:
     @property
     def tied_across_stages(self) -> set[str]:
         return {k for k, stages in self.holders.items() if len(stages) > 1 and k not in self.aliases}
-
-
-def one_process_order(
-    optimizers: list[Any], local: list[list[str]], full_order: list[str], pp_group: Any
-) -> list[list[str]]:
-    """Under pipeline parallelism, the one-process optimizers' parameter order (how a one-process
-    ``optimizer.pt`` names its entries): each param group's keys across all stages, in the full
-    model's order -- what ``configure_optimizers`` builds on one process. Collective over pp."""
-    order = {k: i for i, k in enumerate(full_order)}
-    out = []
-    for opt, names in zip(optimizers, local, strict=True):
-        sizes = [len(g["params"]) for g in opt.param_groups]
-        groups = [names[sum(sizes[:g]) : sum(sizes[: g + 1])] for g in range(len(sizes))]
-        everyone: list[Any] = [None] * dist.get_world_size(pp_group)
-        # every stage shares the parameter names of its optimizer groups with its pipeline
-        dist.all_gather_object(everyone, groups, group=pp_group)
-        merged = [
-            sorted({n for part in everyone for n in part[g]}, key=order.__getitem__)
-            for g in range(len(sizes))
-        ]
-        out.append([n for group in merged for n in group])
-    return out

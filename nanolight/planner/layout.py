@@ -1,17 +1,17 @@
 """`Layout`: one way to run a model on a cluster, as the planner enumerates and ranks it.
 
-The fields are the recipe's own knobs (`+parallel.*`, `trainer.*`), so a row the planner prints
-is a command line. `is_valid` asks the code that would run the layout -- `ParallelConfig`, the
-pipeline split, the schedules' micro-batch rule -- so a layout the trainer refuses is never
-listed. `cp` (context parallelism: each sequence split over a ring of cp ranks, ring attention)
-is checked by its own rule -- the sequence cut into 2*cp equal chunks (`ring_attention.zigzag_shard`)
--- until `ParallelConfig` accepts cp > 1 (issue 21); the rest by `ParallelConfig` at cp = 1.
+A layout is the recipe's `ParallelConfig` (`+parallel.*`: the same fields, the same per-field
+checks) plus the `trainer.*` knobs that split the batch and set the modes, so a row the planner
+prints is a command line. `check_layout` is the one place a layout is checked against a model and
+a run -- the recipe calls it before any process starts (`pretrain/run.py`), the planner before it
+lists a layout -- by the rules of the code that would run it: `ParallelConfig`'s, the pipeline
+split's, the schedules' micro-batch rule, the precision's.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from nanolight.errors import UsageError
 from nanolight.models.llama_config import LlamaConfig
@@ -34,32 +34,48 @@ PRECISION_BYTES = {
 }
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Parallel degrees, schedule, recompute and batch split of one training run."""
+class ModelShape(Protocol):
+    """What the layout rules ask of a model (a `LlamaConfig` has it)."""
 
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    cp: int = 1  # context parallelism: ranks splitting each sequence (ring attention)
-    pp_schedule: str = "1f1b"
-    pp_virtual: int = 1
-    zero_stage: int = 0
-    sequence_parallel: bool = False
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    num_hidden_layers: int
+
+
+def check_layout(
+    parallel: ParallelConfig, model: ModelShape, seq_len: int, micro_batches: int, precision: str | None
+) -> None:
+    """Raise the trainer's own error if it would refuse `parallel` for this model and run
+    (`micro_batches` per optimizer step; `precision` None: not yet known, its rule skipped; so is
+    it while dp is "auto")."""
+    parallel.check_model(model.num_attention_heads, model.num_key_value_heads, model.vocab_size)
+    parallel.check_sequence(seq_len)  # cp's 2*cp chunks, sequence parallelism's T/cp over tp
+    if precision is not None and parallel.dp != "auto":
+        Precision(precision).check_layout(parallel.zero_stage, parallel.dp * parallel.cp)
+    if parallel.pp > 1:  # every (virtual) stage needs a layer; 1F1B needs >= pp micro-batches per step
+        check_pipeline_layout(parallel.pp, model.num_hidden_layers, parallel.pp_virtual)
+        check_micro_batches(parallel.pp, parallel.pp_schedule, micro_batches)
+
+
+@dataclass
+class Layout(ParallelConfig):
+    """Parallel degrees and schedule (`ParallelConfig`'s fields), recompute and batch split of
+    one training run. Not mutated once built (the planner's rows are values)."""
+
     activation_checkpointing: str = "none"
     micro_batch_size: int = 1
     accumulate_grad_batches: int = 1
     precision: str = "bf16-mixed"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.precision not in PRECISION_BYTES:
             raise UsageError(f"precision={self.precision!r} is not one of {list(PRECISION_BYTES)}")
         if self.activation_checkpointing not in MODES:
             raise UsageError(
                 f"activation_checkpointing={self.activation_checkpointing!r} is not one of {MODES}"
             )
-        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
-            raise UsageError(f"cp={self.cp!r} must be a positive integer")
 
     @property
     def world_size(self) -> int:
@@ -75,29 +91,12 @@ class Layout:
         """Sequences in one optimizer step's global batch (cp ranks share theirs)."""
         return self.micro_batch_size * self.accumulate_grad_batches * self.dp
 
-    def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(
-            tp=self.tp,
-            pp=self.pp,
-            dp=self.dp,
-            cp=self.cp,
-            zero_stage=self.zero_stage,
-            pp_schedule=self.pp_schedule,
-            sequence_parallel=self.sequence_parallel,
-            pp_virtual=self.pp_virtual,
-        )
-
     def check(self, config: LlamaConfig, seq_len: int) -> None:
-        """Raise the trainer's own error if it would refuse this layout for this model."""
-        parallel = self.parallel_config()
-        parallel.check_model(config.num_attention_heads, config.num_key_value_heads, config.vocab_size)
-        if self.pp > 1:
-            check_pipeline_layout(self.pp, config.num_hidden_layers, self.pp_virtual)
-            check_micro_batches(self.pp, self.pp_schedule, self.accumulate_grad_batches)
-        Precision(self.precision).check_layout(self.zero_stage, self.replicas)  # the strategy's own rule
+        """Raise the trainer's own error if it would refuse this layout for this model; the
+        planner also skips sequence parallelism at tp = 1 (the same run as without it)."""
+        check_layout(self, config, seq_len, self.accumulate_grad_batches, self.precision)
         if self.sequence_parallel and self.tp == 1:
             raise UsageError("sequence_parallel splits a rank's tokens over tp: it needs tp > 1")
-        parallel.check_sequence(seq_len)  # cp's 2*cp chunks, sequence parallelism's T/cp over tp
 
     def is_valid(self, config: LlamaConfig, seq_len: int) -> bool:
         try:
@@ -107,7 +106,7 @@ class Layout:
         return True
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "timeout_s"}  # a run's, not a layout's
 
     def overrides(self) -> str:
         """The recipe's command-line overrides that run this layout."""

@@ -79,7 +79,7 @@ def candidate_layouts(
     work: Workload, gpus: int, sequences: int, hw: Hardware, fixed: dict[str, Any]
 ) -> list[Layout]:
     """Every layout of `gpus` ranks for a global batch of `sequences` the trainer accepts."""
-    names = {f.name for f in fields(Layout)}
+    names = {f.name for f in fields(Layout)} - {"timeout_s"}  # a run's, not a layout's
     unknown = sorted(set(fixed) - names)
     if unknown:
         raise UsageError(f"cannot pin {unknown}: the layout's knobs are {sorted(names)}")

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from nanolight.callbacks.throughput import StepTimer
 from nanolight.errors import UsageError
+from nanolight.parallel.config import ParallelConfig
 from nanolight.parallel.environment import detect_environment
 from nanolight.planner.hardware import Hardware, at_hand, hardware, table_name
 from nanolight.planner.layout import Layout
@@ -45,7 +46,7 @@ from nanolight.pretrain.config import PretrainConfig
 AUTO_ENV = "NANOLIGHT_AUTO_LAYOUT"  # the launching process's pick, as JSON, for the ranks it starts
 # the recipe's section -> the Layout fields it holds (under the same names)
 LAYOUT_KEYS = {
-    "parallel": ("tp", "pp", "cp", "dp", "zero_stage", "pp_schedule", "pp_virtual", "sequence_parallel"),
+    "parallel": ParallelConfig.knobs(),
     "trainer": ("micro_batch_size", "accumulate_grad_batches", "precision", "activation_checkpointing"),
 }
 PINNABLE = {f"{section}.{name}": name for section, names in LAYOUT_KEYS.items() for name in names}

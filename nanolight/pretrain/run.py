@@ -35,8 +35,7 @@ from nanolight.data import BatchGeometry, DataConfig, build_datamodule, vocab_si
 from nanolight.loggers import CSVLogger, Logger, WandbLogger
 from nanolight.loggers.wandb_logger import has_wandb_credentials
 from nanolight.parallel.launcher import detect_environment
-from nanolight.parallel.pipeline import check_micro_batches, check_pipeline_layout
-from nanolight.precision import Precision
+from nanolight.planner import layout as planning
 from nanolight.pretrain.auto import Prediction, PredictionCheck, auto_layout
 from nanolight.pretrain.config import ConfigError, PretrainConfig, to_dict
 from nanolight.pretrain.lock import run_lock
@@ -49,16 +48,12 @@ TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # carried to the H
 
 
 def check_layout(config: PretrainConfig) -> None:
-    """The parallel layout must split this model; raised before any process starts."""
-    p, m = config.parallel, config.model
+    """The parallel layout must split this model (the planner's one check); raised before any
+    process starts."""
+    t = config.trainer
+    precision = None if t.precision == "auto" else t.run_precision  # auto falls back (`build_strategy`)
     try:
-        p.check_model(m.num_attention_heads, m.num_key_value_heads, m.vocab_size)
-        p.check_sequence(config.trainer.seq_len)  # cp's 2*cp chunks, sp's T/cp over tp
-        if p.dp != "auto" and config.trainer.precision != "auto":  # auto falls back (`build_strategy`)
-            Precision(config.trainer.run_precision).check_layout(p.zero_stage, p.dp * p.cp)
-        if p.pp > 1:  # every (virtual) stage needs a layer; 1F1B needs >= pp micro-batches per step
-            check_pipeline_layout(p.pp, m.num_hidden_layers, p.pp_virtual)
-            check_micro_batches(p.pp, p.pp_schedule, config.trainer.accumulate_grad_batches)
+        planning.check_layout(config.parallel, config.model, t.seq_len, t.accumulate_grad_batches, precision)
     except ValueError as err:
         raise ConfigError(str(err)) from err
 

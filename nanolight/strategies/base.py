@@ -375,18 +375,12 @@ class Strategy:
         self._load_optimizers(CheckpointReader.open(path))
 
     def _load_optimizers(self, reader: CheckpointReader) -> None:
-        load_optimizers(reader, self.optimizers, self.module, self.layout, self.optimizer_param_names)
+        load_optimizers(reader, self.optimizers, self.module, self.layout)
 
     def on_weights_loaded(self) -> None:
         """The module's weights changed outside the optimizer (ZeRO-1 refreshes its master copy)."""
         for opt in self.master_optimizers():
             opt.reload_master_weights()
-
-    def optimizer_param_names(self) -> list[list[str]]:
-        """Every optimizer's parameter keys in its flat order, as one process holds them."""
-        assert self.module is not None
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        return [[names[id(p)] for g in opt.param_groups for p in g["params"]] for opt in self.optimizers]
 
 
 # ---- one process on one device -------------------------------------------------------------------

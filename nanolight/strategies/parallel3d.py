@@ -48,7 +48,6 @@ from nanolight.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from nanolight.parallel.grads import GradientSync
 from nanolight.parallel.health import Heartbeat, watch, watched
 from nanolight.parallel.launcher import detect_environment, ensure_processes, init_distributed
-from nanolight.parallel.layout import one_process_order
 from nanolight.parallel.pipeline import PipelineStage
 from nanolight.parallel.pipeline.schedules import BACKWARD, Action, check_micro_batches
 from nanolight.parallel.ring_attention import RingAttention, zigzag_shard, zigzag_unshard
@@ -128,7 +127,10 @@ class Parallel3DStrategy(Strategy):
 
     @classmethod
     def from_config(cls, config: ParallelConfig, **kwargs: Any) -> Parallel3DStrategy:
-        return cls(**dataclasses.asdict(config), **kwargs)  # the Hydra `parallel` group (+parallel.tp=2 ...)
+        # the Hydra `parallel` group (+parallel.tp=2 ...)
+        strategy = cls(**dataclasses.asdict(config), **kwargs)
+        strategy.config = config  # the instance the command line built and `check_layout` checked
+        return strategy
 
     # ---- topology ------------------------------------------------------------------------
     @property
@@ -361,7 +363,7 @@ class Parallel3DStrategy(Strategy):
     @watched("a barrier")
     def barrier(self, name: str | None = None) -> None:
         if self._ctx is not None:
-            dist.barrier()
+            dist.barrier()  # every rank of the world waits for all the others; nothing is exchanged
 
     @watched("a broadcast from rank 0")
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -380,12 +382,6 @@ class Parallel3DStrategy(Strategy):
     def on_weights_loaded(self) -> None:
         if self.grads is not None and self.grads.zero is not None:
             self.grads.zero.reload_master_weights()  # ZeRO-1's fp32 master shards follow the weights
-
-    def optimizer_param_names(self) -> list[list[str]]:
-        local = super().optimizer_param_names()
-        if self.stage is None:
-            return local
-        return one_process_order(self.optimizers, local, list(self.layout.full_shapes), self._ctx.pp_group)
 
 
 def _last_block(module: nn.Module) -> nn.Module | None:

@@ -43,6 +43,7 @@ def _all_reduce(x: Tensor, group: Any) -> Tensor:
     if dist.get_world_size(group) == 1:
         return x
     x = x.contiguous()
+    # every rank of `group` (the tp ranks) adds its partial result: each ends with the full sum
     dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
     return x
 

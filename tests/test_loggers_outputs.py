@@ -142,5 +142,5 @@ def test_recipe_resume_continues_the_wandb_run(tmp_path, monkeypatch):
             callbacks=[RunReport(tmp_path, [], 0.0, None)], enable_checkpointing=False, default_root_dir=tmp_path,
         )  # fmt: skip
         trainer.fit(MLPModule(), loader(ds, 4))
-    runs = sorted(tmp_path.glob("wandb/offline-run-*"))  # wandb names them offline-run-<time>-<run id>
-    assert len(runs) == 2 and runs[0].name.rsplit("-", 1)[1] == runs[1].name.rsplit("-", 1)[1], runs
+    runs = sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))  # one file per run: run-<run id>.wandb
+    assert len(runs) == 2 and runs[0].name == runs[1].name, runs

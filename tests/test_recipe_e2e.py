@@ -136,8 +136,10 @@ def test_resuming_a_finished_run_says_so(tmp_path: Path, cache_dir: Path) -> Non
 
 
 def _offline_run_ids(run_dir: Path) -> list[str]:
-    """The run id of every offline wandb run written there (wandb names them offline-run-<time>-<id>)."""
-    return [p.name.rsplit("-", 1)[1] for p in sorted((run_dir / "wandb").glob("offline-run-*"))]
+    """The run id of every offline wandb run written there (each holds its run-<id>.wandb)."""
+    return [
+        p.stem.removeprefix("run-") for p in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    ]
 
 
 def _shell(command: str, cwd: Path) -> subprocess.CompletedProcess:

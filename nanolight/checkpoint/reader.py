@@ -89,7 +89,7 @@ class CheckpointReader:
             index_file = path / INDEX_FILE
             text = index_file.read_text(errors="replace")  # not UTF-8: from_json names the file
             return cls(path, CheckpointIndex.from_json(text, index_file), True)
-        if (path / TRAINER_FILE).is_file():  # a training checkpoint without an index: the old format
+        if (path / WEIGHTS_FILE).is_file() and (path / TRAINER_FILE).is_file():  # the old one-process format
             raise CheckpointError(
                 f"{path} is a one-process checkpoint of the format before the index (nanolight 0.1): "
                 f"convert it once with `python scripts/upgrade_checkpoint.py {path} NEW` and resume from NEW"

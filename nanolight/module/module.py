@@ -129,6 +129,9 @@ class NanoModule(HyperparametersMixin, DataHooks, ModelHooks, CheckpointHooks, n
                 f"self.log({name!r}) outside a trainer run is ignored (the module is not attached)"
             )
             return
+        if self._trainer.barebones:  # Lightning's: logging costs raw speed, so it is off
+            rank_zero_warn(f"self.log({name!r}) is ignored: NanoTrainer(barebones=True) turns logging off")
+            return
         if sync_dist_group is not None:
             raise UsageError(
                 "self.log(sync_dist_group=...) is not supported: sync_dist reduces over the dp group"

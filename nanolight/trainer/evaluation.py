@@ -84,7 +84,7 @@ def _batches(trainer: NanoTrainer, name: str, loaders: list[Any], limits: list[i
             trainer.metrics.batch = batch
             trainer.hooks.call(f"on_{name}_batch_start", batch, batch_idx, *extra)
             strategy = trainer.strategy  # cp: the ranks sharing a batch's tokens share its count
-            with _grad_mode(trainer), strategy.autocast(), strategy.token_mean([raw], whole_step=False):
+            with strategy.autocast(), strategy.token_mean([raw], whole_step=False):
                 out = trainer.hooks.step(f"{name}_step", batch, batch_idx, *extra)
             trainer.hooks.call(f"on_{name}_batch_end", out, batch, batch_idx, *extra)
             yield dl_idx, batch_idx, out
@@ -102,7 +102,7 @@ def run_evaluation(
     per_loader: list[dict[str, torch.Tensor]] = []
     seen: set[str] = set()
     try:
-        with _evaluating(trainer, kind):
+        with _grad_mode(trainer), _evaluating(trainer, kind):  # the hooks too, as Lightning's loops
             for dl_idx, batch_idx, _ in _batches(trainer, name, loaders, limits):
                 if batch_idx is not None:
                     step_log = metrics.publish(results, on_step=True)
@@ -132,7 +132,7 @@ def run_evaluation(
 def run_predict(trainer: NanoTrainer, loaders: list[Any], return_predictions: bool) -> list[Any] | None:
     limits = _limits(trainer, "predict", loaders, False)
     outputs: list[list[Any]] = [[] for _ in loaders]
-    with _evaluating(trainer, "predict"):
+    with _grad_mode(trainer), _evaluating(trainer, "predict"):
         for dl_idx, batch_idx, out in _batches(trainer, "predict", loaders, limits):
             if batch_idx is not None and return_predictions:
                 outputs[dl_idx].append(out)

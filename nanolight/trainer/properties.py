@@ -13,6 +13,7 @@ from lightning_utilities.core.overrides import is_overridden
 
 from nanolight.callbacks.early_stopping import EarlyStopping
 from nanolight.callbacks.model_checkpoint import ModelCheckpoint
+from nanolight.callbacks.progress import RichProgressBar
 from nanolight.module.module import NanoModule
 from nanolight.trainer.arguments import TrainerConfig
 
@@ -97,6 +98,11 @@ class TrainerProperties:
         if self.logger is None:
             return self.default_root_dir
         return self.__dict__.get("_log_dir") or self.logger.log_dir
+
+    @property
+    def progress_bar_callback(self: NanoTrainer) -> RichProgressBar | None:
+        """The progress bar among the callbacks (None when ``enable_progress_bar=False``)."""
+        return next((cb for cb in self.callbacks if isinstance(cb, RichProgressBar)), None)
 
     @property
     def checkpoint_callbacks(self: NanoTrainer) -> list[ModelCheckpoint]:

@@ -109,17 +109,21 @@ class NanoTrainer(TrainerProperties):
     ) -> None:
         unsupported_args(unsupported)
         if barebones:
-            switches = {
+            switches = {  # Lightning's: each would cost raw speed, so asking for one is an error
                 "logger": logger,
                 "enable_checkpointing": enable_checkpointing,
                 "enable_progress_bar": enable_progress_bar,
                 "enable_model_summary": enable_model_summary,
+                "log_every_n_steps": log_every_n_steps,
+                "num_sanity_val_steps": num_sanity_val_steps,
+                "fast_dev_run": fast_dev_run,
+                "detect_anomaly": detect_anomaly,
             }
             on = [k for k, v in switches.items() if v]
             if on:
                 raise UsageError(f"barebones=True turns off {on}: drop them or barebones")
             logger = enable_checkpointing = enable_progress_bar = enable_model_summary = False
-            log_every_n_steps = 0
+            log_every_n_steps = num_sanity_val_steps = 0
         args = locals()  # the loop options, by their names (barebones' changes included)
         self.config = TrainerConfig(**{f.name: args[f.name] for f in fields(TrainerConfig)})
         self.barebones, self.seed, self.inference_mode = barebones, seed, inference_mode

@@ -140,4 +140,5 @@ def assert_section_matches(program: str, observed: dict[str, Any], section: str)
 # optimization and loop tests (tests/lightning_conformance/COVERAGE.md maps each test to a section)
 CONFORMANCE_NAMES += [
     "flags_program",
+    "hooks_program",
 ]

@@ -18,6 +18,8 @@ module's.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +57,10 @@ class NanoModule(HyperparametersMixin, DataHooks, ModelHooks, CheckpointHooks, n
 
     @trainer.setter
     def trainer(self, trainer: NanoTrainer | None) -> None:
+        """Attached with the modules it holds (Lightning: an ensemble's members see its trainer)."""
+        for child in self.children():
+            if isinstance(child, NanoModule):
+                child.trainer = trainer
         object.__setattr__(self, "_trainer", trainer)
 
     @property
@@ -194,6 +200,15 @@ class NanoModule(HyperparametersMixin, DataHooks, ModelHooks, CheckpointHooks, n
             for param in group["params"]:
                 param.requires_grad = state[param]
         self._param_requires_grad_state = state
+
+    @contextmanager
+    def toggled_optimizer(self, optimizer: Any) -> Iterator[None]:
+        """`toggle_optimizer` for the block, `untoggle_optimizer` after it (even on an error)."""
+        self.toggle_optimizer(optimizer)
+        try:
+            yield
+        finally:
+            self.untoggle_optimizer(optimizer)
 
     def untoggle_optimizer(self, optimizer: Any) -> None:
         target = _unwrap(optimizer)

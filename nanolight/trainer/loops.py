@@ -66,6 +66,7 @@ class FitLoop:
         self._resume_rng: dict[str, Any] | None = None
         self._told_min = False
         self.window_open = False  # between a window's step and its `stepped` count (checkpoints)
+        self.ending_epoch = False  # a complete epoch's end hooks: a checkpoint saved now resumes at the next
         self.batch_idx = -1  # the training batch being run (set by the step), -1 before the first
 
     @property
@@ -78,6 +79,7 @@ class FitLoop:
         loader = self.train_loader
         return {
             "batch_idx": self.trainer.progress["batch_idx"],
+            "epoch_done": self.ending_epoch,
             "epoch_start": self._epoch_start,
             "loader": loader.state_dict() if is_stateful(loader) else None,
         }
@@ -184,6 +186,7 @@ class FitLoop:
             )
         if self.done or trainer.config.limit_train_batches == 0:
             return
+        self._skip_finished_epoch()
         if self._validates_epoch():
             self.ensure_val_data()
         self._t0 = time.monotonic()
@@ -198,6 +201,20 @@ class FitLoop:
             self._epoch()
         trainer.preemption.finish()  # the last step's agreement: none left in flight
         trainer.hooks.call("on_train_end")
+
+    def _skip_finished_epoch(self) -> None:
+        """Resumed from a checkpoint saved by the epoch-end hooks (a ModelCheckpoint's save at
+        ``on_train_epoch_end``): that epoch is over, so training starts the next one, as Lightning's
+        restored epoch progress does -- its end hooks do not run twice."""
+        resume = self._resume
+        if resume is None or not resume.get("epoch_done"):
+            return
+        self._resume = None
+        if self._resume_rng is not None:  # before the new epoch's iterator draws its order
+            restore_rng_state(self._resume_rng)
+            self._resume_rng = None
+        self.trainer.progress["epoch"] += 1
+        self.trainer.progress["batch_idx"] = 0
 
     def _validates_epoch(self) -> bool:
         """Fit validates, and in this epoch (``check_val_every_n_epoch``)."""
@@ -306,9 +323,13 @@ class FitLoop:
         trainer = self.trainer
         metrics = trainer.metrics
         metrics.publish(metrics.train, on_step=False)  # epoch values first: the hooks read them
-        trainer.hooks.call("on_train_epoch_end", monitoring=False)
-        metrics.publish(metrics.train, on_step=False)  # + what those hooks logged, for the monitors
-        trainer.hooks.call("on_train_epoch_end", monitoring=True)
+        self.ending_epoch = complete  # (an epoch cut short by max_steps resumes inside it)
+        try:
+            trainer.hooks.call("on_train_epoch_end", monitoring=False)
+            metrics.publish(metrics.train, on_step=False)  # + what those hooks logged, for the monitors
+            trainer.hooks.call("on_train_epoch_end", monitoring=True)
+        finally:
+            self.ending_epoch = False
         if complete:
             batch_idx = trainer.progress["batch_idx"] - 1
             trainer.optimization.update_lr_schedulers("epoch", plateau=True, batch_idx=batch_idx)

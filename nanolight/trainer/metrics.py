@@ -122,7 +122,7 @@ class MetricStore:
         tensor = to_scalar_tensor(name, value)
         if batch_size is None:
             batch_size = (batch_size_of(self.batch) or 1) if fx == "mean" and on_epoch else 1
-        self.active.log(meta, tensor, batch_size, self.dataloader_idx)
+        self.active.log(meta, tensor, batch_size, self.dataloader_idx, hook)
         if on_step and self.active.training:  # seen at once by later hooks of this batch (unsynced)
             self.callback_metrics[name] = tensor
             self.callback_metrics[meta.forked(True)] = tensor
@@ -279,19 +279,26 @@ class Results:
 
     def __init__(self, training: bool) -> None:
         self.training = training
-        self.metrics: dict[str, _Metric] = {}
+        self.metrics: dict[tuple[str, str], _Metric] = {}  # by (hook, name)
 
     def log(
-        self, meta: Meta, value: torch.Tensor, batch_size: int, dataloader_idx: int | None = None
+        self,
+        meta: Meta,
+        value: torch.Tensor,
+        batch_size: int,
+        dataloader_idx: int | None = None,
+        hook: str = "training_step",
     ) -> None:
-        metric = self.metrics.get(meta.name)
+        """Record a value. A metric is a name *in a hook* (Lightning's ``"{fx}.{name}"``): the same
+        name logged from two hooks is two metrics, and the later-logged one's values win."""
+        metric = self.metrics.get((hook, meta.name))
         if metric is None or metric.meta != meta:
             if metric is not None and metric.last is not None:
                 raise UsageError(
-                    f"self.log({meta.name!r}) was called with different arguments in one loop "
+                    f"self.log({meta.name!r}) was called with different arguments in {hook} "
                     f"(before: {_args(metric.meta)}, now: {_args(meta)}); log each name one way"
                 )
-            metric = self.metrics[meta.name] = _Metric(meta)
+            metric = self.metrics[hook, meta.name] = _Metric(meta)
         metric.update(value, batch_size)
         metric.dataloader_idx = dataloader_idx
 

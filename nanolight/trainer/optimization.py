@@ -100,8 +100,11 @@ class Optimization:
         trainer, cfg = self.trainer, self.trainer.config
         trainer.skip_optimizer_step = False
         trainer.hooks.call("on_before_optimizer_step", optimizer)
-        trainer.hooks.module(
-            "configure_gradient_clipping", optimizer, cfg.gradient_clip_val, cfg.gradient_clip_algorithm
+        trainer.hooks.module(  # the settings by keyword, as Lightning passes them
+            "configure_gradient_clipping",
+            optimizer,
+            gradient_clip_val=cfg.gradient_clip_val,
+            gradient_clip_algorithm=cfg.gradient_clip_algorithm,
         )
 
     def after_optimizer_step(self, last_of_epoch: bool) -> None:
@@ -131,7 +134,14 @@ class Optimization:
                 f"gradient_clip_val={value} passed to clip_gradients, but NanoTrainer(gradient_clip_val="
                 f"{cfg.gradient_clip_val}) too: use one of them"
             )
-        algorithm = clip_algorithm(algorithm or cfg.gradient_clip_algorithm or "norm")
+        if algorithm is None:
+            algorithm = cfg.gradient_clip_algorithm or "norm"
+        elif cfg.gradient_clip_algorithm is not None and cfg.gradient_clip_algorithm != algorithm:
+            raise UsageError(
+                f"gradient_clip_algorithm={algorithm!r} passed to clip_gradients, but NanoTrainer("
+                f"gradient_clip_algorithm={cfg.gradient_clip_algorithm!r}) too: use one of them"
+            )
+        algorithm = clip_algorithm(algorithm)
         if value <= 0:
             return None
         if algorithm == "value":

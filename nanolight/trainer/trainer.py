@@ -239,6 +239,8 @@ class NanoTrainer(TrainerProperties):
         def stage() -> Any:
             if fn == "predict":
                 return run_predict(self, self.data.request(kind), keep)
+            if getattr(self.config, f"limit_{kind}_batches") == 0:
+                return []  # Lightning skips the loop: no loaders asked for, no hooks
             results = run_evaluation(self, kind, self.data.request(kind))
             if verbose and self.is_global_zero:
                 print_results(fn, results)
@@ -298,8 +300,6 @@ class NanoTrainer(TrainerProperties):
         if strategy.module is not module:  # parallelised once per trainer
             strategy.setup_module(module)
         self.metrics.always_sync = strategy.metrics_always_sync
-        if fn == "fit":
-            self.optimization.setup(module)
         path = resolve_ckpt_path(self, ckpt_path, fn, model_given)
         self._training_state: tuple[Path, dict[str, Any]] | None = None  # restored after on_fit_start
         self.ckpt_path = str(path) if path is not None else None
@@ -308,6 +308,8 @@ class NanoTrainer(TrainerProperties):
             state = restore_state(self, path)
             if fn == "fit":
                 self._training_state = path, state
+        if fn == "fit":  # after the weights and the checkpoint hooks, as Lightning's strategy setup
+            self.optimization.setup(module)
         self._log_hyperparams(module)
 
     def _prepare_data(self) -> None:

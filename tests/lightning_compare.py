@@ -141,4 +141,5 @@ def assert_section_matches(program: str, observed: dict[str, Any], section: str)
 CONFORMANCE_NAMES += [
     "flags_program",
     "hooks_program",
+    "optimization_program",
 ]

@@ -124,7 +124,7 @@ class ModelHooks:
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Back-propagate `loss` through the strategy (under pipeline parallelism it exchanges
         gradients with the neighbouring stages, so call ``super().backward`` when overriding)."""
-        self.trainer.strategy.backward(loss)  # type: ignore[attr-defined]
+        self.trainer.strategy.backward(loss, *args, **kwargs)  # type: ignore[attr-defined]
 
     def optimizer_step(
         self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None

@@ -184,7 +184,7 @@ class NanoModule(HyperparametersMixin, DataHooks, ModelHooks, CheckpointHooks, n
                 "manual_backward is for manual optimization: set self.automatic_optimization = False, "
                 "or return the loss from training_step and let the trainer back-propagate it"
             )
-        self.trainer.backward(loss)
+        self.trainer.backward(loss, *args, **kwargs)
 
     def toggle_optimizer(self, optimizer: Any) -> None:
         """Only `optimizer`'s parameters require grad until `untoggle_optimizer` (e.g. a GAN's

@@ -251,10 +251,11 @@ class Strategy:
         finally:
             self._micro_batch = previous
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Back-propagate `loss` (already scaled for accumulation); `backward_context` says which
-        micro-batch it is (outside one, e.g. manual optimization: a whole step's one)."""
-        loss.backward()
+        micro-batch it is (outside one, e.g. manual optimization: a whole step's one). `args`,
+        `kwargs`: ``manual_backward``'s, for ``Tensor.backward`` (e.g. ``retain_graph=True``)."""
+        loss.backward(*args, **kwargs)
 
     def finish_backward(self) -> None:
         """After the step's last backward: make the gradients final (a parallel strategy syncs them)."""

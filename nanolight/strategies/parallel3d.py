@@ -328,13 +328,13 @@ class Parallel3DStrategy(Strategy):
         return stack
 
     @watched("a backward (the pipeline's gradient exchange, or the dp reduction)")
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         i, n = self._micro_batch
         if self.stage is not None:
             self.stage.backward(i, loss)  # the stage's chunk backwards (receive, backward, send) run on
         else:
             self.grads.require_sync(i == n - 1)  # the dp reduction runs in the last backward only
-            loss.backward()
+            loss.backward(*args, **kwargs)  # (manual optimization's retain_graph; pp refuses it)
 
     @watched("the gradient synchronisation over tp / pp / dp")
     def finish_backward(self) -> None:

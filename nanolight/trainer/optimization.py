@@ -6,6 +6,7 @@ the trainer: ``lr_scheduler_configs``, ``nano_optimizers``, ``skip_optimizer_ste
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +14,8 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from nanolight.errors import UsageError
-from nanolight.module.optimizers import NanoOptimizer, parse_optimizers
+from nanolight.module.module import NanoModule
+from nanolight.module.optimizers import NanoOptimizer, check_scheduler_api, parse_optimizers
 from nanolight.trainer.arguments import clip_algorithm
 from nanolight.trainer.step import refuse_under_pipeline
 
@@ -54,8 +56,21 @@ class Optimization:
         trainer = self.trainer
         check_manual(module, trainer.config, trainer.strategy)
         manual = not module.automatic_optimization
+        if "optimizer_idx" in inspect.signature(module.training_step).parameters:
+            raise UsageError(
+                "training_step(batch, batch_idx, optimizer_idx) is Lightning 1.x: drop optimizer_idx and use "
+                "manual optimization for several optimizers (opt1, opt2 = self.optimizers())"
+            )
         configured = trainer.hooks.module("configure_optimizers")
         optimizers, trainer.lr_scheduler_configs = parse_optimizers(configured, manual)
+        check_scheduler_api(trainer.lr_scheduler_configs, module, NanoModule)
+        for opt in optimizers:
+            closure = inspect.signature(opt.step).parameters.get("closure")
+            if closure is not None and closure.default is inspect.Parameter.empty:
+                raise UsageError(
+                    f"{type(opt).__name__} re-evaluates the loss through a closure, which nanolight does not "
+                    "support (a step's micro-batch schedule runs once): use a first-order optimizer"
+                )
         if module.automatic_optimization and len(optimizers) > 1:
             raise UsageError(
                 f"configure_optimizers returned {len(optimizers)} optimizers: several optimizers need manual "
@@ -68,12 +83,19 @@ class Optimization:
             NanoOptimizer(opt, self.optimizer_step, strategy.zero_grad) for opt in trainer.optimizers
         ]
 
-    def backward(self, loss: torch.Tensor, micro_batch: int = 0, n: int = 1) -> None:
+    def backward(
+        self,
+        loss: torch.Tensor,
+        micro_batch: int = 0,
+        n: int = 1,
+        backward_args: tuple[tuple[Any, ...], dict[str, Any]] = ((), {}),
+    ) -> None:
         """on_before_backward -> the module's ``backward`` (through the strategy) -> on_after_backward."""
         hooks = self.trainer.hooks
         hooks.call("on_before_backward", loss)
+        args, kwargs = backward_args
         with self.trainer.strategy.backward_context(micro_batch, n):
-            hooks.module("backward", loss)
+            hooks.module("backward", loss, *args, **kwargs)
         hooks.call("on_after_backward")
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any] | None) -> Any:

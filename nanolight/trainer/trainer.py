@@ -393,9 +393,10 @@ class NanoTrainer(TrainerProperties):
         Without `step`: at the current `log_step`, with an ``epoch`` column."""
         self.metrics.log_row(metrics, step)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``manual_backward``: backward with its hooks, through the strategy."""
-        self.optimization.backward(loss)
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``manual_backward``: backward with its hooks, through the strategy (`args`, `kwargs`:
+        for ``Tensor.backward``, e.g. ``retain_graph=True``)."""
+        self.optimization.backward(loss, backward_args=(args, kwargs))
 
     def clip_gradients(
         self, optimizer: Any, value: float | None, algorithm: str | None

@@ -142,4 +142,5 @@ CONFORMANCE_NAMES += [
     "flags_program",
     "hooks_program",
     "optimization_program",
+    "logging_program",
 ]

@@ -186,9 +186,7 @@ class FitLoop:
             )
         if self.done or trainer.config.limit_train_batches == 0:
             return
-        self._skip_finished_epoch()
-        if self._validates_epoch():
-            self.ensure_val_data()
+        self._skip_finished_epoch()  # (the val loaders are asked for at the first validation, as Lightning)
         self._t0 = time.monotonic()
         # Lightning leaves the train/eval modes as they are (no train() call a module could see); it warns
         frozen = [n or "the module" for n, m in trainer.lightning_module.named_modules() if not m.training]

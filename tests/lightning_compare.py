@@ -143,4 +143,5 @@ CONFORMANCE_NAMES += [
     "hooks_program",
     "optimization_program",
     "logging_program",
+    "loops_program",
 ]

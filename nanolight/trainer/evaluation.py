@@ -37,23 +37,22 @@ def _grad_mode(trainer: NanoTrainer) -> AbstractContextManager:
 
 @contextmanager
 def _evaluating(trainer: NanoTrainer, name: str) -> Iterator[None]:
-    """Eval mode (``on_*_model_eval``), ``on_*_start``, ``on_*_epoch_start``; afterwards, even
-    after an error, each submodule's train/eval flag as it was (Lightning keeps deliberately frozen
-    submodules in eval mode) or the module's ``on_*_model_train`` when it overrides it."""
+    """Eval mode (``on_*_model_eval``), ``on_*_start``, ``on_*_epoch_start``; afterwards each
+    submodule's train/eval flag as it was (Lightning keeps deliberately frozen submodules in eval
+    mode) or the module's ``on_*_model_train`` when it overrides it. An error propagates with the
+    module left in eval mode, as Lightning leaves it."""
     module, model_hook = trainer.lightning_module, "validation" if name == "val" else name
     modes = {sub_name: sub.training for sub_name, sub in module.named_modules()}
-    try:
-        trainer.hooks.module(f"on_{model_hook}_model_eval")
-        trainer.hooks.call(f"on_{HOOK_NAMES[name]}_start")
-        trainer.hooks.call(f"on_{HOOK_NAMES[name]}_epoch_start")
-        yield
-    finally:
-        if name != "predict" and is_overridden(f"on_{model_hook}_model_train", module, NanoModule):
-            trainer.hooks.module(f"on_{model_hook}_model_train")
-        else:
-            for sub_name, sub in module.named_modules():
-                if sub_name in modes:
-                    sub.training = modes[sub_name]
+    trainer.hooks.module(f"on_{model_hook}_model_eval")
+    trainer.hooks.call(f"on_{HOOK_NAMES[name]}_start")
+    trainer.hooks.call(f"on_{HOOK_NAMES[name]}_epoch_start")
+    yield
+    if name != "predict" and is_overridden(f"on_{model_hook}_model_train", module, NanoModule):
+        trainer.hooks.module(f"on_{model_hook}_model_train")
+    else:
+        for sub_name, sub in module.named_modules():
+            if sub_name in modes:
+                sub.training = modes[sub_name]
 
 
 def _limits(trainer: NanoTrainer, kind: str, loaders: list[Any], sanity: bool) -> list[int | float]:
@@ -74,8 +73,7 @@ def _batches(trainer: NanoTrainer, name: str, loaders: list[Any], limits: list[i
     multi = len(loaders) > 1
     for dl_idx, (loader, limit) in enumerate(zip(loaders, limits, strict=True)):
         trainer.metrics.dataloader_idx = dl_idx if multi and name != "predict" else None
-        if trainer.state.fn == "fit":
-            set_epoch(loader, trainer.current_epoch)
+        set_epoch(loader, trainer.current_epoch)  # every stage's loaders, as Lightning
         for batch_idx, batch in enumerate(loader):
             if batch_idx >= limit:
                 break

@@ -116,7 +116,8 @@ def parse_optimizers(
     ``monitor`` (Lightning); automatic optimization steps it with the monitored metric."""
     if out is None:  # Lightning trains without one (its no-op optimizer), and says so
         rank_zero_warn(
-            "configure_optimizers returned None: training runs with no optimizer (nothing updates)"
+            "configure_optimizers returned None (did you forget `return`?): training runs with no "
+            "optimizer, nothing updates"
         )
         return [NoOptimizer()], []
     optimizers, schedulers = _parse(out, manual)

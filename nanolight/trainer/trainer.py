@@ -10,6 +10,7 @@ loggers finalised, or ``on_exception``.
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import fields
 from pathlib import Path
@@ -414,6 +415,12 @@ def check_module(module: Any, fn: str) -> None:
     """What a call needs from the module, checked before anything runs."""
     if not isinstance(module, NanoModule):
         raise UsageError(f"expected a NanoModule, got {type(module).__name__}")
+    for step in ("training_step", "validation_step", "test_step", "predict_step"):
+        if "dataloader_iter" in inspect.signature(getattr(module, step)).parameters:
+            raise UsageError(
+                f"{step}(dataloader_iter) is not supported: the trainer fetches the batches (a step's "
+                f"micro-batch schedule, a resumable data position); take {step}(batch, batch_idx)"
+            )
     missing = [h for h in NEEDS.get(fn, []) if not is_overridden(h, module, NanoModule)]
     if missing:
         raise UsageError(f"{type(module).__name__} must implement {' and '.join(missing)} for trainer.{fn}()")

@@ -416,7 +416,8 @@ def check_module(module: Any, fn: str) -> None:
     if not isinstance(module, NanoModule):
         raise UsageError(f"expected a NanoModule, got {type(module).__name__}")
     for step in ("training_step", "validation_step", "test_step", "predict_step"):
-        if "dataloader_iter" in inspect.signature(getattr(module, step)).parameters:
+        fn = getattr(module, step, None)  # (a program may set a step to None to drop it)
+        if callable(fn) and "dataloader_iter" in inspect.signature(fn).parameters:
             raise UsageError(
                 f"{step}(dataloader_iter) is not supported: the trainer fetches the batches (a step's "
                 f"micro-batch schedule, a resumable data position); take {step}(batch, batch_idx)"

@@ -252,9 +252,8 @@ class Strategy:
             self._micro_batch = previous
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        """Back-propagate `loss` (already scaled for accumulation); `backward_context` says which
-        micro-batch it is (outside one, e.g. manual optimization: a whole step's one). `args`,
-        `kwargs`: ``manual_backward``'s, for ``Tensor.backward`` (e.g. ``retain_graph=True``)."""
+        """Back-propagate `loss` (scaled for accumulation) in `backward_context`'s micro-batch (outside
+        one: a whole step's); `args`/`kwargs` are manual_backward's, e.g. ``retain_graph=True``."""
         loss.backward(*args, **kwargs)
 
     def finish_backward(self) -> None:

@@ -63,7 +63,6 @@ def test_configure_optimizers_forms():
 @pytest.mark.parametrize(
     ("bad", "match"),
     [
-        (None, "nothing was returned"),
         ({"lr_scheduler": None}, 'no "optimizer" key'),
         ("adam", "not an optimizer"),
         ([1, 2], r"sequence of \['int'\]"),
@@ -87,8 +86,10 @@ def test_bad_configure_optimizers_in_fit(tmp_path):
         def configure_optimizers(self):
             torch.optim.SGD(self.parameters(), lr=0.1)
 
-    with pytest.raises(TypeError, match="did you forget `return`"):
-        _fit(tmp_path, NoReturn())
+    # Lightning's behaviour: it warns and trains with no optimizer
+    with pytest.warns(UserWarning, match="did you forget `return`"):
+        trainer = _fit(tmp_path, NoReturn())
+    assert trainer.global_step == 2
 
 
 def test_checkpoint_from_another_model(tmp_path):

@@ -99,7 +99,7 @@ class ModelHooks:
 
     def on_validation_model_zero_grad(self) -> None:
         """Before a validation inside fit: free the finished step's gradients."""
-        self.zero_grad(set_to_none=True)  # type: ignore[attr-defined]
+        self.zero_grad()  # type: ignore[attr-defined]  (torch's default: set to None)
 
     def on_validation_model_eval(self) -> None:
         self.eval()  # type: ignore[attr-defined]
@@ -124,7 +124,7 @@ class ModelHooks:
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Back-propagate `loss` through the strategy (under pipeline parallelism it exchanges
         gradients with the neighbouring stages, so call ``super().backward`` when overriding)."""
-        self.trainer.strategy.backward(loss)  # type: ignore[attr-defined]
+        self.trainer.strategy.backward(loss, *args, **kwargs)  # type: ignore[attr-defined]
 
     def optimizer_step(
         self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None
@@ -150,7 +150,9 @@ class ModelHooks:
         gradient_clip_algorithm: str | None = None,
     ) -> None:
         """Called before every optimizer step with the trainer's clipping settings."""
-        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)  # type: ignore[attr-defined]
+        self.clip_gradients(  # type: ignore[attr-defined]  (by keyword, as Lightning: overrides may rename)
+            optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm
+        )
 
 
 class CheckpointHooks:

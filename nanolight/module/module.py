@@ -18,6 +18,8 @@ module's.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +57,10 @@ class NanoModule(HyperparametersMixin, DataHooks, ModelHooks, CheckpointHooks, n
 
     @trainer.setter
     def trainer(self, trainer: NanoTrainer | None) -> None:
+        """Attached with the modules it holds (Lightning: an ensemble's members see its trainer)."""
+        for child in self.children():
+            if isinstance(child, NanoModule):
+                child.trainer = trainer
         object.__setattr__(self, "_trainer", trainer)
 
     @property
@@ -129,6 +135,9 @@ class NanoModule(HyperparametersMixin, DataHooks, ModelHooks, CheckpointHooks, n
                 f"self.log({name!r}) outside a trainer run is ignored (the module is not attached)"
             )
             return
+        if self._trainer.barebones:  # Lightning's: logging costs raw speed, so it is off
+            rank_zero_warn(f"self.log({name!r}) is ignored: NanoTrainer(barebones=True) turns logging off")
+            return
         if sync_dist_group is not None:
             raise UsageError(
                 "self.log(sync_dist_group=...) is not supported: sync_dist reduces over the dp group"
@@ -175,7 +184,7 @@ class NanoModule(HyperparametersMixin, DataHooks, ModelHooks, CheckpointHooks, n
                 "manual_backward is for manual optimization: set self.automatic_optimization = False, "
                 "or return the loss from training_step and let the trainer back-propagate it"
             )
-        self.trainer.backward(loss)
+        self.trainer.backward(loss, *args, **kwargs)
 
     def toggle_optimizer(self, optimizer: Any) -> None:
         """Only `optimizer`'s parameters require grad until `untoggle_optimizer` (e.g. a GAN's
@@ -191,6 +200,15 @@ class NanoModule(HyperparametersMixin, DataHooks, ModelHooks, CheckpointHooks, n
             for param in group["params"]:
                 param.requires_grad = state[param]
         self._param_requires_grad_state = state
+
+    @contextmanager
+    def toggled_optimizer(self, optimizer: Any) -> Iterator[None]:
+        """`toggle_optimizer` for the block, `untoggle_optimizer` after it (even on an error)."""
+        self.toggle_optimizer(optimizer)
+        try:
+            yield
+        finally:
+            self.untoggle_optimizer(optimizer)
 
     def untoggle_optimizer(self, optimizer: Any) -> None:
         target = _unwrap(optimizer)

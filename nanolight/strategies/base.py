@@ -230,10 +230,11 @@ class Strategy:
         """Around every forward (training_step, validation_step, ...): bf16-mixed autocast."""
         return self.precision.autocast(self.root_device)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Back-propagate `loss` (already scaled for accumulation): the micro-batch `run_step` has
-        due (outside a step, e.g. manual optimization: a whole step's one)."""
-        loss.backward()
+        due (outside a step, e.g. manual optimization: a whole step's one); `args`/`kwargs` are
+        manual_backward's, e.g. ``retain_graph=True``."""
+        loss.backward(*args, **kwargs)
 
     def finish_backward(self) -> None:
         """After the step's last backward: make the gradients final (a parallel strategy syncs them)."""

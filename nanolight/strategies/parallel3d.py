@@ -335,11 +335,11 @@ class Parallel3DStrategy(Strategy):
         return stack
 
     @watched("a backward (the pipeline's gradient exchange, or the dp reduction)")
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         if self.stage is not None:
             self.stage.backward(loss)  # the due micro-batch's chunk backward (receive, backward, send)
         else:
-            loss.backward()
+            loss.backward(*args, **kwargs)  # (manual optimization's retain_graph; pp refuses it)
 
     @watched("the gradient synchronisation over tp / pp / dp")
     def finish_backward(self) -> None:

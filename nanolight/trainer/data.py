@@ -134,14 +134,16 @@ class DataConnector:
             and not isinstance(sampler, DistributedSampler)  # sharded already
             and not isinstance(loader.dataset, IterableDataset)  # nothing a sampler can split
         )
-        overfit = (
-            kind == "train" and trainer.config.overfit_batches > 0 and isinstance(sampler, RandomSampler)
+        overfit = (  # Lightning overfits the training and the fit-time validation loaders alike
+            kind in ("train", "val")
+            and trainer.config.overfit_batches > 0
+            and isinstance(sampler, RandomSampler)
         )
         if not (shard or overfit):
             return loader
         if overfit:
             rank_zero_warn(
-                "overfit_batches: the training loader's shuffling is turned off (the same batches each epoch)"
+                f"overfit_batches: the {kind} loader's shuffling is turned off (the same batches each epoch)"
             )
             sampler = SequentialSampler(loader.dataset)
         if shard:

@@ -37,23 +37,22 @@ def _grad_mode(trainer: NanoTrainer) -> AbstractContextManager:
 
 @contextmanager
 def _evaluating(trainer: NanoTrainer, name: str) -> Iterator[None]:
-    """Eval mode (``on_*_model_eval``), ``on_*_start``, ``on_*_epoch_start``; afterwards, even
-    after an error, each submodule's train/eval flag as it was (Lightning keeps deliberately frozen
-    submodules in eval mode) or the module's ``on_*_model_train`` when it overrides it."""
+    """Eval mode (``on_*_model_eval``), ``on_*_start``, ``on_*_epoch_start``; afterwards each
+    submodule's train/eval flag as it was (Lightning keeps deliberately frozen submodules in eval
+    mode) or the module's ``on_*_model_train`` when it overrides it. An error propagates with the
+    module left in eval mode, as Lightning leaves it."""
     module, model_hook = trainer.lightning_module, "validation" if name == "val" else name
     modes = {sub_name: sub.training for sub_name, sub in module.named_modules()}
-    try:
-        trainer.hooks.module(f"on_{model_hook}_model_eval")
-        trainer.hooks.call(f"on_{HOOK_NAMES[name]}_start")
-        trainer.hooks.call(f"on_{HOOK_NAMES[name]}_epoch_start")
-        yield
-    finally:
-        if name != "predict" and is_overridden(f"on_{model_hook}_model_train", module, NanoModule):
-            trainer.hooks.module(f"on_{model_hook}_model_train")
-        else:
-            for sub_name, sub in module.named_modules():
-                if sub_name in modes:
-                    sub.training = modes[sub_name]
+    trainer.hooks.module(f"on_{model_hook}_model_eval")
+    trainer.hooks.call(f"on_{HOOK_NAMES[name]}_start")
+    trainer.hooks.call(f"on_{HOOK_NAMES[name]}_epoch_start")
+    yield
+    if name != "predict" and is_overridden(f"on_{model_hook}_model_train", module, NanoModule):
+        trainer.hooks.module(f"on_{model_hook}_model_train")
+    else:
+        for sub_name, sub in module.named_modules():
+            if sub_name in modes:
+                sub.training = modes[sub_name]
 
 
 def _limits(trainer: NanoTrainer, kind: str, loaders: list[Any], sanity: bool) -> list[int | float]:
@@ -74,8 +73,7 @@ def _batches(trainer: NanoTrainer, name: str, loaders: list[Any], limits: list[i
     multi = len(loaders) > 1
     for dl_idx, (loader, limit) in enumerate(zip(loaders, limits, strict=True)):
         trainer.metrics.dataloader_idx = dl_idx if multi and name != "predict" else None
-        if trainer.state.fn == "fit":
-            set_epoch(loader, trainer.current_epoch)
+        set_epoch(loader, trainer.current_epoch)  # every stage's loaders, as Lightning
         for batch_idx, batch in enumerate(loader):
             if batch_idx >= limit:
                 break
@@ -84,7 +82,7 @@ def _batches(trainer: NanoTrainer, name: str, loaders: list[Any], limits: list[i
             trainer.metrics.batch = batch
             trainer.hooks.call(f"on_{name}_batch_start", batch, batch_idx, *extra)
             strategy = trainer.strategy  # cp: the ranks sharing a batch's tokens share its count
-            with _grad_mode(trainer), strategy.autocast(), strategy.token_mean([raw], whole_step=False):
+            with strategy.autocast(), strategy.token_mean([raw], whole_step=False):
                 out = trainer.hooks.step(f"{name}_step", batch, batch_idx, *extra)
             trainer.hooks.call(f"on_{name}_batch_end", out, batch, batch_idx, *extra)
             yield dl_idx, batch_idx, out
@@ -102,7 +100,7 @@ def run_evaluation(
     per_loader: list[dict[str, torch.Tensor]] = []
     seen: set[str] = set()
     try:
-        with _evaluating(trainer, kind):
+        with _grad_mode(trainer), _evaluating(trainer, kind):  # the hooks too, as Lightning's loops
             for dl_idx, batch_idx, _ in _batches(trainer, name, loaders, limits):
                 if batch_idx is not None:
                     step_log = metrics.publish(results, on_step=True)
@@ -132,7 +130,7 @@ def run_evaluation(
 def run_predict(trainer: NanoTrainer, loaders: list[Any], return_predictions: bool) -> list[Any] | None:
     limits = _limits(trainer, "predict", loaders, False)
     outputs: list[list[Any]] = [[] for _ in loaders]
-    with _evaluating(trainer, "predict"):
+    with _grad_mode(trainer), _evaluating(trainer, "predict"):
         for dl_idx, batch_idx, out in _batches(trainer, "predict", loaders, limits):
             if batch_idx is not None and return_predictions:
                 outputs[dl_idx].append(out)

@@ -111,10 +111,10 @@ class HookCaller:
             targets = [t for t in targets if not t[2]] + [t for t in targets if t[2]]
         return targets
 
-    def module(self, name: str, *args: Any) -> Any:
+    def module(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """The module's hook (overridden or its default), e.g. training_step, optimizer_step."""
         with self._running(name):
-            return getattr(self.trainer.lightning_module, name)(*args)
+            return getattr(self.trainer.lightning_module, name)(*args, **kwargs)
 
     def step(self, name: str, batch: Any, batch_idx: int, *extra: Any) -> Any:
         """``training_step`` / ``validation_step`` / ...: ``batch_idx`` is passed only when the
@@ -138,12 +138,16 @@ class HookCaller:
         self.call(name, stage=stage)
 
     def transfer_batch(self, batch: Any, dataloader_idx: int = 0) -> Any:
-        """Precision cast, the batch-transfer hooks (a datamodule's override wins), then this
-        rank's share of the sequences (context parallelism: `Strategy.shard_batch`)."""
+        """Precision cast, the batch-transfer hooks (a datamodule's override wins: its class's, or
+        a function attached to it, but not a wrapper of its default -- Lightning's ``is_overridden``),
+        then this rank's share of the sequences (context parallelism: `Strategy.shard_batch`)."""
         strategy, dm = self.trainer.strategy, self.trainer.datamodule
         batch = strategy.precision.convert_input(batch)
         for name in BATCH_HOOKS:
             device = (strategy.root_device,) if name == "transfer_batch_to_device" else ()
-            owner = self.datamodule if dm is not None and defines(dm, name, NanoDataModule) else self.module
-            batch = owner(name, batch, *device, dataloader_idx)
+            if dm is not None and is_overridden(name, dm, NanoDataModule):
+                with self._running(name):
+                    batch = getattr(dm, name)(batch, *device, dataloader_idx)
+            else:
+                batch = self.module(name, batch, *device, dataloader_idx)
         return strategy.shard_batch(batch)

@@ -66,18 +66,22 @@ class FitLoop:
         self._resume_rng: dict[str, Any] | None = None
         self._told_min = False
         self.window_open = False  # between a window's step and its `stepped` count (checkpoints)
+        self.ending_epoch = False  # a complete epoch's end hooks: a checkpoint saved now resumes at the next
         self.batch_idx = -1  # the training batch being run (set by the step), -1 before the first
+        self.epoch_cut = False  # on_train_batch_start ended this epoch
 
     @property
     def is_last_batch(self) -> bool:
-        """The batch being run is the epoch's last (known for loaders with a length)."""
-        return self.batch_idx == self.max_batches - 1
+        """The batch being run is the epoch's last (known for loaders with a length), or
+        ``on_train_batch_start`` returned -1 and ended the epoch."""
+        return self.epoch_cut or self.batch_idx == self.max_batches - 1
 
     # ---- checkpoint state ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         loader = self.train_loader
         return {
             "batch_idx": self.trainer.progress["batch_idx"],
+            "epoch_done": self.ending_epoch,
             "epoch_start": self._epoch_start,
             "loader": loader.state_dict() if is_stateful(loader) else None,
         }
@@ -91,7 +95,9 @@ class FitLoop:
         """Resumed into a run that was not at an epoch boundary, or a step-based run (Lightning
         then skips the sanity check)."""
         resume = self._resume
-        return resume is not None and (self.trainer.config.max_steps != -1 or bool(resume.get("batch_idx")))
+        if resume is None or resume.get("epoch_done"):  # a finished epoch: the next starts afresh
+            return False
+        return self.trainer.config.max_steps != -1 or bool(resume.get("batch_idx"))
 
     # ---- data ------------------------------------------------------------------------------
     def forget_data(self) -> None:
@@ -184,8 +190,7 @@ class FitLoop:
             )
         if self.done or trainer.config.limit_train_batches == 0:
             return
-        if self._validates_epoch():
-            self.ensure_val_data()
+        self._skip_finished_epoch()
         self._t0 = time.monotonic()
         # Lightning leaves the train/eval modes as they are (no train() call a module could see); it warns
         frozen = [n or "the module" for n, m in trainer.lightning_module.named_modules() if not m.training]
@@ -198,6 +203,20 @@ class FitLoop:
             self._epoch()
         trainer.preemption.finish()  # the last step's agreement: none left in flight
         trainer.hooks.call("on_train_end")
+
+    def _skip_finished_epoch(self) -> None:
+        """Resumed from a checkpoint saved by the epoch-end hooks (a ModelCheckpoint's save at
+        ``on_train_epoch_end``): that epoch is over, so training starts the next one, as Lightning's
+        restored epoch progress does -- its end hooks do not run twice."""
+        resume = self._resume
+        if resume is None or not resume.get("epoch_done"):
+            return
+        self._resume = None
+        if self._resume_rng is not None:  # before the new epoch's iterator draws its order
+            restore_rng_state(self._resume_rng)
+            self._resume_rng = None
+        self.trainer.progress["epoch"] += 1
+        self.trainer.progress["batch_idx"] = 0
 
     def _validates_epoch(self) -> bool:
         """Fit validates, and in this epoch (``check_val_every_n_epoch``)."""
@@ -217,6 +236,7 @@ class FitLoop:
             restore_epoch_start(loader, resume["epoch_start"])
         self._epoch_start = capture_epoch_start(loader)
         iterator = iter(loader)
+        self.epoch_cut = False
         if resume is not None and not stateful:
             for _ in range(resume["batch_idx"]):  # the batches the checkpoint consumed
                 next(iterator)
@@ -236,6 +256,8 @@ class FitLoop:
             self.ensure_train_data()
         mid_epoch = bool((self._resume or {}).get("batch_idx"))  # resumed: its start hooks ran before
         iterator = self._iterator()
+        if self.trainer.enable_validation:  # Lightning asks for them once the train iterator exists
+            self.ensure_val_data()
         if not mid_epoch:
             trainer.hooks.call("on_train_epoch_start")
         manual = not trainer.lightning_module.automatic_optimization
@@ -256,8 +278,10 @@ class FitLoop:
             trainer.progress["batch_idx"] += len(batches)
             last = trainer.progress["batch_idx"] == self.max_batches
             self.window_open = True
-            if not step.run(batches, first, last):
-                self.window_open = False
+            if not step.run(batches, first, last):  # on_train_batch_start returned -1: the epoch ends
+                self.window_open, self.epoch_cut, complete = False, True, True
+                batch_idx = trainer.progress["batch_idx"] - 1  # its epoch schedulers step (Lightning)
+                trainer.optimization.update_lr_schedulers("epoch", plateau=False, batch_idx=batch_idx)
                 break
             trainer.metrics.step_row()
             self._after_window(first, len(batches), last)
@@ -308,9 +332,13 @@ class FitLoop:
         trainer = self.trainer
         metrics = trainer.metrics
         metrics.publish(metrics.train, on_step=False)  # epoch values first: the hooks read them
-        trainer.hooks.call("on_train_epoch_end", monitoring=False)
-        metrics.publish(metrics.train, on_step=False)  # + what those hooks logged, for the monitors
-        trainer.hooks.call("on_train_epoch_end", monitoring=True)
+        self.ending_epoch = complete  # (an epoch cut short by max_steps resumes inside it)
+        try:
+            trainer.hooks.call("on_train_epoch_end", monitoring=False)
+            metrics.publish(metrics.train, on_step=False)  # + what those hooks logged, for the monitors
+            trainer.hooks.call("on_train_epoch_end", monitoring=True)
+        finally:
+            self.ending_epoch = False
         if complete:
             batch_idx = trainer.progress["batch_idx"] - 1
             trainer.optimization.update_lr_schedulers("epoch", plateau=True, batch_idx=batch_idx)

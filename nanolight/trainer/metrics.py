@@ -43,12 +43,16 @@ STEP_HOOKS = frozenset(
     on_after_backward on_before_optimizer_step optimizer_step on_before_zero_grad
     optimizer_zero_grad configure_gradient_clipping lr_scheduler_step""".split()
 )
+DATALOADER_SUFFIX = "/dataloader_idx_"  # added to names logged while one of several loaders runs
 NOT_LOGGABLE = frozenset(
     """predict_step on_predict_start on_predict_end on_predict_epoch_start on_predict_epoch_end
     on_predict_batch_start on_predict_batch_end setup teardown prepare_data configure_model
     configure_optimizers configure_callbacks on_fit_start on_fit_end on_sanity_check_start
     on_sanity_check_end on_train_end train_dataloader val_dataloader test_dataloader
-    predict_dataloader on_save_checkpoint on_load_checkpoint""".split()
+    predict_dataloader on_save_checkpoint on_load_checkpoint on_validation_end on_test_end
+    on_validation_model_zero_grad on_validation_model_eval on_test_model_eval
+    on_validation_model_train on_test_model_train on_before_batch_transfer transfer_batch_to_device
+    on_after_batch_transfer lr_scheduler_step on_exception state_dict load_state_dict""".split()
 )
 
 
@@ -115,18 +119,23 @@ class MetricStore:
             )
         if not (on_step or on_epoch):
             raise UsageError(f"self.log({name!r}, on_step=False, on_epoch=False) would record nothing")
+        if DATALOADER_SUFFIX in name:
+            raise UsageError(
+                f"self.log({name!r}): {DATALOADER_SUFFIX}N is the suffix the trainer adds for several "
+                "dataloaders; use another name (and add_dataloader_idx=False to log per loader yourself)"
+            )
         if self.dataloader_idx is not None and add_dataloader_idx:
-            name = f"{name}/dataloader_idx_{self.dataloader_idx}"
+            name = f"{name}{DATALOADER_SUFFIX}{self.dataloader_idx}"
         fx = reduce_fx_name(reduce_fx)
         meta = Meta(name, prog_bar, logger, on_step, on_epoch, fx, sync_dist or self.always_sync)
         tensor = to_scalar_tensor(name, value)
         if batch_size is None:
             batch_size = (batch_size_of(self.batch) or 1) if fx == "mean" and on_epoch else 1
-        self.active.log(meta, tensor, batch_size, self.dataloader_idx)
+        self.active.log(meta, tensor, batch_size, self.dataloader_idx, hook)
         if on_step and self.active.training:  # seen at once by later hooks of this batch (unsynced)
             self.callback_metrics[name] = tensor
             self.callback_metrics[meta.forked(True)] = tensor
-        elif on_epoch and hook in ("on_validation_epoch_end", "on_test_epoch_end"):
+        elif on_epoch and hook in ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end"):
             self.callback_metrics[name] = tensor  # seen at once by the callbacks after this one (Lightning)
 
     # ---- publishing (Lightning's on_batch_end / on_epoch_end) -----------------------------
@@ -222,8 +231,11 @@ class Meta:
     sync: bool
 
     def forked(self, on_step: bool) -> str:
+        """``name_step`` / ``name_epoch`` when logged as both; the dataloader suffix stays last
+        (``loss_epoch/dataloader_idx_0``, Lightning's)."""
         if self.on_step and self.on_epoch:
-            return f"{self.name}_step" if on_step else f"{self.name}_epoch"
+            base, sep, idx = self.name.partition(DATALOADER_SUFFIX)
+            return f"{base}_{'step' if on_step else 'epoch'}{sep}{idx}"
         return self.name
 
 
@@ -267,8 +279,9 @@ def to_scalar_tensor(name: str, value: Any) -> torch.Tensor:
 
 
 def reduce_fx_name(fx: Any) -> str:
-    name = fx if isinstance(fx, str) else getattr(fx, "__name__", repr(fx))
-    name = {"amax": "max", "amin": "min"}.get(name, name)
+    """A reduction by name, as Lightning reads it: any case, ``avg`` for mean, torch's or Python's functions."""
+    name = fx.lower() if isinstance(fx, str) else getattr(fx, "__name__", repr(fx))
+    name = {"amax": "max", "amin": "min", "avg": "mean"}.get(name, name)
     if name not in REDUCE_FX:
         raise UsageError(f"self.log(reduce_fx={fx!r}): use one of {REDUCE_FX} (or torch.mean/sum/max/min)")
     return name
@@ -279,19 +292,26 @@ class Results:
 
     def __init__(self, training: bool) -> None:
         self.training = training
-        self.metrics: dict[str, _Metric] = {}
+        self.metrics: dict[tuple[str, str], _Metric] = {}  # by (hook, name)
 
     def log(
-        self, meta: Meta, value: torch.Tensor, batch_size: int, dataloader_idx: int | None = None
+        self,
+        meta: Meta,
+        value: torch.Tensor,
+        batch_size: int,
+        dataloader_idx: int | None = None,
+        hook: str = "training_step",
     ) -> None:
-        metric = self.metrics.get(meta.name)
+        """Record a value. A metric is a name *in a hook* (Lightning's ``"{fx}.{name}"``): the same
+        name logged from two hooks is two metrics, and the later-logged one's values win."""
+        metric = self.metrics.get((hook, meta.name))
         if metric is None or metric.meta != meta:
             if metric is not None and metric.last is not None:
                 raise UsageError(
-                    f"self.log({meta.name!r}) was called with different arguments in one loop "
+                    f"self.log({meta.name!r}) was called with different arguments in {hook} "
                     f"(before: {_args(metric.meta)}, now: {_args(meta)}); log each name one way"
                 )
-            metric = self.metrics[meta.name] = _Metric(meta)
+            metric = self.metrics[hook, meta.name] = _Metric(meta)
         metric.update(value, batch_size)
         metric.dataloader_idx = dataloader_idx
 

@@ -6,6 +6,7 @@ the trainer: ``lr_scheduler_configs``, ``nano_optimizers``, ``skip_optimizer_ste
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +14,8 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from nanolight.errors import UsageError
-from nanolight.module.optimizers import NanoOptimizer, parse_optimizers
+from nanolight.module.module import NanoModule
+from nanolight.module.optimizers import NanoOptimizer, check_scheduler_api, parse_optimizers
 from nanolight.trainer.arguments import clip_algorithm
 from nanolight.trainer.step import refuse_under_pipeline
 
@@ -54,8 +56,21 @@ class Optimization:
         trainer = self.trainer
         check_manual(module, trainer.config, trainer.strategy)
         manual = not module.automatic_optimization
+        if "optimizer_idx" in inspect.signature(module.training_step).parameters:
+            raise UsageError(
+                "training_step(batch, batch_idx, optimizer_idx) is Lightning 1.x: drop optimizer_idx and use "
+                "manual optimization for several optimizers (opt1, opt2 = self.optimizers())"
+            )
         configured = trainer.hooks.module("configure_optimizers")
         optimizers, trainer.lr_scheduler_configs = parse_optimizers(configured, manual)
+        check_scheduler_api(trainer.lr_scheduler_configs, module, NanoModule)
+        for opt in optimizers:
+            closure = inspect.signature(opt.step).parameters.get("closure")
+            if closure is not None and closure.default is inspect.Parameter.empty:
+                raise UsageError(
+                    f"{type(opt).__name__} re-evaluates the loss through a closure, which nanolight does not "
+                    "support (a step's micro-batch schedule runs once): use a first-order optimizer"
+                )
         if module.automatic_optimization and len(optimizers) > 1:
             raise UsageError(
                 f"configure_optimizers returned {len(optimizers)} optimizers: several optimizers need manual "
@@ -68,11 +83,14 @@ class Optimization:
             NanoOptimizer(opt, self.optimizer_step, strategy.zero_grad) for opt in trainer.optimizers
         ]
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(
+        self, loss: torch.Tensor, backward_args: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})
+    ) -> None:
         """on_before_backward -> the module's ``backward`` (through the strategy) -> on_after_backward."""
         hooks = self.trainer.hooks
         hooks.call("on_before_backward", loss)
-        hooks.module("backward", loss)
+        args, kwargs = backward_args
+        hooks.module("backward", loss, *args, **kwargs)
         hooks.call("on_after_backward")
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any] | None) -> Any:
@@ -99,8 +117,11 @@ class Optimization:
         trainer, cfg = self.trainer, self.trainer.config
         trainer.skip_optimizer_step = False
         trainer.hooks.call("on_before_optimizer_step", optimizer)
-        trainer.hooks.module(
-            "configure_gradient_clipping", optimizer, cfg.gradient_clip_val, cfg.gradient_clip_algorithm
+        trainer.hooks.module(  # the settings by keyword, as Lightning passes them
+            "configure_gradient_clipping",
+            optimizer,
+            gradient_clip_val=cfg.gradient_clip_val,
+            gradient_clip_algorithm=cfg.gradient_clip_algorithm,
         )
 
     def after_optimizer_step(self, last_of_epoch: bool) -> None:
@@ -130,7 +151,14 @@ class Optimization:
                 f"gradient_clip_val={value} passed to clip_gradients, but NanoTrainer(gradient_clip_val="
                 f"{cfg.gradient_clip_val}) too: use one of them"
             )
-        algorithm = clip_algorithm(algorithm or cfg.gradient_clip_algorithm or "norm")
+        if algorithm is None:
+            algorithm = cfg.gradient_clip_algorithm or "norm"
+        elif cfg.gradient_clip_algorithm is not None and cfg.gradient_clip_algorithm != algorithm:
+            raise UsageError(
+                f"gradient_clip_algorithm={algorithm!r} passed to clip_gradients, but NanoTrainer("
+                f"gradient_clip_algorithm={cfg.gradient_clip_algorithm!r}) too: use one of them"
+            )
+        algorithm = clip_algorithm(algorithm)
         if value <= 0:
             return None
         if algorithm == "value":

@@ -13,6 +13,7 @@ from lightning_utilities.core.overrides import is_overridden
 
 from nanolight.callbacks.early_stopping import EarlyStopping
 from nanolight.callbacks.model_checkpoint import ModelCheckpoint
+from nanolight.callbacks.progress import RichProgressBar
 from nanolight.module.module import NanoModule
 from nanolight.trainer.arguments import TrainerConfig
 
@@ -50,7 +51,6 @@ class TrainerProperties:
     model = _from("strategy", "module")
     callback_metrics = _from("metrics", "callback_metrics")
     logged_metrics = _from("metrics", "logged_metrics")
-    progress_bar_metrics = _from("metrics", "progress_bar_metrics")
     training = _stage_flag("train")
     validating = _stage_flag("validate")
     testing = _stage_flag("test")
@@ -97,6 +97,17 @@ class TrainerProperties:
         if self.logger is None:
             return self.default_root_dir
         return self.__dict__.get("_log_dir") or self.logger.log_dir
+
+    @property
+    def progress_bar_metrics(self: NanoTrainer) -> dict[str, float]:
+        """What ``self.log(..., prog_bar=True)`` showed last, as Python floats (Lightning's). Kept as
+        tensors until read: converting reads the device, so only a reader pays that sync."""
+        return {k: float(v) for k, v in self.metrics.progress_bar_metrics.items()}
+
+    @property
+    def progress_bar_callback(self: NanoTrainer) -> RichProgressBar | None:
+        """The progress bar among the callbacks (None when ``enable_progress_bar=False``)."""
+        return next((cb for cb in self.callbacks if isinstance(cb, RichProgressBar)), None)
 
     @property
     def checkpoint_callbacks(self: NanoTrainer) -> list[ModelCheckpoint]:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from nanolight.errors import UsageError
 from nanolight.strategies.base import FORWARD, Strategy
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from nanolight.trainer.trainer import NanoTrainer
 
 END_EPOCH = -1  # what on_train_batch_start returns to end the epoch
+EPOCH_ENDED = object()  # start_batch's answer when it did
 
 
 def refuse_under_pipeline(strategy: Strategy, message: str) -> None:
@@ -101,7 +103,7 @@ class AutomaticStep:
                 self._backward(i, n, first)
                 continue
             self.batches[i] = batch = start_batch(trainer, batches[i], first + i)
-            if batch is None:
+            if batch is EPOCH_ENDED:
                 refuse_under_pipeline(
                     trainer.strategy,
                     "on_train_batch_start returned -1 under pipeline parallelism: stop with trainer.should_stop",
@@ -126,6 +128,7 @@ class AutomaticStep:
             output = trainer.hooks.step("training_step", self.batches[i], first + i)
         loss = extract_loss(output)
         if loss is None:
+            rank_zero_warn("training_step returned None: this batch is skipped (no backward)")
             refuse_under_pipeline(
                 trainer.strategy,
                 "training_step returned None under pipeline parallelism: every stage must run every micro-batch",
@@ -186,11 +189,12 @@ class _Closure:
 
 
 def start_batch(trainer: NanoTrainer, raw: Any, batch_idx: int) -> Any:
-    """Batch transfer, then ``on_train_batch_start``; None when that hook ended the epoch."""
+    """Batch transfer, then ``on_train_batch_start``; `EPOCH_ENDED` when that hook ended the epoch
+    (a batch may itself be None: a collate_fn's way to hand training_step nothing)."""
     batch = trainer.hooks.transfer_batch(raw)
     trainer.metrics.batch, trainer.fit_loop.batch_idx = batch, batch_idx
     ended = trainer.hooks.call("on_train_batch_start", batch, batch_idx, returns=True) == END_EPOCH
-    return None if ended else batch
+    return EPOCH_ENDED if ended else batch
 
 
 class ManualStep:
@@ -203,7 +207,7 @@ class ManualStep:
         trainer, hooks = self.trainer, self.trainer.hooks
         (raw,) = batches
         batch = start_batch(trainer, raw, first)
-        if batch is None:
+        if batch is EPOCH_ENDED:
             return False
         with trainer.strategy.autocast():
             output = hooks.step("training_step", batch, first)

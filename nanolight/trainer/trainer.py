@@ -10,6 +10,7 @@ loggers finalised, or ``on_exception``.
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import fields
 from pathlib import Path
@@ -109,17 +110,21 @@ class NanoTrainer(TrainerProperties):
     ) -> None:
         unsupported_args(unsupported)
         if barebones:
-            switches = {
+            switches = {  # Lightning's: each would cost raw speed, so asking for one is an error
                 "logger": logger,
                 "enable_checkpointing": enable_checkpointing,
                 "enable_progress_bar": enable_progress_bar,
                 "enable_model_summary": enable_model_summary,
+                "log_every_n_steps": log_every_n_steps,
+                "num_sanity_val_steps": num_sanity_val_steps,
+                "fast_dev_run": fast_dev_run,
+                "detect_anomaly": detect_anomaly,
             }
             on = [k for k, v in switches.items() if v]
             if on:
                 raise UsageError(f"barebones=True turns off {on}: drop them or barebones")
             logger = enable_checkpointing = enable_progress_bar = enable_model_summary = False
-            log_every_n_steps = 0
+            log_every_n_steps = num_sanity_val_steps = 0
         args = locals()  # the loop options, by their names (barebones' changes included)
         self.config = TrainerConfig(**{f.name: args[f.name] for f in fields(TrainerConfig)})
         self.barebones, self.seed, self.inference_mode = barebones, seed, inference_mode
@@ -235,6 +240,8 @@ class NanoTrainer(TrainerProperties):
         def stage() -> Any:
             if fn == "predict":
                 return run_predict(self, self.data.request(kind), keep)
+            if getattr(self.config, f"limit_{kind}_batches") == 0:
+                return []  # Lightning skips the loop: no loaders asked for, no hooks
             results = run_evaluation(self, kind, self.data.request(kind))
             if verbose and self.is_global_zero:
                 print_results(fn, results)
@@ -294,8 +301,6 @@ class NanoTrainer(TrainerProperties):
         if strategy.module is not module:  # parallelised once per trainer
             strategy.setup_module(module)
         self.metrics.always_sync = strategy.metrics_always_sync
-        if fn == "fit":
-            self.optimization.setup(module)
         path = resolve_ckpt_path(self, ckpt_path, fn, model_given)
         self._training_state: tuple[Path, dict[str, Any]] | None = None  # restored after on_fit_start
         self.ckpt_path = str(path) if path is not None else None
@@ -304,6 +309,8 @@ class NanoTrainer(TrainerProperties):
             state = restore_state(self, path)
             if fn == "fit":
                 self._training_state = path, state
+        if fn == "fit":  # after the weights and the checkpoint hooks, as Lightning's strategy setup
+            self.optimization.setup(module)
         self._log_hyperparams(module)
 
     def _prepare_data(self) -> None:
@@ -387,9 +394,10 @@ class NanoTrainer(TrainerProperties):
         Without `step`: at the current `log_step`, with an ``epoch`` column."""
         self.metrics.log_row(metrics, step)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``manual_backward``: backward with its hooks, through the strategy."""
-        self.optimization.backward(loss)
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``manual_backward``: backward with its hooks, through the strategy (`args`, `kwargs`:
+        for ``Tensor.backward``, e.g. ``retain_graph=True``)."""
+        self.optimization.backward(loss, backward_args=(args, kwargs))
 
     def clip_gradients(
         self, optimizer: Any, value: float | None, algorithm: str | None
@@ -407,6 +415,13 @@ def check_module(module: Any, fn: str) -> None:
     """What a call needs from the module, checked before anything runs."""
     if not isinstance(module, NanoModule):
         raise UsageError(f"expected a NanoModule, got {type(module).__name__}")
+    for step in ("training_step", "validation_step", "test_step", "predict_step"):
+        fn = getattr(module, step, None)  # (a program may set a step to None to drop it)
+        if callable(fn) and "dataloader_iter" in inspect.signature(fn).parameters:
+            raise UsageError(
+                f"{step}(dataloader_iter) is not supported: the trainer fetches the batches (a step's "
+                f"micro-batch schedule, a resumable data position); take {step}(batch, batch_idx)"
+            )
     missing = [h for h in NEEDS.get(fn, []) if not is_overridden(h, module, NanoModule)]
     if missing:
         raise UsageError(f"{type(module).__name__} must implement {' and '.join(missing)} for trainer.{fn}()")

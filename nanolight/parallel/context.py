@@ -132,7 +132,9 @@ class ParallelContext:
         # groups carry the same operations on CPU as on GPUs. Not the rendezvous store: under
         # torchrun the agent hosts it, and workers whose agent was killed must still agree to save
         # (tests/test_faults_distributed.py).
-        self.host_group = dist.new_group(backend="gloo", timeout=timeout)
+        # A fake world (the dry run: one process playing one rank of many) has no peers to meet on gloo.
+        host = "fake" if self.backend == "fake" else "gloo"
+        self.host_group = dist.new_group(backend=host, timeout=timeout)
 
     @classmethod
     def from_config(
@@ -190,8 +192,11 @@ class ParallelContext:
     def stage_pair_group(self, first: int, last: int) -> Any:
         """The group of this rank's (dp, cp, tp) coordinate at pipeline stages `first` and `last`
         (the tied embedding's two copies). Collective: every rank creates every pair's group, in order."""
-        axis = MESH_DIMS.index("pp")
-        at_first, at_last = (self.mesh.select(axis, s).reshape(-1).tolist() for s in (first, last))
+        tp, pp = self.tp_size, self.pp_size  # a rank's stage is (rank // tp) % pp: tp fastest, then pp
+        # plain integers, no tensor op: under the dry run's fake tensors a mesh op has no values
+        at_first, at_last = (
+            [r for r in range(self.world_size) if (r // tp) % pp == s] for s in (first, last)
+        )
         return self._new_groups([[a, b] for a, b in zip(at_first, at_last, strict=True)])
 
     @property
@@ -255,16 +260,18 @@ class ParallelContext:
         self, value: int, guard: Callable[[], AbstractContextManager] = nullcontext
     ) -> Agreed | PendingMax:
         """Start agreeing on the maximum of `value` over every rank, on the host (no device
-        sync); ``.wait()`` gives it. One process: already agreed, no collective."""
-        if self.world_size == 1:
+        sync); ``.wait()`` gives it. One process, or a fake world (the dry run's: no peer holds a
+        value): already agreed, no collective."""
+        if self.world_size == 1 or self.backend == "fake":
             return Agreed(value)
         return PendingMax(value, self.host_group, guard)  # all ranks send an int, get the max
 
     def broadcast_object(
         self, obj: Any, src: int = 0, guard: Callable[[], AbstractContextManager] = nullcontext
     ) -> Any:
-        """`obj` as global rank `src` holds it, on every rank, on the host (pickled; no device sync)."""
-        if self.world_size == 1:
+        """`obj` as global rank `src` holds it, on every rank, on the host (pickled; no device sync).
+        A fake world's ranks (the dry run's) keep their own: no peer holds one to send."""
+        if self.world_size == 1 or self.backend == "fake":
             return obj
         box = [obj]
         with guard():

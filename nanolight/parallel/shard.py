@@ -85,8 +85,8 @@ def shard_model(
     if on_meta:
         materialise_(module, device)
         model.tie_weights()  # new Parameter objects: the tied ones are separate until re-tied
-    else:  # built materialised: apply_tensor_parallel already copied each rank's slice
-        module.to(device)
+    elif any(t.device != device for t in [*module.parameters(), *module.buffers()]):
+        module.to(device)  # built materialised: apply_tensor_parallel already copied each rank's slice
     layout = ModelLayout.sharded(module, full_shapes, aliases, ctx, split, prefix)
     return ShardedModel(layout, split, on_meta, specs)
 

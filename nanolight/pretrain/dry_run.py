@@ -39,7 +39,6 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils._runtime_estimation import _IGNORE_OPS, get_num_bytes
@@ -47,6 +46,7 @@ from torch.utils.flop_counter import flop_registry
 
 from nanolight.callbacks import Callback
 from nanolight.errors import UsageError
+from nanolight.parallel.launcher import join_fake_world
 from nanolight.planner.hardware import Hardware, hardware
 from nanolight.planner.timing import ring_seconds
 from nanolight.pretrain.config import PretrainConfig
@@ -330,7 +330,7 @@ def run_role(config: PretrainConfig, rank: int, world: int, hw: Hardware) -> Rol
         raise UsageError(
             "the dry run plays one rank of a fake world: call it where no process group is joined"
         )
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    join_fake_world(rank, world)
     try:
         t = dataclasses.replace(config.trainer, val_check_interval=None)
         config = dataclasses.replace(config, trainer=t)

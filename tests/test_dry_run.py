@@ -11,8 +11,10 @@ import pytest
 
 from nanolight.models.llama import LlamaConfig, LlamaForCausalLM
 from nanolight.parallel.config import ParallelConfig
+from nanolight.planner.hardware import hardware
 from nanolight.pretrain.config import ClusterConfig, PretrainConfig, TrainConfig
-from nanolight.pretrain.dry_run import DryRunReport, dry_run
+from nanolight.pretrain.dry_run import DryRunReport, dry_run, measured_fit
+from nanolight.pretrain.run import build_strategy
 
 pytestmark = pytest.mark.slow  # three fake ranks of 8: about a minute on 2 shared cores
 
@@ -79,3 +81,12 @@ def test_does_not_fit_names_rank_part_and_amount(report: DryRunReport) -> None:
     assert line.startswith("rank 0 (pp0 tp0 cp0 dp0) does not fit a h100-sxm")
     assert f"largest part is {part}" in line and "0.00 GiB over" in line
     assert report.misfits() == []
+
+
+def test_fake_memory_equals_a_real_runs() -> None:
+    """One process, real tensors, the same measurement: the dry run's parts are the real run's."""
+    config = _config(tp=1, cp=1, dp=1)
+    hw = hardware("h100-sxm")
+    memory, _, _ = measured_fit(config, build_strategy(config), hw, {})
+    (role,) = dry_run(config).roles
+    assert role.parts == memory.peak_parts()

@@ -332,45 +332,16 @@ def run_role(config: PretrainConfig, rank: int, world: int, hw: Hardware) -> Rol
         )
     join_fake_world(rank, world)
     try:
-        t = dataclasses.replace(config.trainer, val_check_interval=None)
-        config = dataclasses.replace(config, trainer=t)
         strategy = build_strategy(config)
         strategy.setup_environment()  # the groups: rank bookkeeping on the host, before fake tensors
         ctx = strategy.parallel_context
         names: dict[tuple[int, ...], str] = {}
-        for name in reversed(GROUP_NAMES):  # a name earlier in the list wins a group of the same ranks
+        for name in reversed(GROUP_NAMES) if ctx is not None else ():  # earlier names win alike groups
             names[tuple(ctx.ranks(name))] = name
-        memory = StepsMemTracker()
-        traffic, roofline = Traffic(names, memory, hw), Roofline(hw)
         with FakeTensorMode(allow_non_fake_inputs=True):
-            shape = (t.micro_batch_size, t.seq_len)
-            batches = [
-                {
-                    "input_ids": torch.zeros(shape, dtype=torch.long),
-                    "target_ids": torch.zeros(shape, dtype=torch.long),
-                }
-                for _ in range(STEPS * t.accumulate_grad_batches)
-            ]
-            module = CausalLMPretrain(config.model, config.optim, t.seq_len, STEPS)
-            trainer = NanoTrainer(
-                max_steps=STEPS,
-                accumulate_grad_batches=t.accumulate_grad_batches,
-                gradient_clip_val=t.gradient_clip_val,
-                precision=t.run_precision,
-                log_every_n_steps=STEPS + 1,  # no logging step: a fake value cannot be read
-                callbacks=[_Clock(memory, traffic, roofline)],
-                logger=False,
-                strategy=strategy,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                num_sanity_val_steps=0,
-                seed=config.seed,
-            )
-            with memory, traffic, roofline:
-                trainer.fit(module, batches)
+            memory, traffic, roofline = measured_fit(config, strategy, hw, names)
         last = STEPS - 1
-        coords = {d: ctx.coords[d] for d in ("pp", "tp", "cp", "dp")}
+        coords = {d: ctx.coords[d] if ctx is not None else 0 for d in ("pp", "tp", "cp", "dp")}
         return RoleReport(
             rank,
             coords,
@@ -383,3 +354,36 @@ def run_role(config: PretrainConfig, rank: int, world: int, hw: Hardware) -> Rol
         )
     finally:
         dist.destroy_process_group()
+
+
+def measured_fit(
+    config: PretrainConfig, strategy: Any, hw: Hardware, names: dict[tuple[int, ...], str]
+) -> tuple[StepsMemTracker, Traffic, Roofline]:
+    """The recipe's module trained `STEPS` steps through `strategy` on a batch of the run's shape,
+    measured; fake tensors if called under ``FakeTensorMode``, real ones otherwise (tests compare)."""
+    t = config.trainer
+    memory = StepsMemTracker()
+    traffic, roofline = Traffic(names, memory, hw), Roofline(hw)
+    shape = (t.micro_batch_size, t.seq_len)
+    ids = torch.zeros(shape, dtype=torch.long)  # token 0 everywhere: the same work as any tokens
+    batches = [{"input_ids": ids, "target_ids": ids} for _ in range(STEPS * t.accumulate_grad_batches)]
+    module = CausalLMPretrain(config.model, config.optim, t.seq_len, STEPS)
+    trainer = NanoTrainer(
+        max_steps=STEPS,
+        accumulate_grad_batches=t.accumulate_grad_batches,
+        gradient_clip_val=t.gradient_clip_val,
+        precision=t.run_precision,
+        log_every_n_steps=STEPS + 1,  # no logging step: a fake value cannot be read
+        val_check_interval=None,
+        callbacks=[_Clock(memory, traffic, roofline)],
+        logger=False,
+        strategy=strategy,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        seed=config.seed,
+    )
+    with memory, traffic, roofline:
+        trainer.fit(module, batches)
+    return memory, traffic, roofline

@@ -223,14 +223,16 @@ def schedule_peaks(work: Workload, layout: Layout, stage: int) -> tuple[int, int
 def head_transient_bytes(work: Workload, layout: Layout, stage: int) -> int:
     """The plain model's fused head + loss (`fused_loss.py`, tp = pp = 1) at the end of the forward,
     every block's activations still held: one chunk's fp32 logits (written over by its log-softmax and
-    its gradient), the chunk's d weight product and the d weight accumulating. The dry run's
+    its gradient; under bf16 compute the bf16 product too), and the d weight accumulating. The dry run's
     ``MemTracker`` puts the step's peak here."""
     if layout.tp * layout.pp != 1 or stage != layout.pp - 1:
         return 0
     c = work.config
     rows = chunk_rows(c.vocab_size, c.hidden_size, torch.device(work.device))
     tokens = layout.micro_batch_size * work.seq_len // layout.cp
-    return 4 * min(rows, tokens) * c.vocab_size + 4 * c.vocab_size * c.hidden_size
+    _, _, a, _ = PRECISION_BYTES[layout.precision]
+    logit = 4 + (a if a != 4 else 0)  # bf16 compute: the product, then its fp32 copy (``.float()``)
+    return logit * min(rows, tokens) * c.vocab_size + 4 * c.vocab_size * c.hidden_size
 
 
 def rank_memory(work: Workload, layout: Layout, stage: int) -> dict[str, int]:

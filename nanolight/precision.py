@@ -67,7 +67,7 @@ class Precision:
         """Cast parameters for ``bf16-true``; other modes keep fp32 parameters here (``bf16-master``
         casts them once its fp32 masters are taken: `cast_to_compute`)."""
         if self.mode == "bf16-true":
-            module.to(torch.bfloat16)
+            cast_(module, torch.bfloat16)
         return module
 
     def cast_to_compute(self, module: nn.Module) -> nn.Module:
@@ -75,7 +75,7 @@ class Precision:
         Parameter objects: the optimizer and the gradient hooks keep them). Call after the fp32
         masters were copied and with no ``.grad`` held."""
         if self.master_weights:
-            module.to(self.compute_dtype)
+            cast_(module, self.compute_dtype)
         return module
 
     def convert_input(self, batch: Any) -> Any:
@@ -103,3 +103,17 @@ class Precision:
         if torch.get_float32_matmul_precision() == "highest":  # PyTorch's default: not a user choice
             torch.set_float32_matmul_precision("high")
             torch.backends.cudnn.allow_tf32 = True
+
+
+def cast_(module: nn.Module, dtype: torch.dtype) -> None:
+    """``module.to(dtype)`` for floating parameters and buffers, always in place (``.data`` set on
+    the same objects): ``nn.Module.to`` swaps fake tensors (the dry run's) for new objects, which
+    torch refuses for a parameter something holds a weak reference to."""
+    with torch.no_grad():
+        for mod in module.modules():
+            for param in mod.parameters(recurse=False):
+                if param.is_floating_point() and param.dtype != dtype:
+                    param.data = param.data.to(dtype)
+            for name, buf in mod.named_buffers(recurse=False):
+                if buf.is_floating_point() and buf.dtype != dtype:
+                    setattr(mod, name, buf.to(dtype))

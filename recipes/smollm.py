@@ -4,6 +4,8 @@
     python recipes/smollm.py model=smollm-135m +parallel.tp=2
     python recipes/smollm.py model=smollm-135m +parallel=auto +cluster.gpus=2   # the planner's pick
     torchrun --nproc_per_node=8 recipes/smollm.py model=smollm-1.7b +parallel.tp=8
+    python recipes/smollm.py model=smollm-1.7b +parallel.dp=8 +parallel.zero_stage=1 +dry_run=true \
+        +cluster.gpus=8 +cluster.gpu=h100-sxm                 # memory, traffic, step time; nothing trained
 
 Configs live in conf/; every key is validated (nanolight/pretrain/config.py) before anything runs.
 Errors are one line (``nanolight: error: ...``); ``--debug`` shows their traceback. Ctrl-C saves the
@@ -16,6 +18,7 @@ import hydra
 from omegaconf import DictConfig
 
 from nanolight.pretrain import PretrainConfig, load_config, run
+from nanolight.pretrain.dry_run import dry_run
 from nanolight.pretrain.schema import check_override_keys, reported_errors, take_debug_flag
 
 DEBUG = take_debug_flag(sys.argv)
@@ -24,9 +27,11 @@ DEBUG = take_debug_flag(sys.argv)
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     with reported_errors(DEBUG):
-        trainer = run(
-            load_config(cfg, sys.argv[1:]), sys.argv[1:]
-        )  # the command line: the knobs +parallel=auto keeps
+        config = load_config(cfg, sys.argv[1:])
+        if config.dry_run:  # every role's real program for two steps, fake tensors, a fake world
+            print(dry_run(config).render())
+            return
+        trainer = run(config, sys.argv[1:])  # the command line: the knobs +parallel=auto keeps
     if trainer.preempted_by == "SIGINT":  # Ctrl-C: saved (the line says where), but not finished
         sys.exit(130)
 

@@ -347,7 +347,7 @@ class LlamaForCausalLM(nn.Module):
 
     def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> LlamaForCausalLM:
         """Materialise a meta-device model. Re-ties: moving off meta replaces Parameter objects."""
-        super().to_empty(device=device, recurse=recurse)
+        materialise_(self, torch.device(device) if device is not None else torch.empty(0).device)
         self.tie_weights()
         return self
 
@@ -442,3 +442,14 @@ class LlamaForCausalLM(nn.Module):
     def pipeline_costs(self) -> tuple[float, float, float]:
         """(block, first-stage extra, last-stage extra) costs, for balancing pipeline stages."""
         return stage_costs(self.config)
+
+
+def materialise_(module: nn.Module, device: torch.device) -> None:
+    """``module.to_empty(device=device)``, written out: each meta parameter and buffer replaced by a
+    new uninitialised one on `device`. ``to_empty`` swaps fake tensors (the dry run's) in place, which
+    torch refuses while a weak reference to them is held (fake tensors keep one)."""
+    for mod in module.modules():
+        for name, param in list(mod.named_parameters(recurse=False)):
+            setattr(mod, name, nn.Parameter(torch.empty_like(param, device=device), param.requires_grad))
+        for name, buf in list(mod.named_buffers(recurse=False)):
+            setattr(mod, name, torch.empty_like(buf, device=device))

@@ -151,8 +151,8 @@ class ParallelContext:
         # it, and workers whose agent was killed must still agree to save
         # (tests/test_faults_distributed.py). The per-step agreements use a store rank 0 hosts
         # (`agreement.py`), made at the first `start_max`.
-        # (torch's fake world, a simulated rank of a large one that counts set-up, has no peers to
-        # reach over gloo: its host group is fake too)
+        # A fake world (the dry run, or counting set-up: one process playing one rank of many) has
+        # no peers to meet on gloo: its host group is fake too.
         host = "fake" if self.backend == "fake" else "gloo"
         self.host_group = dist.new_group(backend=host, timeout=timeout)
         self._agreements: StoreAgreements | None = None
@@ -216,8 +216,11 @@ class ParallelContext:
         """The group of this rank's (dp, cp, tp) coordinate at pipeline stages `first` and `last`
         (the tied embedding's two copies); None on the stages between. Collective: every rank calls it,
         in the same order (one partition: the pairs, and every other rank on its own)."""
-        axis = MESH_DIMS.index("pp")
-        at_first, at_last = (self.mesh.select(axis, s).reshape(-1).tolist() for s in (first, last))
+        tp, pp = self.tp_size, self.pp_size  # a rank's stage is (rank // tp) % pp: tp fastest, then pp
+        # plain integers, no tensor op: under the dry run's fake tensors a mesh op has no values
+        at_first, at_last = (
+            [r for r in range(self.world_size) if (r // tp) % pp == s] for s in (first, last)
+        )
         pairs = [[a, b] for a, b in zip(at_first, at_last, strict=True)]
         ends = set(at_first) | set(at_last)
         others = [[r] for r in range(self.world_size) if r not in ends]
@@ -285,9 +288,10 @@ class ParallelContext:
         self, value: int, guard: Callable[[], AbstractContextManager] = nullcontext
     ) -> Agreed | PendingStoreMax:
         """Start agreeing on the maximum of `value` (>= 0) over every rank, on the host (no device
-        sync, O(1) requests per rank: `agreement.py`); ``.wait()`` gives it. One process: already
-        agreed. The first call on each rank is collective: it hands rank 0's store address round."""
-        if self.world_size == 1:
+        sync, O(1) requests per rank: `agreement.py`); ``.wait()`` gives it. One process, or a fake
+        world (the dry run's: no peer holds a value): already agreed. The first call on each rank is
+        collective: it hands rank 0's store address round."""
+        if self.world_size == 1 or self.backend == "fake":
             return Agreed(value)
         if self._agreements is None:
             share = functools.partial(self.broadcast_object, src=0, guard=guard)
@@ -297,8 +301,9 @@ class ParallelContext:
     def broadcast_object(
         self, obj: Any, src: int = 0, guard: Callable[[], AbstractContextManager] = nullcontext
     ) -> Any:
-        """`obj` as global rank `src` holds it, on every rank, on the host (pickled; no device sync)."""
-        if self.world_size == 1:
+        """`obj` as global rank `src` holds it, on every rank, on the host (pickled; no device sync).
+        A fake world's ranks (the dry run's) keep their own: no peer holds one to send."""
+        if self.world_size == 1 or self.backend == "fake":
             return obj
         box = [obj]
         with guard():

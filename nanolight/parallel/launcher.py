@@ -370,3 +370,11 @@ def init_distributed(
     finally:
         notice.cancel()
     return Heartbeat(env.master_addr, env.master_port, env.rank, env.world_size, trace=trace)
+
+
+def join_fake_world(rank: int, world_size: int) -> None:
+    """Join torch's fake process group as rank `rank` of `world_size`: every collective returns at
+    once with nothing in it, so one process plays one rank of any world (the dry run's)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

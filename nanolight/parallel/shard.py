@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanolight.models.llama import materialise_
 from nanolight.parallel.config import ParallelConfig
 from nanolight.parallel.context import ParallelContext
 from nanolight.parallel.layout import ModelLayout, tied_aliases
@@ -82,10 +83,10 @@ def shard_model(
     if split is not None:
         apply_split(model, split, ctx.pp_rank)  # drop other stages' modules before allocating
     if on_meta:
-        module.to_empty(device=device)
-        model.tie_weights()  # to_empty made new Parameter objects
-    else:  # built materialised: apply_tensor_parallel already copied each rank's slice
-        module.to(device)
+        materialise_(module, device)
+        model.tie_weights()  # new Parameter objects: the tied ones are separate until re-tied
+    elif any(t.device != device for t in [*module.parameters(), *module.buffers()]):
+        module.to(device)  # built materialised: apply_tensor_parallel already copied each rank's slice
     layout = ModelLayout.sharded(module, full_shapes, aliases, ctx, split, prefix)
     return ShardedModel(layout, split, on_meta, specs)
 

@@ -50,6 +50,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache, lru_cache
 
+import torch
+
+from nanolight.models.fused_loss import chunk_rows
 from nanolight.models.llama_config import LlamaConfig, stage_costs
 from nanolight.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from nanolight.parallel.pipeline.schedules import FORWARD, held_sends, stage_program, stage_schedule
@@ -217,6 +220,21 @@ def schedule_peaks(work: Workload, layout: Layout, stage: int) -> tuple[int, int
     return peak, _sent_alive(layout.pp_schedule, m, p, stage, v) * boundary
 
 
+def head_transient_bytes(work: Workload, layout: Layout, stage: int) -> int:
+    """The plain model's fused head + loss (`fused_loss.py`, tp = pp = 1) at the end of the forward,
+    every block's activations still held: one chunk's fp32 logits (written over by its log-softmax and
+    its gradient; under bf16 compute the bf16 product too), and the d weight accumulating. The dry run's
+    ``MemTracker`` puts the step's peak here."""
+    if layout.tp * layout.pp != 1 or stage != layout.pp - 1:
+        return 0
+    c = work.config
+    rows = chunk_rows(c.vocab_size, c.hidden_size, torch.device(work.device))
+    tokens = layout.micro_batch_size * work.seq_len // layout.cp
+    _, _, a, _ = PRECISION_BYTES[layout.precision]
+    logit = 4 + (a if a != 4 else 0)  # bf16 compute: the product, then its fp32 copy (``.float()``)
+    return logit * min(rows, tokens) * c.vocab_size + 4 * c.vocab_size * c.hidden_size
+
+
 def rank_memory(work: Workload, layout: Layout, stage: int) -> dict[str, int]:
     """The parts (bytes) of pipeline stage `stage`'s ranks, and their `total`."""
     w_bytes, g_bytes, _, _ = PRECISION_BYTES[layout.precision]
@@ -234,6 +252,7 @@ def rank_memory(work: Workload, layout: Layout, stage: int) -> dict[str, int]:
     backward = (
         block_activation_bytes(work, layout, "none") if layout.activation_checkpointing != "none" else 0
     ) + ring_transient_bytes(work, layout)
+    backward = max(backward, head_transient_bytes(work, layout, stage))  # the forward's last moment
     gather = n * w_bytes if zero else 0  # after backward: no activations then
     parts = {
         "parameters": n * w_bytes,

@@ -61,7 +61,7 @@ from nanolight.planner.probes import MAX_RANKS, block_seconds, head_seconds, ran
 ADAMW_BYTES_PER_ELEMENT = 28  # fp32 p, g, m, v read (16) + p, m, v written (12)
 
 
-def _ring(n: int, nbytes: float, bandwidth: float, latency: float, all_reduce: bool = True) -> float:
+def ring_seconds(n: int, nbytes: float, bandwidth: float, latency: float, all_reduce: bool = True) -> float:
     """Seconds of a ring collective over `n` ranks moving a buffer of `nbytes` (its latency once)."""
     if n == 1:
         return 0.0
@@ -207,7 +207,7 @@ def micro_batch_work(work: Workload, layout: Layout, hw: Hardware, stage: int) -
         seconds = max(compute, host) if hw.device == "cuda" else compute + host
     link = hw.link(tp)
     for count, nbytes, all_reduce in tp_collectives(work, layout, stage, blocks=not hw.profiled):
-        seconds += count * _ring(tp, nbytes, link, hw.latency, all_reduce)
+        seconds += count * ring_seconds(tp, nbytes, link, hw.latency, all_reduce)
     seconds += layers * _ring_attention(work, layout, hw, tokens * attention / tp / rate)
     _, _, _, r = PRECISION_BYTES[layout.precision]
     boundary = r * tokens * c.hidden_size // (tp if layout.sequence_parallel else 1)
@@ -224,10 +224,10 @@ def step_collectives(work: Workload, layout: Layout, hw: Hardware) -> float:
     seconds = 0.0
     if c.tie_word_embeddings and layout.pp > 1:
         tied = c.vocab_size * c.hidden_size // layout.tp * g_bytes
-        seconds += _ring(2, tied, hw.link(layout.tp * layout.pp), hw.latency)
+        seconds += ring_seconds(2, tied, hw.link(layout.tp * layout.pp), hw.latency)
     if layout.sequence_parallel:
         norms = (2 * c.num_hidden_layers + 1) * c.hidden_size * g_bytes // layout.pp
-        seconds += _ring(layout.tp, norms, hw.link(layout.tp), hw.latency)
+        seconds += ring_seconds(layout.tp, norms, hw.link(layout.tp), hw.latency)
     return seconds
 
 
@@ -260,13 +260,13 @@ def step_time(work: Workload, layout: Layout, hw: Hardware) -> dict[str, float]:
     n = max(rank_parameters(work.config, layout, s) for s in range(p))
     dp_link = hw.link(layout.world_size)
     buckets = max(1, math.ceil(n * g_bytes / work.bucket_bytes))
-    latencies = (buckets - 1) * hw.latency if replicas > 1 else 0.0  # _ring charges one
+    latencies = (buckets - 1) * hw.latency if replicas > 1 else 0.0  # ring_seconds charges one
     if layout.zero_stage == 1:
-        reduce = _ring(replicas, n * g_bytes, dp_link, hw.latency, all_reduce=False) + latencies
-        gather = _ring(replicas, n * w_bytes, dp_link, hw.latency, all_reduce=False)
+        reduce = ring_seconds(replicas, n * g_bytes, dp_link, hw.latency, all_reduce=False) + latencies
+        gather = ring_seconds(replicas, n * w_bytes, dp_link, hw.latency, all_reduce=False)
         stepped = n / replicas
     else:
-        reduce, gather, stepped = _ring(replicas, n * g_bytes, dp_link, hw.latency) + latencies, 0.0, n
+        reduce, gather, stepped = ring_seconds(replicas, n * g_bytes, dp_link, hw.latency) + latencies, 0.0, n
     # the buckets' window: the last micro-batch's backward, where communication can overlap
     last_backward = max(works) * 2 / 3 if overlaps(hw, layout) else 0.0
     last_bucket = min(work.bucket_bytes, n * g_bytes) / (n * g_bytes) * reduce  # launched after backward

@@ -140,7 +140,7 @@ class LoggerConfig:
 
 @dataclass
 class ClusterConfig:
-    """What `+parallel=auto` plans for (`pretrain/auto.py`): `gpus` ranks under plain python (default:
+    """What `+parallel=auto` plans for (`pretrain/auto.py`) and `+dry_run=true` plays: `gpus` ranks under plain python (default:
     the visible GPUs, 1 on CPU; torchrun/srun's world otherwise) of the `gpu` model from the planner's
     table (default: the visible GPU's, `cpu` measured on a machine without one)."""
 
@@ -163,6 +163,9 @@ class PretrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    dry_run: bool = (
+        False  # `+dry_run=true`: every role's real program under fake tensors (`pretrain/dry_run.py`)
+    )
     # `+parallel=auto`: the planner replaces `parallel` and the trainer's batch split before the run
     auto_parallel: bool = field(default=False, init=False)
 
@@ -194,8 +197,8 @@ def load_config(cfg: DictConfig | dict[str, Any], overrides: list[str] | None = 
             f"+parallel={parallel} is not a layout: write +parallel=auto (the planner picks one) or set its "
             f"keys, e.g. +parallel.tp=2 +parallel.dp=2 (keys: {keys})"
         )
-    elif raw.get("cluster") and not auto:
-        raise ConfigError("+cluster.* is read by +parallel=auto only; add +parallel=auto or drop it")
+    elif raw.get("cluster") and not auto and not raw.get("dry_run"):
+        raise ConfigError("+cluster.* is read by +parallel=auto and +dry_run=true only; add one or drop it")
     config = build_dataclass(PretrainConfig, raw, "")
     config.auto_parallel = auto
     return config

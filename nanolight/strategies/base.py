@@ -161,7 +161,8 @@ class Strategy:
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Move/cast/parallelize the freshly configured module; returns what the trainer trains."""
-        module.to(self.root_device)
+        if any(t.device != self.root_device for t in [*module.parameters(), *module.buffers()]):
+            module.to(self.root_device)  # not a no-op move: torch swaps fake tensors (the dry run's), refused
         self.precision.convert_module(module)
         self.module, self.layout = module, ModelLayout.whole(module)
         return module

@@ -235,10 +235,13 @@ class Parallel3DStrategy(Strategy):
             cfg, env = self.config, detect_environment()
             replicas = 1 if cfg.dp == "auto" else cfg.dp  # plain python: dp="auto" is one replica
             world = env.world_size if env is not None else cfg.replica_ranks * replicas
+            if dist.is_initialized():  # a world the caller joined (e.g. the dry run's fake one) is the world
+                world = dist.get_world_size()
             dp = cfg.resolve_dp(world)  # world must be tp*pp*cp*dp: a clear error, before anything starts
-            env = ensure_processes(world)  # plain python, world > 1: re-launches and never returns
-            self._local_rank = env.local_rank
-            self.heartbeat = init_distributed(env, self.backend, self.timeout, self.device_ids)
+            if not dist.is_initialized():
+                env = ensure_processes(world)  # plain python, world > 1: re-launches and never returns
+                self._local_rank = env.local_rank
+                self.heartbeat = init_distributed(env, self.backend, self.timeout, self.device_ids)
             self._ctx = ParallelContext(tp=cfg.tp, pp=cfg.pp, dp=dp, cp=cfg.cp, timeout=self.timeout)
             atexit.register(self._shutdown)
         super().setup_environment()

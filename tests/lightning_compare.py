@@ -16,6 +16,18 @@ from _dist import pythonpath
 
 HERE = Path(__file__).resolve().parent
 PROGRAMS, FIXTURES = HERE / "lightning_programs", HERE / "fixtures" / "lightning"
+# Issue 40's conformance programs, one per Lightning test file (their sections: that file's promises)
+CONFORMANCE = HERE / "lightning_conformance"
+CONFORMANCE_NAMES = [
+    "csv_logger_program",
+    "timer_program",
+    "throughput_program",
+    "early_stopping_program",
+    "lr_monitor_program",
+    "restore_program",
+    "hparams_program",
+    "model_checkpoint_program",
+]
 # The CPU kernels' code path, pinned for Lightning's recording and the ported run alike. MKL's sgemm
 # and ATen's vectorised kernels pick AVX-512 / AVX2 / ... paths by CPU, whose fp32 sums differ in
 # the last bits; flags_plateau's momentum steps grow that to 1e-4 by step 23 (on one Xeon,
@@ -64,10 +76,15 @@ def port(source: str) -> str:
     return source
 
 
+def program_dir(program: str) -> Path:
+    """Where a program lives: tests/lightning_programs, or tests/lightning_conformance."""
+    return CONFORMANCE if program in CONFORMANCE_NAMES else PROGRAMS
+
+
 def run_ported(program: str, workdir: Path) -> dict[str, Any]:
     """The program, renamed, run as a script under nanolight; returns its observed.json."""
     script = workdir / f"{program}.py"
-    script.write_text(port((PROGRAMS / f"{program}.py").read_text()))
+    script.write_text(port((program_dir(program) / f"{program}.py").read_text()))
     (workdir / "observe.py").write_text((PROGRAMS / "observe.py").read_text())
     out = workdir / "out"
     out.mkdir()
@@ -117,3 +134,14 @@ def assert_section_matches(program: str, observed: dict[str, Any], section: str)
     assert "error" not in got, f"{section} raised under nanolight: {got['error']}"
     diffs = differences(want, got)
     assert not diffs, f"{section}: {len(diffs)} differences from Lightning:\n" + "\n".join(diffs[:20])
+
+
+def assert_files_match(program: str, observed: dict[str, Any]) -> None:
+    """Every metrics.csv (rows and header) and hparams.yaml a program wrote equals Lightning's."""
+    want = fixture(program)
+    diffs = [
+        d
+        for key in ("csv", "csv_columns", "hparams_yaml")
+        for d in differences(want[key], observed[key], key)
+    ]
+    assert not diffs, f"{len(diffs)} differences from Lightning:\n" + "\n".join(diffs[:20])

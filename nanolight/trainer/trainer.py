@@ -132,7 +132,9 @@ class NanoTrainer(TrainerProperties):
         fast = bool(self.config.fast_dev_run)
         checkpointing, progress_bar = enable_checkpointing is not False, enable_progress_bar is not False
         summary = enable_model_summary is not False and not fast
-        self._base_callbacks = build_callbacks(callbacks, checkpointing, progress_bar, summary)
+        self._base_callbacks = build_callbacks(
+            callbacks, checkpointing, progress_bar, summary, self.config.max_time_s
+        )
         self.callbacks = list(self._base_callbacks)
         self.loggers = build_loggers(logger, self.default_root_dir, fast)
         self.progress = dict.fromkeys(PROGRESS_KEYS, 0)

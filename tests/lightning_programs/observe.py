@@ -11,6 +11,8 @@ from __future__ import annotations
 import csv
 import json
 import os
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +129,36 @@ def write_observed(outdir: str | os.PathLike[str], observed: dict[str, Any]) -> 
     path = out / "observed.json"
     path.write_text(json.dumps(record, indent=1, sort_keys=False) + "\n")
     return path
+
+
+def relative(path: str | os.PathLike[str] | None, outdir: str | os.PathLike[str]) -> str | None:
+    """A path the framework chose, relative to the section's directory (temp dirs differ per run);
+    checkpoints by stem (Lightning writes ``x.ckpt`` files, nanolight ``x`` directories)."""
+    if not path:
+        return None
+    rel = os.path.relpath(os.fspath(path), os.fspath(outdir)).replace(os.sep, "/")
+    return rel[: -len(".ckpt")] if rel.endswith(".ckpt") else rel
+
+
+def listing(directory: str | os.PathLike[str]) -> list[str]:
+    """The entries of a directory, sorted, checkpoints by stem; [] when it does not exist."""
+    d = Path(directory)
+    return sorted(stem(p.name) or "" for p in d.iterdir()) if d.is_dir() else []
+
+
+def run_sections(
+    outdir: str, sections: list[Callable[[str], dict[str, Any]]], seed: Callable[[int], Any]
+) -> None:
+    """Each section in its own directory after `seed(3)`; one that raises records its error (type
+    and first line) as its result, so a test names the one behaviour that differs."""
+    observed: dict[str, Any] = {}
+    for section in sections:
+        seed(3)
+        where = os.path.join(outdir, section.__name__)
+        os.makedirs(where)
+        try:
+            observed[section.__name__] = section(where)
+        except Exception as exc:  # one section's failure must not hide the others'
+            traceback.print_exc()
+            observed[section.__name__] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+    write_observed(outdir, observed)

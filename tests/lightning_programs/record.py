@@ -27,7 +27,12 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from lightning_compare import PINNED_KERNELS, PROGRAM_NAMES  # noqa: E402  (the same kernel path as the test run)
+from lightning_compare import (  # noqa: E402  (the same kernel path as the test run)
+    CONFORMANCE_NAMES,
+    PINNED_KERNELS,
+    PROGRAM_NAMES,
+    program_dir,
+)
 
 FIXTURES = HERE.parent / "fixtures" / "lightning"
 
@@ -36,11 +41,11 @@ def run_once(program: str) -> dict[str, Any]:
     """Run one program in a fresh directory and return its observed.json."""
     with tempfile.TemporaryDirectory(prefix=f"lightning-{program}-") as tmp:
         proc = subprocess.run(
-            [sys.executable, str(HERE / f"{program}.py"), tmp],
+            [sys.executable, str(program_dir(program) / f"{program}.py"), tmp],
             cwd=tmp,
             capture_output=True,
             text=True,
-            env={**os.environ, **PINNED_KERNELS},
+            env={**os.environ, **PINNED_KERNELS, "PYTHONPATH": str(HERE)},  # observe.py
         )
         if proc.returncode != 0:
             raise SystemExit(f"{program} failed:\n{proc.stdout}\n{proc.stderr}")
@@ -66,14 +71,15 @@ def main() -> None:
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("programs", nargs="*", help=f"some of {PROGRAM_NAMES} (default: all)")
+    names = PROGRAM_NAMES + CONFORMANCE_NAMES
+    parser.add_argument("programs", nargs="*", help=f"some of {names} (default: all)")
     args = parser.parse_args()
-    unknown = set(args.programs) - set(PROGRAM_NAMES)
+    unknown = set(args.programs) - set(names)
     if unknown:
-        parser.error(f"unknown programs {sorted(unknown)}; choose from {PROGRAM_NAMES}")
+        parser.error(f"unknown programs {sorted(unknown)}; choose from {names}")
     versions = {"lightning": lightning.__version__, "torch": torch.__version__}
     FIXTURES.mkdir(parents=True, exist_ok=True)
-    for program in args.programs or PROGRAM_NAMES:
+    for program in args.programs or names:
         first, second = run_once(program), run_once(program)
         diff = differences(first, second)
         if diff:

@@ -66,6 +66,7 @@ class FitLoop:
         self._resume_rng: dict[str, Any] | None = None
         self._told_min = False
         self.window_open = False  # between a window's step and its `stepped` count (checkpoints)
+        self.ending_epoch = False  # in a complete epoch's end hooks: a checkpoint saved there resumes at the next
         self.batch_idx = -1  # the training batch being run (set by the step), -1 before the first
 
     @property
@@ -77,7 +78,7 @@ class FitLoop:
     def state_dict(self) -> dict[str, Any]:
         loader = self.train_loader
         return {
-            "batch_idx": self.trainer.progress["batch_idx"],
+            "batch_idx": 0 if self.ending_epoch else self.trainer.progress["batch_idx"],
             "epoch_start": self._epoch_start,
             "loader": loader.state_dict() if is_stateful(loader) else None,
         }
@@ -302,9 +303,13 @@ class FitLoop:
         trainer = self.trainer
         metrics = trainer.metrics
         metrics.publish(metrics.train, on_step=False)  # epoch values first: the hooks read them
-        trainer.hooks.call("on_train_epoch_end", monitoring=False)
-        metrics.publish(metrics.train, on_step=False)  # + what those hooks logged, for the monitors
-        trainer.hooks.call("on_train_epoch_end", monitoring=True)
+        self.ending_epoch = complete  # a checkpoint saved in the hooks of a cut-short epoch resumes in it
+        try:
+            trainer.hooks.call("on_train_epoch_end", monitoring=False)
+            metrics.publish(metrics.train, on_step=False)  # + what those hooks logged, for the monitors
+            trainer.hooks.call("on_train_epoch_end", monitoring=True)
+        finally:
+            self.ending_epoch = False
         if complete:
             batch_idx = trainer.progress["batch_idx"] - 1
             trainer.optimization.update_lr_schedulers("epoch", plateau=True, batch_idx=batch_idx)

@@ -66,7 +66,9 @@ class FitLoop:
         self._resume_rng: dict[str, Any] | None = None
         self._told_min = False
         self.window_open = False  # between a window's step and its `stepped` count (checkpoints)
-        self.ending_epoch = False  # in a complete epoch's end hooks: a checkpoint saved there resumes at the next
+        self.ending_epoch = (
+            False  # in a complete epoch's end hooks: a checkpoint saved there resumes at the next
+        )
         self.batch_idx = -1  # the training batch being run (set by the step), -1 before the first
 
     @property

@@ -127,20 +127,31 @@ def no_extraneous_invocations(outdir: str) -> dict[str, Any]:
     }
 
 
+class LogsPerEpoch(BoringModel):
+    """Logs `values[current_epoch]` as `name` at each validation's end (or train epoch's end)."""
+
+    def __init__(self, name: str, values: list[Any], on_train: bool = False) -> None:
+        super().__init__()
+        self.name, self.values, self.on_train = name, values, on_train
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.on_train:
+            self.log(self.name, self.values[self.current_epoch])
+
+    def on_train_epoch_end(self) -> None:
+        if self.on_train:
+            self.log(self.name, self.values[self.current_epoch])
+
+
 PATIENCE_CASES = [([6, 5, 5, 5, 5, 5], 3), ([6, 5, 4, 4, 3, 3], 1), ([6, 5, 6, 5, 5, 5], 3)]
 
 
 def patience(outdir: str) -> dict[str, Any]:
     out = []
     for losses, wait in PATIENCE_CASES:
-
-        class Model(BoringModel):
-            def on_validation_epoch_end(self) -> None:
-                self.log("test_val_loss", torch.tensor(losses)[self.current_epoch])
-
         early = EarlyStopping(monitor="test_val_loss", patience=wait, verbose=True)
         trainer = _trainer(outdir, callbacks=[early], num_sanity_val_steps=0, max_epochs=10)
-        trainer.fit(Model())
+        trainer.fit(LogsPerEpoch("test_val_loss", list(torch.tensor(losses))))
         out.append([trainer.current_epoch, early.stopped_epoch, early.wait_count])
     return {"runs": out}
 
@@ -149,15 +160,12 @@ def patience_train(outdir: str) -> dict[str, Any]:
     out = []
     for no_validation in (True, False):
         for losses, wait in PATIENCE_CASES:
-
-            class Model(BoringModel):
-                def on_train_epoch_end(self) -> None:
-                    self.log("train_loss", torch.tensor(losses)[self.current_epoch])
-
-            model = Model()
+            model = LogsPerEpoch("train_loss", list(torch.tensor(losses)), on_train=True)
             if no_validation:
                 model.validation_step = None
-            early = EarlyStopping(monitor="train_loss", patience=wait, verbose=True, check_on_train_epoch_end=True)
+            early = EarlyStopping(
+                monitor="train_loss", patience=wait, verbose=True, check_on_train_epoch_end=True
+            )
             trainer = _trainer(outdir, callbacks=[early], num_sanity_val_steps=0, max_epochs=10)
             trainer.fit(model)
             out.append([no_validation, trainer.current_epoch, early.stopped_epoch])
@@ -167,7 +175,9 @@ def patience_train(outdir: str) -> dict[str, Any]:
 def pickling(outdir: str) -> dict[str, Any]:
     early = EarlyStopping(monitor="foo")
     loaded = pickle.loads(pickle.dumps(early))
-    same = {k: (repr(v) == repr(vars(loaded).get(k))) for k, v in vars(early).items() if not k.startswith("_")}
+    same = {
+        k: (repr(v) == repr(vars(loaded).get(k))) for k, v in vars(early).items() if not k.startswith("_")
+    }
     return {"public_attributes_equal": all(same.values()), "monitor": loaded.monitor, "mode": loaded.mode}
 
 
@@ -194,14 +204,9 @@ def thresholds(outdir: str) -> dict[str, Any]:
         (2.9, None, [9, 8, 7, 6, 5, 6, 4, 3, 2, 1]),
         (None, 15.9, [9, 4, 2, 16, 32, 64]),
     ):
-
-        class Model(BoringModel):
-            def on_validation_epoch_end(self) -> None:
-                self.log("abc", losses[self.current_epoch])
-
         early = EarlyStopping(monitor="abc", stopping_threshold=stopping, divergence_threshold=divergence)
         trainer = _trainer(outdir, callbacks=[early], max_epochs=20)
-        trainer.fit(Model())
+        trainer.fit(LogsPerEpoch("abc", losses))
         out.append([trainer.current_epoch, early.stopped_epoch, early.stopping_reason.value])
     return {"runs": out}
 
@@ -209,15 +214,9 @@ def thresholds(outdir: str) -> dict[str, Any]:
 def non_finite_monitor(outdir: str) -> dict[str, Any]:
     out = []
     for bad in (torch.tensor(torch.inf), torch.tensor(torch.nan)):
-        losses = [4, 3, bad, 2, 1]
-
-        class Model(BoringModel):
-            def on_validation_epoch_end(self) -> None:
-                self.log("val_loss", losses[self.current_epoch])
-
         early = EarlyStopping(monitor="val_loss", check_finite=True)
         trainer = _trainer(outdir, callbacks=[early], max_epochs=10)
-        trainer.fit(Model())
+        trainer.fit(LogsPerEpoch("val_loss", [4, 3, bad, 2, 1]))
         out.append([trainer.current_epoch, early.stopped_epoch, early.stopping_reason.value])
     return {"runs": out}
 
@@ -289,7 +288,9 @@ def multiple_early_stopping_callbacks(outdir: str) -> dict[str, Any]:
             abc = EarlyStopping("abc", **check)
             cba = EarlyStopping("cba", patience=3, **check)
             model = TwoMetrics(on_train)
-            trainer = _trainer(outdir, callbacks=[abc, cba] if order == "abc_first" else [cba, abc], max_epochs=20)
+            trainer = _trainer(
+                outdir, callbacks=[abc, cba] if order == "abc_first" else [cba, abc], max_epochs=20
+            )
             trainer.fit(model)
             out.append([on_train, order, model.end_epoch, abc.stopped_epoch, cba.stopped_epoch])
     return {"runs": out}
@@ -341,8 +342,20 @@ def reasons(outdir: str) -> dict[str, Any]:
     out = []
     for losses, after, kwargs, max_epochs, phrase in (
         ([10.0], 10.0, {"patience": 2}, 10, "did not improve"),
-        ([5.0, 3.0, 1.0, 0.5], 0.1, {"stopping_threshold": 0.6, "mode": "min"}, 10, "Stopping threshold reached"),
-        ([1.0, 2.0, 5.0, 10.0], 15.0, {"divergence_threshold": 8.0, "mode": "min"}, 10, "Divergence threshold"),
+        (
+            [5.0, 3.0, 1.0, 0.5],
+            0.1,
+            {"stopping_threshold": 0.6, "mode": "min"},
+            10,
+            "Stopping threshold reached",
+        ),
+        (
+            [1.0, 2.0, 5.0, 10.0],
+            15.0,
+            {"divergence_threshold": 8.0, "mode": "min"},
+            10,
+            "Divergence threshold",
+        ),
         ([1.0, 0.5, float("nan")], float("nan"), {"check_finite": True}, 10, "is not finite"),
         ([5.0, 4.0, 3.0, 2.0, 1.0], 0.1, {"patience": 3}, 3, None),
     ):
@@ -367,7 +380,12 @@ def reasons(outdir: str) -> dict[str, Any]:
     return {
         "fits": out,
         "restored": [restored.stopping_reason.value, restored.stopping_reason_message],
-        "old_state": [old.stopping_reason.value, old.stopping_reason_message, old.wait_count, old.stopped_epoch],
+        "old_state": [
+            old.stopping_reason.value,
+            old.stopping_reason_message,
+            old.wait_count,
+            old.stopped_epoch,
+        ],
     }
 
 

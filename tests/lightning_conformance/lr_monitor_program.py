@@ -23,7 +23,9 @@ from torch import optim
 QUIET = {"enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False}
 
 
-def _fit(outdir: str, model: L.LightningModule, monitor: LearningRateMonitor, **kwargs: Any) -> dict[str, Any]:
+def _fit(
+    outdir: str, model: L.LightningModule, monitor: LearningRateMonitor, **kwargs: Any
+) -> dict[str, Any]:
     callbacks = kwargs.pop("callbacks", [])
     trainer = L.Trainer(
         default_root_dir=outdir, callbacks=[monitor, *callbacks], logger=CSVLogger(outdir), **kwargs, **QUIET
@@ -84,7 +86,9 @@ def momentum_no_momentum_optimizer(outdir: str) -> dict[str, Any]:
         opt = optim.ASGD(m.parameters(), lr=1e-2)
         return [opt], [optim.lr_scheduler.StepLR(opt, step_size=1)]
 
-    return _fit(outdir, Configured(configure), LearningRateMonitor(log_momentum=True), **{**STEPS, "max_epochs": 1})
+    return _fit(
+        outdir, Configured(configure), LearningRateMonitor(log_momentum=True), **{**STEPS, "max_epochs": 1}
+    )
 
 
 def no_lr_scheduler_single_lr(outdir: str) -> dict[str, Any]:
@@ -106,7 +110,9 @@ def momentum_no_momentum_optimizer_no_lr_scheduler(outdir: str) -> dict[str, Any
 
 
 def no_logger(outdir: str) -> dict[str, Any]:
-    trainer = L.Trainer(default_root_dir=outdir, max_epochs=1, callbacks=[LearningRateMonitor()], logger=False)
+    trainer = L.Trainer(
+        default_root_dir=outdir, max_epochs=1, callbacks=[LearningRateMonitor()], logger=False
+    )
     try:
         trainer.fit(BoringModel())
     except Exception as exc:
@@ -179,7 +185,14 @@ def custom_pg_name(outdir: str) -> dict[str, Any]:
         opt = optim.SGD([{"params": list(m.layer.parameters()), "name": "linear"}], lr=0.1)
         return [opt], [optim.lr_scheduler.StepLR(opt, step_size=1)]
 
-    return _fit(outdir, Configured(configure), LearningRateMonitor(), max_epochs=2, limit_val_batches=2, limit_train_batches=2)
+    return _fit(
+        outdir,
+        Configured(configure),
+        LearningRateMonitor(),
+        max_epochs=2,
+        limit_val_batches=2,
+        limit_train_batches=2,
+    )
 
 
 class TwoLinears(BoringModel):
@@ -206,7 +219,14 @@ def duplicate_custom_pg_names(outdir: str) -> dict[str, Any]:
         return [opt], [optim.lr_scheduler.StepLR(opt, step_size=1)]
 
     try:
-        _fit(outdir, TwoLinears(configure), LearningRateMonitor(), max_epochs=2, limit_val_batches=2, limit_train_batches=2)
+        _fit(
+            outdir,
+            TwoLinears(configure),
+            LearningRateMonitor(),
+            max_epochs=2,
+            limit_val_batches=2,
+            limit_train_batches=2,
+        )
     except Exception:  # Lightning: "cannot have multiple parameter groups with identical names"
         return {"raised": True}
     return {"raised": False}
@@ -221,7 +241,9 @@ def multiple_param_groups_no_lr_scheduler(outdir: str) -> dict[str, Any]:
         return torch.optim.Adam(groups, lr=1e-2, betas=(0.7, 0.999))
 
     monitor = LearningRateMonitor(log_momentum=True, log_weight_decay=True)
-    return _fit(outdir, TwoLinears(configure), monitor, max_epochs=2, limit_val_batches=2, limit_train_batches=2)
+    return _fit(
+        outdir, TwoLinears(configure), monitor, max_epochs=2, limit_val_batches=2, limit_train_batches=2
+    )
 
 
 def update_callback_metrics(outdir: str) -> dict[str, Any]:
@@ -229,7 +251,9 @@ def update_callback_metrics(outdir: str) -> dict[str, Any]:
         opt = torch.optim.SGD(m.layer.parameters(), lr=0.1)
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
 
-    early = EarlyStopping(monitor="lr-SGD", mode="min", stopping_threshold=0.02, check_on_train_epoch_end=True)
+    early = EarlyStopping(
+        monitor="lr-SGD", mode="min", stopping_threshold=0.02, check_on_train_epoch_end=True
+    )
     out = _fit(
         outdir,
         Configured(configure),

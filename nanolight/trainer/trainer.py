@@ -29,6 +29,7 @@ from nanolight.checkpoint.atomic import (
 )
 from nanolight.errors import UsageError
 from nanolight.module import NanoDataModule, NanoModule
+from nanolight.module.hparams import drop_unpicklable
 from nanolight.seed import capture_rng_state, restore_rng_state, seed_everything
 from nanolight.trainer.arguments import (
     TrainerConfig,
@@ -248,6 +249,7 @@ class NanoTrainer(TrainerProperties):
     def _run(self, fn: str, module: NanoModule, ckpt_path: Any, stage: Any, model_given: bool = True) -> Any:
         """`stage` inside one call's setup and teardown; returns what it returns."""
         check_module(module, fn)
+        drop_unpicklable(module.hparams, type(module).__name__)  # Lightning cleans them at every call
         # the call's stage holds from setup to teardown, as in Lightning (the sanity check and
         # fit-time validation change it while they run)
         self.state.fn, self.state.stage, self.state.status = fn, "train" if fn == "fit" else fn, "running"

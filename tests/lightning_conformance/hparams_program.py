@@ -11,6 +11,7 @@ import functools
 import os
 import pickle
 import sys
+import warnings
 from argparse import Namespace
 from dataclasses import dataclass, field
 from typing import Any
@@ -517,6 +518,46 @@ def colliding_hparams(outdir: str) -> dict[str, Any]:
     return {"raised": _raises(trainer.fit, model, datamodule=data)}
 
 
+class SuperClassPositionalArgs(BoringModel):
+    def __init__(self, hparams: Any) -> None:
+        super().__init__()
+        self._hparams = hparams  # set by hand, as if the base class had saved them
+
+
+class SubClassVarArgs(SuperClassPositionalArgs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+
+
+def args(outdir: str) -> dict[str, Any]:
+    """Hparams the init cannot take back: reloading fails with a TypeError."""
+    path = _fit_and_checkpoint(outdir, SubClassVarArgs({"test": 1}))
+    try:
+        SubClassVarArgs.load_from_checkpoint(path)
+    except TypeError as exc:
+        return {"type_error": "test" in str(exc)}
+    return {"type_error": False}
+
+
+class ModuleArgs(BoringModel):
+    def __init__(self, loss: torch.nn.Module, width: int = 3, ignore: Any = None) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=ignore)
+
+
+def nn_modules_warning_when_saved_as_hparams(outdir: str) -> dict[str, Any]:
+    out = {}
+    for ignore in (None, ["loss"]):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = ModuleArgs(torch.nn.MSELoss(), ignore=ignore)
+        out[str(ignore)] = {
+            "warned": sum("'loss'" in str(w.message) and "nn.Module" in str(w.message) for w in caught),
+            "hparams": sorted(model.hparams),
+        }
+    return out
+
+
 SECTIONS = [
     namespace_hparams,
     dict_hparams,
@@ -540,6 +581,8 @@ SECTIONS = [
     dataclass_lightning_module,
     adding_datamodule_hparams,
     colliding_hparams,
+    args,
+    nn_modules_warning_when_saved_as_hparams,
 ]
 
 if __name__ == "__main__":

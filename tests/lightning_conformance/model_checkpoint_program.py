@@ -684,6 +684,104 @@ def save_last_only_when_checkpoint_saved(outdir: str) -> dict[str, Any]:
     return {**_state(cb, outdir), "seen": model.seen}
 
 
+class ValLoss(BoringModel):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.step(batch))
+
+
+def checkpoint_repeated_strategy(outdir: str) -> dict[str, Any]:
+    """Fits resumed from the best checkpoint and tests from it leave the directory as it was."""
+    cb = ModelCheckpoint(monitor="val_loss", dirpath=outdir, filename="{epoch:02d}")
+    kwargs = {
+        "max_epochs": 1,
+        "limit_train_batches": 2,
+        "limit_val_batches": 2,
+        "limit_test_batches": 2,
+        "log_every_n_steps": 1,
+        "default_root_dir": outdir,
+        "logger": CSVLogger(outdir),
+        **{k: v for k, v in QUIET.items() if k != "logger"},
+    }
+    model = ValLoss()
+    L.Trainer(**kwargs, callbacks=[cb]).fit(model)
+    seen = [[n for n in listing(outdir) if n != "last"]]
+    for _ in range(3):
+        trainer = L.Trainer(**kwargs)
+        trainer.fit(model, ckpt_path=cb.best_model_path)
+        trainer.test(ckpt_path=cb.best_model_path, verbose=False)
+        seen.append([n for n in listing(outdir) if n != "last"])
+    return {"seen": seen, "versions": listing(os.path.join(outdir, "lightning_logs"))}
+
+
+def resume_training_preserves_old_ckpt_last(outdir: str) -> dict[str, Any]:
+    kwargs = {"default_root_dir": outdir, "limit_train_batches": 3, "limit_val_batches": 0, **QUIET}
+    mc = {
+        "filename": "{step}",
+        "monitor": "step",
+        "mode": "max",
+        "save_last": True,
+        "save_top_k": 2,
+        "every_n_train_steps": 1,
+    }
+    model = BoringModel()
+    L.Trainer(max_epochs=1, callbacks=ModelCheckpoint(**mc), **kwargs).fit(model)
+    first = os.path.join(outdir, "checkpoints")
+    before = listing(first)
+    new = ModelCheckpoint(dirpath=os.path.join(outdir, "new"), **mc)
+    L.Trainer(max_epochs=2, callbacks=new, **kwargs).fit(model, ckpt_path=_path(first, "step=2"))
+    return {"before": before, "after": listing(first), "new": _files(new)}
+
+
+class CountSaves(L.Callback):
+    def __init__(self) -> None:
+        self.saves = 0
+
+    def on_save_checkpoint(self, *args: Any) -> None:
+        self.saves += 1
+
+
+def save_last_every_n_epochs_interaction(outdir: str) -> dict[str, Any]:
+    out = {}
+    for n in (0, 5):
+        where = os.path.join(outdir, str(n))
+        mc = ModelCheckpoint(every_n_epochs=n, save_last=True, save_top_k=0, save_on_train_epoch_end=True)
+        count = CountSaves()
+        trainer = L.Trainer(
+            default_root_dir=where,
+            max_epochs=2,
+            callbacks=[mc, count],
+            limit_train_batches=1,
+            limit_val_batches=0,
+            **QUIET,
+        )
+        trainer.fit(BoringModel())
+        out[str(n)] = {"last_model_path": relative(mc.last_model_path, where), "saves": count.saves}
+    return out
+
+
+def load_with_inf_data_loader(outdir: str) -> dict[str, Any]:
+    from lightning.pytorch.demos.boring_classes import RandomIterableDataset
+    from torch.utils.data import DataLoader
+
+    class Iterable(BoringModel):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(RandomIterableDataset(size=32, count=10))
+
+        def val_dataloader(self) -> DataLoader:
+            return DataLoader(RandomIterableDataset(size=32, count=10))
+
+    kwargs = {"default_root_dir": outdir, "limit_train_batches": 2, "limit_val_batches": None, **QUIET}
+    model = Iterable()
+    cb = ModelCheckpoint(save_last=True, every_n_train_steps=1)
+    L.Trainer(max_epochs=2, callbacks=cb, **kwargs).fit(model)
+    files = _files(cb)
+    trainer = L.Trainer(
+        max_epochs=4, callbacks=ModelCheckpoint(save_last=True, every_n_train_steps=1), **kwargs
+    )
+    trainer.fit(model, ckpt_path=_path(cb.dirpath, "epoch=1-step=4"))
+    return {"files": files, "resumed": [trainer.current_epoch, trainer.global_step]}
+
+
 SECTIONS = [
     state_key,
     score_and_ckpt,
@@ -722,6 +820,10 @@ SECTIONS = [
     expand_home,
     save_last_without_validation,
     save_last_only_when_checkpoint_saved,
+    checkpoint_repeated_strategy,
+    resume_training_preserves_old_ckpt_last,
+    save_last_every_n_epochs_interaction,
+    load_with_inf_data_loader,
 ]
 
 REAL_MONOTONIC = time.monotonic

@@ -389,6 +389,43 @@ def model_pickle(outdir: str) -> dict[str, Any]:
     return {"same_weights": _same_weights(model, restored)}
 
 
+class ExtendedBoringModel(BoringModel):
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.layer.parameters(), lr=0.001)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)]
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.step(batch), on_epoch=True, prog_bar=True)
+
+
+def finetuning_with_ckpt_path(outdir: str) -> dict[str, Any]:
+    """``checkpointing/test_trainer_checkpoint.py``: each new trainer resumed from the previous best
+    has its own default ModelCheckpoint, whose best is its own newest epoch."""
+    checkpoint = ModelCheckpoint(monitor="val_loss", dirpath=outdir, filename="{epoch:02d}", save_top_k=-1)
+    model = ExtendedBoringModel()
+    limits = {"limit_train_batches": 12, "limit_test_batches": 12}
+    trainer = L.Trainer(
+        default_root_dir=outdir,
+        max_epochs=1,
+        limit_val_batches=6,
+        callbacks=[checkpoint],
+        logger=False,
+        **limits,
+        **QUIET,
+    )
+    trainer.fit(model)
+    files = [n for n in listing(outdir) if n != "last"]
+    best = [checkpoint.best_model_path]
+    for max_epochs in range(3, 6):
+        trainer = L.Trainer(
+            default_root_dir=outdir, max_epochs=max_epochs, limit_val_batches=12, **limits, **QUIET
+        )
+        trainer.fit(model, ckpt_path=best[-1])
+        trainer.test(verbose=False)
+        best.append(trainer.checkpoint_callback.best_model_path)
+    return {"files": files, "best": [relative(p, outdir) for p in best]}
+
+
 SECTIONS = [
     model_properties_fit_ckpt_path,
     trainer_properties_restore_ckpt_path,
@@ -402,6 +439,7 @@ SECTIONS = [
     strict_model_load_more_params,
     strict_model_load_less_params,
     model_pickle,
+    finetuning_with_ckpt_path,
 ]
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ def test_logged_hparams_files(observed: dict[str, Any]) -> None:
         "dataclass_lightning_module",
         "adding_datamodule_hparams",
         "colliding_hparams",
+        "args",
+        "nn_modules_warning_when_saved_as_hparams",
     ],
 )
 def test_section(observed: dict[str, Any], section: str) -> None:

@@ -58,6 +58,10 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "expand_home",
         "save_last_without_validation",
         "save_last_only_when_checkpoint_saved",
+        "checkpoint_repeated_strategy",
+        "resume_training_preserves_old_ckpt_last",
+        "save_last_every_n_epochs_interaction",
+        "load_with_inf_data_loader",
     ],
 )
 def test_section(observed: dict[str, Any], section: str) -> None:

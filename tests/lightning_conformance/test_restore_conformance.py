@@ -1,5 +1,6 @@
 """Lightning 2.6.6's ``models/test_restore.py`` promises (tests/lightning_conformance/restore_program.py), one
-test per section, each against Lightning's own recording of the same scenario."""
+test per section, each against Lightning's own recording of the same scenario (and the one promise of
+``checkpointing/test_trainer_checkpoint.py`` that applies, ``finetuning_with_ckpt_path``)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "strict_model_load_more_params",
         "strict_model_load_less_params",
         "model_pickle",
+        "finetuning_with_ckpt_path",
     ],
 )
 def test_section(observed: dict[str, Any], section: str) -> None:

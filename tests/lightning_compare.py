@@ -26,7 +26,9 @@ CONFORMANCE_NAMES = [
     "lr_monitor_program",
     "restore_program",
     "hparams_program",
+    "hparams_checkpoint_program",
     "model_checkpoint_program",
+    "model_checkpoint_runs_program",
 ]
 # The CPU kernels' code path, pinned for Lightning's recording and the ported run alike. MKL's sgemm
 # and ATen's vectorised kernels pick AVX-512 / AVX2 / ... paths by CPU, whose fp32 sums differ in

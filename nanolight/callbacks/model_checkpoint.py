@@ -404,11 +404,7 @@ class ModelCheckpoint(Callback):
             keep.add(self.best_model_path)
         if self.keep_last_n is not None:
             keep |= set(list(self._saved)[-self.keep_last_n :])
-        resumed_from = os.path.realpath(trainer.ckpt_path) if trainer.ckpt_path else None
-        # as Lightning: never the checkpoint this run resumed from (it stays forgotten, not deleted)
-        doomed = [p for p in self._saved if p not in keep and os.path.realpath(p) != resumed_from]
-        for path in [p for p in self._saved if p not in keep and p not in doomed]:
-            self._saved.pop(path)
+        doomed = [p for p in self._saved if p not in keep]
         if trainer.is_global_zero and doomed:
             doomed = remove_checkpoints(doomed, self.dirpath)
         for path in trainer.strategy.broadcast(doomed, src=0):  # rank zero's list: all forget the same

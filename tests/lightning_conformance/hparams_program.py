@@ -1,9 +1,8 @@
-"""The promises of Lightning 2.6.6's ``tests_pytorch/models/test_hparams.py``, as scenarios of ours: what
-``save_hyperparameters`` collects (arguments, explicit names, ``ignore``, containers, subclasses,
-dataclasses, composition), what a checkpoint carries back through ``load_from_checkpoint`` (with
-overrides), and what the loggers' ``hparams.yaml`` holds. One section per promise (see COVERAGE.md);
-run: ``python hparams_program.py OUTDIR``. (``hparams_checkpoint_program.py``: the
-checkpoint and logger round trips.)
+"""The promises of Lightning 2.6.6's ``tests_pytorch/models/test_hparams.py`` about what
+``save_hyperparameters`` collects (containers, subclasses, composition, ``ignore``, local variables,
+dataclasses, warnings), as scenarios of ours; ``hparams_checkpoint_program.py`` has the trainer,
+checkpoint and logger round trips. One section per promise (see COVERAGE.md); run:
+``python hparams_program.py OUTDIR``.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import pickle
 import sys
 import warnings
 from argparse import Namespace
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning as L
@@ -199,6 +198,7 @@ def empty_hparams_container(outdir: str) -> dict[str, Any]:
     return {"empty": [bool(KwargsContainer().hparams), bool(NamespaceContainer(Namespace()).hparams)]}
 
 
+@dataclass(eq=False)
 class DataClassModel(BoringModel):
     mandatory: int
     optional: str = "optional"
@@ -209,6 +209,7 @@ class DataClassModel(BoringModel):
         self.save_hyperparameters(ignore=("ignore_me",))
 
 
+@dataclass(eq=False)
 class DataClassInitFalse(BoringModel):
     mandatory: int
     optional: str = "optional"

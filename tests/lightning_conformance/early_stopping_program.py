@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
-from observe import run_sections, to_jsonable
+from observe import raises, run_sections, to_jsonable
 from torch.utils.data import DataLoader, TensorDataset
 
 QUIET = {"enable_progress_bar": False, "enable_model_summary": False, "logger": False}
@@ -25,14 +25,6 @@ SMALL = {"limit_train_batches": 2, "limit_val_batches": 2}
 
 def _trainer(outdir: str, **kwargs: Any) -> L.Trainer:
     return L.Trainer(default_root_dir=outdir, **{"enable_checkpointing": False, **SMALL, **kwargs}, **QUIET)
-
-
-def _raises(fn: Any) -> bool:
-    try:
-        fn()
-    except Exception:
-        return True
-    return False
 
 
 def state_key(outdir: str) -> dict[str, Any]:
@@ -91,7 +83,7 @@ def resume_from_checkpoint(outdir: str) -> dict[str, Any]:
     out: dict[str, Any] = {"saved_states": early.saved_states, "state_key": early.state_key}
     restored = RecordingEarlyStopping(monitor="train_loss")
     trainer = _trainer(outdir, max_epochs=1, callbacks=[restored], num_sanity_val_steps=0)
-    out["raised_past_max_epochs"] = _raises(
+    out["raised_past_max_epochs"] = raises(
         lambda: trainer.fit(model, _loader(16, 0), _loader(8, 1), ckpt_path=checkpoint.kth_best_model_path)
     )
     restored = RecordingEarlyStopping(monitor="train_loss")
@@ -255,7 +247,7 @@ def min_epochs_min_steps_global_step(outdir: str) -> dict[str, Any]:
 
 
 def mode_options(outdir: str) -> dict[str, Any]:
-    return {"unknown_mode_raises": _raises(lambda: EarlyStopping(monitor="foo", mode="unknown_option"))}
+    return {"unknown_mode_raises": raises(lambda: EarlyStopping(monitor="foo", mode="unknown_option"))}
 
 
 class TwoMetrics(BoringModel):

@@ -19,19 +19,11 @@ import lightning as L
 import torch
 from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel, RandomDataset
 from lightning.pytorch.loggers import CSVLogger
-from observe import run_sections, to_jsonable
+from observe import raises, run_sections, to_jsonable
 from torch.utils.data import DataLoader
 
 QUIET = {"enable_progress_bar": False, "enable_model_summary": False}
 SHORT = {"max_epochs": 1, "limit_train_batches": 2, "limit_val_batches": 2}
-
-
-def _raises(fn: Any, *args: Any, **kwargs: Any) -> bool:
-    try:
-        fn(*args, **kwargs)
-    except Exception:
-        return True
-    return False
 
 
 def _fit_and_checkpoint(outdir: str, model: L.LightningModule, datamodule: Any = None, **kwargs: Any) -> str:
@@ -347,7 +339,7 @@ def colliding_hparams(outdir: str) -> dict[str, Any]:
     model = SaveHparamsModel({"data_dir": "abc", "arg2": "abc"})
     data = DataWithHparams({"data_dir": "foo"})
     trainer = L.Trainer(default_root_dir=outdir, max_epochs=1, logger=CSVLogger(outdir), **QUIET)
-    return {"raised": _raises(trainer.fit, model, datamodule=data)}
+    return {"raised": raises(trainer.fit, model, datamodule=data)}
 
 
 class SuperClassPositionalArgs(BoringModel):

@@ -19,18 +19,10 @@ import lightning as L
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.utilities import AttributeDict
-from observe import run_sections, to_jsonable
+from observe import raises, run_sections, to_jsonable
 
 QUIET = {"enable_progress_bar": False, "enable_model_summary": False}
 SHORT = {"max_epochs": 1, "limit_train_batches": 2, "limit_val_batches": 2}
-
-
-def _raises(fn: Any, *args: Any, **kwargs: Any) -> bool:
-    try:
-        fn(*args, **kwargs)
-    except Exception:
-        return True
-    return False
 
 
 def _fit_and_checkpoint(outdir: str, model: L.LightningModule, datamodule: Any = None, **kwargs: Any) -> str:
@@ -139,7 +131,7 @@ class OtherArgsModel(BoringModel):
 
 
 def single_config_models_fail(outdir: str) -> dict[str, Any]:
-    return {"raised": [_raises(AnotherArgModel, arg1=42), _raises(OtherArgsModel, arg1=3.14, arg2="abc")]}
+    return {"raised": [raises(AnotherArgModel, arg1=42), raises(OtherArgsModel, arg1=3.14, arg2="abc")]}
 
 
 def hparams_pickle(outdir: str) -> dict[str, Any]:

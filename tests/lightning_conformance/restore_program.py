@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger
-from observe import listing, relative, run_sections, to_jsonable
+from observe import by_stem, listing, relative, run_sections, to_jsonable
 
 QUIET = {"enable_progress_bar": False, "enable_model_summary": False}
 
@@ -66,15 +66,9 @@ def model_properties_fit_ckpt_path(outdir: str) -> dict[str, Any]:
             callbacks=[ModelCheckpoint(dirpath=outdir, save_last=True), parity],
             **QUIET,
         )
-        trainer.fit(model, ckpt_path=trainer_last(outdir) if resume else None)
+        trainer.fit(model, ckpt_path=by_stem(outdir, "last") if resume else None)
         out.append(parity.seen)
     return {"runs": out}
-
-
-def trainer_last(outdir: str) -> str:
-    """The `last` checkpoint ModelCheckpoint(dirpath=outdir, save_last=True) wrote."""
-    names = [n for n in os.listdir(outdir) if n.split(".")[0] == "last"]
-    return os.path.join(outdir, names[0])
 
 
 class StepLRModel(BoringModel):
@@ -132,7 +126,7 @@ def trainer_properties_restore_ckpt_path(outdir: str) -> dict[str, Any]:
     for fn in ("fit", "validate", "test", "predict"):
         model = StepLRModel()
         trainer = L.Trainer(**{**args, "max_epochs": 3}, enable_checkpointing=False)
-        getattr(trainer, fn)(model, ckpt_path=trainer_last(outdir))
+        getattr(trainer, fn)(model, ckpt_path=by_stem(outdir, "last"))
         out[fn] = model.seen
     return out
 
@@ -211,7 +205,7 @@ def callbacks_state_fit_ckpt_path(outdir: str) -> dict[str, Any]:
             callbacks=[checkpoint, capture],
             **QUIET,
         )
-        trainer.fit(model, ckpt_path=None if ckpt_path is None else trainer_last(outdir))
+        trainer.fit(model, ckpt_path=None if ckpt_path is None else by_stem(outdir, "last"))
         out[name] = {"at_fit_start": capture.at_fit_start, "after": _selection(checkpoint, outdir)}
     return out
 
@@ -224,7 +218,7 @@ def callbacks_references_fit_ckpt_path(outdir: str) -> dict[str, Any]:
         checkpoint = ModelCheckpoint(dirpath=outdir, monitor="val_loss", save_last=True)
         trainer = L.Trainer(**args, num_sanity_val_steps=0, callbacks=[checkpoint], **QUIET)
         out.append([checkpoint is trainer.callbacks[-1], checkpoint is trainer.checkpoint_callback])
-        trainer.fit(model, ckpt_path=None if ckpt_path is None else trainer_last(outdir))
+        trainer.fit(model, ckpt_path=None if ckpt_path is None else by_stem(outdir, "last"))
         out.append([checkpoint is trainer.callbacks[-1], checkpoint is trainer.checkpoint_callback])
     return {"identities": out}
 

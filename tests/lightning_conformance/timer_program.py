@@ -16,7 +16,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.demos.boring_classes import BoringModel
-from observe import run_sections
+from observe import raises, run_sections
 
 QUIET = {"enable_progress_bar": False, "enable_model_summary": False, "logger": False}
 CLOCK = [1000.0]
@@ -97,21 +97,13 @@ def parse_duration(outdir: str) -> dict[str, Any]:
     return {"remaining": [Timer(duration=d).time_remaining() for d in durations]}
 
 
-def _raises(fn: Any) -> bool:
-    try:
-        fn()
-    except Exception:
-        return True
-    return False
-
-
 def parse_duration_misconfiguration(outdir: str) -> dict[str, Any]:
-    return {d: _raises(lambda d=d: Timer(duration=d)) for d in ("6:00:00", "60 minutes")}
+    return {d: raises(lambda d=d: Timer(duration=d)) for d in ("6:00:00", "60 minutes")}
 
 
 def interval_choice(outdir: str) -> dict[str, Any]:
     return {
-        i: _raises(lambda i=i: Timer(duration=timedelta(), interval=i)) for i in ("step", "epoch", "invalid")
+        i: raises(lambda i=i: Timer(duration=timedelta(), interval=i)) for i in ("step", "epoch", "invalid")
     }
 
 

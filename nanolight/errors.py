@@ -52,7 +52,6 @@ LIGHTNING_ONLY: dict[str, dict[str, str]] = {
         **dict.fromkeys(("CometLogger", "LitLogger", "MLFlowLogger", "TensorBoardLogger"), _LOGGING),
     },
     "utilities": {
-        "AttributeDict": "self.hparams (a dict with attribute access)",
         "CombinedLoader": "one DataLoader per call, or a list of loaders for validation/test",
         "GradClipAlgorithmType": "the strings 'norm' and 'value'",
         "LightningEnum": "enum.StrEnum",

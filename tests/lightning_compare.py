@@ -26,7 +26,9 @@ CONFORMANCE_NAMES = [
     "lr_monitor_program",
     "restore_program",
     "hparams_program",
+    "hparams_checkpoint_program",
     "model_checkpoint_program",
+    "model_checkpoint_runs_program",
 ]
 # The CPU kernels' code path, pinned for Lightning's recording and the ported run alike. MKL's sgemm
 # and ATen's vectorised kernels pick AVX-512 / AVX2 / ... paths by CPU, whose fp32 sums differ in
@@ -134,6 +136,17 @@ def assert_section_matches(program: str, observed: dict[str, Any], section: str)
     assert "error" not in got, f"{section} raised under nanolight: {got['error']}"
     diffs = differences(want, got)
     assert not diffs, f"{section}: {len(diffs)} differences from Lightning:\n" + "\n".join(diffs[:20])
+
+
+def assert_files_match(program: str, observed: dict[str, Any]) -> None:
+    """Every metrics.csv (rows and header) and hparams.yaml a program wrote equals Lightning's."""
+    want = fixture(program)
+    diffs = [
+        d
+        for key in ("csv", "csv_columns", "hparams_yaml")
+        for d in differences(want[key], observed[key], key)
+    ]
+    assert not diffs, f"{len(diffs)} differences from Lightning:\n" + "\n".join(diffs[:20])
 
 
 # Issue 40's conformance programs for Lightning's hooks, LightningModule, trainer-flag, logging,

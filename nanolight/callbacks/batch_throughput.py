@@ -140,7 +140,11 @@ class BatchRates:
         self.throughputs: dict[str, Throughput] = {}
         self.t0: dict[str, float] = {}
         self.counts: dict[str, list[int]] = {}  # stage -> [batches, samples, lengths]
-        self.run_batches = 0  # batches of the current evaluation run (its row's step)
+        self.run_batches = 0  # batches of the current evaluation run (when a row is due)
+        # an evaluation row's step: the batches its loop ran over every call (Lightning's loop
+        # progress `total.ready`), kept per monitor; fit-time validation is a loop of its own,
+        # counted from each training epoch's start (Lightning resets it there)
+        self.loop_batches: dict[tuple[str, str, int], int] = {}
         self.has_flops: bool | None = None
 
     def setup(self, trainer: Any, available_flops: float | None) -> None:
@@ -175,6 +179,8 @@ class BatchRates:
         counts[0] += 1
         counts[1] += self.batch_size_fn(batch)
         self.run_batches += 1
+        loop = self._loop(trainer)
+        self.loop_batches[loop] = self.loop_batches.get(loop, 0) + 1
         self.throughputs[stage].update(
             time=elapsed,
             batches=counts[0],
@@ -191,6 +197,15 @@ class BatchRates:
             f"{stage_of(trainer)}{throughput.separator}{k}": v for k, v in throughput.compute().items()
         }
         trainer.log_metrics(metrics, step=step)
+
+    @staticmethod
+    def _loop(trainer: Any) -> tuple[str, str, int]:
+        fn = trainer.state.fn
+        return getattr(fn, "value", fn), stage_of(trainer), trainer.current_epoch if fn == "fit" else 0
+
+    def eval_row_step(self, trainer: Any) -> int:
+        """The step of an evaluation row: its loop's batches so far (see `loop_batches`)."""
+        return self.loop_batches[self._loop(trainer)]
 
     def eval_row_due(self, trainer: Any) -> bool:
         """Lightning's rule in evaluation: every `log_every_n_steps`-th batch of the run."""

@@ -385,6 +385,8 @@ class ModelCheckpoint(Callback):
         self._saved.pop(path, None)
         self._saved[path] = topk  # before saving: the bookkeeping is part of the saved state
         self._last_checkpoint_saved = path
+        if self.save_last:  # `last` will name this save: a run resumed from it knows (Lightning's last.ckpt)
+            self.last_model_path = os.path.join(self.dirpath, LAST_POINTER)
         # save_last=False: no `last` pointer either (None, the default, keeps nanolight's pointer)
         last = self.save_last is not False
         trainer.save_checkpoint(path, weights_only=self.save_weights_only, update_last=last)

@@ -156,7 +156,7 @@ class ThroughputMonitor(StepTimer):
         if self.rates is not None and trainer.is_global_zero and not trainer.sanity_checking:
             self.rates.update(trainer, pl_module, batch)
             if self.rates.eval_row_due(trainer):
-                self.rates.log(trainer, step=self.rates.run_batches)
+                self.rates.log(trainer, step=self.rates.eval_row_step(trainer))
 
     def on_validation_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, *_: Any

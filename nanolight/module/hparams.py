@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import pickle
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -69,17 +70,67 @@ def _to_builtin(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def _caller_init_args(frame: types.FrameType) -> dict[str, Any]:
-    """The arguments of the ``__init__`` that called save_hyperparameters (its current values),
-    ``**kwargs`` merged in; ``self`` and ``*args`` are not named arguments, so they are left out."""
-    info = inspect.getargvalues(frame)
-    args = {name: info.locals[name] for name in info.args[1:] if name in info.locals}
+def _frame_init_args(frame: types.FrameType) -> tuple[Any, dict[str, Any]] | None:
+    """The instance and named arguments (current values, ``**kwargs`` merged in, ``self`` and
+    ``*args`` left out) of a frame that runs a class's ``__init__`` written with ``super()`` (the
+    ``__class__`` cell Lightning's collection keys on); None for any other frame."""
     code = frame.f_code
-    kwonly = code.co_varnames[code.co_argcount : code.co_argcount + code.co_kwonlyargcount]
-    args.update({name: info.locals[name] for name in kwonly if name in info.locals})
+    if code.co_name != "__init__" or "__class__" not in frame.f_locals or not code.co_argcount:
+        return None
+    info = inspect.getargvalues(frame)
+    names = code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount]
+    args = {name: info.locals[name] for name in names if name in info.locals}
     if info.keywords:
         args.update(info.locals.get(info.keywords) or {})
-    return args
+    return info.locals.get(code.co_varnames[0]), args
+
+
+def _collect_init_args(frame: types.FrameType | None) -> dict[str, Any]:
+    """Lightning's collection: the arguments of every ``__init__`` on the way up from `frame` whose
+    instance has hparams, from the innermost (the base class's) to the outermost, later ones winning
+    (a subclass's arguments are collected even when only its base class saves); frames before the
+    first such ``__init__`` (a decorator's wrapper) are skipped, the first other frame after it ends
+    the walk (a plain object composing a module is not collected)."""
+    collected: list[dict[str, Any]] = []
+    while frame is not None and frame.f_back is not None:
+        found = _frame_init_args(frame)
+        if found is not None and isinstance(found[0], HyperparametersMixin):
+            collected.append(found[1])
+        elif collected:
+            break
+        frame = frame.f_back
+    return {k: v for args in collected for k, v in args.items()}
+
+
+def _as_mapping(given: Any) -> dict[str, Any]:
+    """A dict / namespace given to ``save_hyperparameters``, as a dict."""
+    if isinstance(given, Mapping):
+        return dict(given)
+    if isinstance(given, (bool, int, float, str)) or not hasattr(given, "__dict__"):
+        raise UsageError(
+            f"save_hyperparameters({given!r}): give argument names as strings, a dict or a namespace; "
+            f"primitives and {type(given).__name__} are not hyperparameter containers"
+        )
+    return dict(vars(given))
+
+
+def drop_unpicklable(hparams: dict[str, Any], owner: str) -> None:
+    """Remove (with a warning) the hparams that cannot be pickled, as Lightning does when a trainer
+    call starts: a checkpoint or a spawned process could not carry them."""
+    for key in [k for k, v in hparams.items() if not _picklable(v)]:
+        rank_zero_warn(
+            f"Attribute {key!r} removed from {owner}.hparams because it cannot be pickled; leave it out "
+            f"with save_hyperparameters(ignore=[{key!r}])"
+        )
+        del hparams[key]
+
+
+def _picklable(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+    except (pickle.PickleError, AttributeError, RuntimeError, TypeError):
+        return False
+    return True
 
 
 class HyperparametersMixin:
@@ -95,11 +146,13 @@ class HyperparametersMixin:
         """Record constructor arguments in ``self.hparams``: all of them (no `args`), the named
         ones (strings), or a dict / namespace. `ignore` drops names; ``logger=False`` keeps them
         out of the loggers' hparams."""
+        if len(args) == 1 and not isinstance(args[0], str) and not args[0]:
+            return  # an empty container: nothing to save (Lightning)
         caller = frame or inspect.currentframe().f_back  # type: ignore[union-attr]
         init = self._init_args(caller)
         if args and len(args) == 1 and not isinstance(args[0], str):
             given = args[0]
-            values = dict(vars(given)) if isinstance(given, types.SimpleNamespace) else dict(given)
+            values = _as_mapping(given)
             # the __init__ argument it came in as: load_from_checkpoint passes it back under that name
             hparams_name = next((k for k, v in init.items() if v is given), None)
         else:
@@ -120,6 +173,8 @@ class HyperparametersMixin:
                 )
         values = {k: v for k, v in values.items() if k not in drop}
         self.hparams.update(values)
+        for name in drop:  # a subclass may drop what its base class saved
+            self.hparams.pop(name, None)
         object.__setattr__(self, "_hparams_initial", copy.copy(self.hparams))
         object.__setattr__(self, "_log_hyperparams", logger)
         object.__setattr__(self, "_hparams_name", hparams_name)
@@ -129,7 +184,7 @@ class HyperparametersMixin:
         its ``__post_init__``, as Lightning documents), else the calling ``__init__``'s."""
         if dataclasses.is_dataclass(self):
             return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-        return _caller_init_args(caller) if caller is not None else {}
+        return _collect_init_args(caller)
 
     @property
     def hparams_name(self) -> str | None:

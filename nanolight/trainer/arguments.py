@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_info
 
 from nanolight.callbacks.base import Callback
 from nanolight.callbacks.model_checkpoint import ModelCheckpoint
 from nanolight.callbacks.model_summary import ModelSummary
 from nanolight.callbacks.progress import RichProgressBar
+from nanolight.callbacks.timer import Timer
 from nanolight.errors import UsageError
 from nanolight.loggers.base import Logger
 from nanolight.loggers.csv_logger import CSVLogger
@@ -280,8 +282,11 @@ def planned_processes(strategy: Strategy) -> int:
 
 
 # ---- callbacks, loggers, determinism --------------------------------------------------
-def build_callbacks(callbacks: Any, checkpointing: bool, progress_bar: bool, summary: bool) -> list[Callback]:
-    """The user's callbacks plus the defaults (ModelCheckpoint, progress bar, model summary)."""
+def build_callbacks(
+    callbacks: Any, checkpointing: bool, progress_bar: bool, summary: bool, max_time_s: float | None = None
+) -> list[Callback]:
+    """The user's callbacks plus the defaults (ModelCheckpoint, progress bar, model summary, and, as
+    Lightning, a step-interval `Timer` for ``max_time`` unless the callbacks hold a Timer already)."""
     cbs = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
     bad = [type(c).__name__ for c in cbs if not isinstance(c, Callback)]
     if bad:
@@ -295,6 +300,11 @@ def build_callbacks(callbacks: Any, checkpointing: bool, progress_bar: bool, sum
         cbs.append(RichProgressBar())
     if summary and not any(isinstance(cb, ModelSummary) for cb in cbs):
         cbs.append(ModelSummary())
+    if max_time_s is not None:
+        if any(isinstance(cb, Timer) for cb in cbs):
+            rank_zero_info("callbacks list already contains a Timer: max_time is ignored")
+        else:
+            cbs.append(Timer(duration=datetime.timedelta(seconds=max_time_s), interval="step"))
     return order_callbacks(cbs)
 
 

@@ -4,8 +4,9 @@ training-epoch loops, in one place.
 Per accumulation window (one optimizer step; one batch under manual optimization):
 the step (`step.py`), its logger row, validation if one of the window's batches is
 a check batch (an int ``val_check_interval`` counts batches, a float is a fraction of the
-epoch), plateau schedulers with interval "step", then `max_time` and pre-emption checks (with
-several ranks the latter reads the agreement the previous step started: `preemption.py`).
+epoch), plateau schedulers with interval "step", then the pre-emption check (with
+several ranks it reads the agreement the previous step started: `preemption.py`); ``max_time`` is
+Lightning's `Timer` callback, which the trainer adds.
 At an epoch's end: epoch values published, ``on_train_epoch_end`` (monitoring callbacks after the
 module, what it logged published for them), plateau schedulers (only after a complete epoch), the
 epoch row. Stopping: max steps/epochs, or ``should_stop`` once ``min_steps``/``min_epochs`` are
@@ -23,7 +24,6 @@ checkpoint time are restored *after* the skip, so the run continues as an uninte
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator
 from itertools import islice
 from typing import TYPE_CHECKING, Any
@@ -191,7 +191,6 @@ class FitLoop:
         if self.done or trainer.config.limit_train_batches == 0:
             return
         self._skip_finished_epoch()
-        self._t0 = time.monotonic()
         # Lightning leaves the train/eval modes as they are (no train() call a module could see); it warns
         frozen = [n or "the module" for n, m in trainer.lightning_module.named_modules() if not m.training]
         if frozen:
@@ -301,9 +300,6 @@ class FitLoop:
         trainer.optimization.update_lr_schedulers("step", plateau=True, batch_idx=first + n - 1)
         trainer.progress["stepped"] += 1
         self.window_open = False
-        max_time = trainer.config.max_time_s
-        if max_time is not None and time.monotonic() - self._t0 >= max_time:
-            trainer.should_stop = True
         trainer.preemption.check()
 
     def _validation_due(self, first: int, n: int, last: bool) -> bool:

@@ -66,7 +66,8 @@ def build_state(trainer: NanoTrainer, weights_only: bool = False) -> dict[str, A
 
 def _progress(trainer: NanoTrainer) -> dict[str, int]:
     """The counters as a resumed run needs them: a save inside a step's hooks (e.g. at its
-    on_train_batch_end) counts that step as stepped, as it will be once the hooks return."""
+    on_train_batch_end) counts that step as stepped, as it will be once the hooks return (one inside ``on_train_epoch_end``
+    resumes at the next epoch's start: the loop's state says the epoch is done)."""
     progress = dict(trainer.progress)
     if trainer.fit_loop.window_open:
         progress["stepped"] += 1
@@ -124,6 +125,12 @@ def restore_training_state(trainer: NanoTrainer, path: Path, state: dict[str, An
     if "stepped" not in saved:  # a checkpoint from before the counter existed
         trainer.progress["stepped"] = trainer.progress["global_step"]
     trainer.fit_loop.load_state_dict(state.get("loop"), state.get("rng"))
+    max_epochs = trainer.config.max_epochs
+    if max_epochs not in (None, -1) and trainer.current_epoch > max_epochs:  # Lightning's check
+        raise UsageError(
+            f"You restored a checkpoint with current_epoch={trainer.current_epoch}, but you have set "
+            f"NanoTrainer(max_epochs={max_epochs}): raise max_epochs to continue training"
+        )
 
 
 @contextmanager

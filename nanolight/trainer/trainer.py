@@ -30,6 +30,7 @@ from nanolight.checkpoint.atomic import (
 )
 from nanolight.errors import UsageError
 from nanolight.module import NanoDataModule, NanoModule
+from nanolight.module.hparams import drop_unpicklable
 from nanolight.seed import capture_rng_state, restore_rng_state, seed_everything
 from nanolight.trainer.arguments import (
     TrainerConfig,
@@ -137,7 +138,9 @@ class NanoTrainer(TrainerProperties):
         fast = bool(self.config.fast_dev_run)
         checkpointing, progress_bar = enable_checkpointing is not False, enable_progress_bar is not False
         summary = enable_model_summary is not False and not fast
-        self._base_callbacks = build_callbacks(callbacks, checkpointing, progress_bar, summary)
+        self._base_callbacks = build_callbacks(
+            callbacks, checkpointing, progress_bar, summary, self.config.max_time_s
+        )
         self.callbacks = list(self._base_callbacks)
         self.loggers = build_loggers(logger, self.default_root_dir, fast)
         self.progress = dict.fromkeys(PROGRESS_KEYS, 0)
@@ -253,6 +256,7 @@ class NanoTrainer(TrainerProperties):
     def _run(self, fn: str, module: NanoModule, ckpt_path: Any, stage: Any, model_given: bool = True) -> Any:
         """`stage` inside one call's setup and teardown; returns what it returns."""
         check_module(module, fn)
+        drop_unpicklable(module.hparams, type(module).__name__)  # Lightning cleans them at every call
         # the call's stage holds from setup to teardown, as in Lightning (the sanity check and
         # fit-time validation change it while they run)
         self.state.fn, self.state.stage, self.state.status = fn, "train" if fn == "fit" else fn, "running"

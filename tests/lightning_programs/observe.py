@@ -146,6 +146,41 @@ def listing(directory: str | os.PathLike[str]) -> list[str]:
     return sorted(stem(p.name) or "" for p in d.iterdir()) if d.is_dir() else []
 
 
+def raises(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+    """Whether calling fn raises (the frameworks' exception types and messages differ)."""
+    try:
+        fn(*args, **kwargs)
+    except Exception:
+        return True
+    return False
+
+
+def by_stem(directory: str | os.PathLike[str], name: str) -> str:
+    """The checkpoint named `name` in a directory: Lightning's ``name.ckpt`` file, nanolight's directory."""
+    found = [n for n in os.listdir(directory) if (stem(n) or "") == name]
+    return os.path.join(directory, found[0])
+
+
+def selection(cb: Any, outdir: str | os.PathLike[str]) -> dict[str, Any]:
+    """What a ModelCheckpoint kept and selected, paths relative to `outdir` (the section's directory,
+    unlike `checkpoint_info`'s basenames), scores to 5 decimals; nanolight's ``last`` pointer is left
+    out of the listing unless ``save_last`` asked for a last checkpoint."""
+
+    def score(v: Any) -> Any:
+        return None if v is None else round(float(v), 5)
+
+    files = listing(cb.dirpath) if cb.dirpath else []
+    return {
+        "files": files if cb.save_last else [n for n in files if n != "last"],
+        "best_model_path": relative(cb.best_model_path, outdir),
+        "best_model_score": score(cb.best_model_score),
+        "best_k_models": {relative(k, outdir): score(v) for k, v in sorted(cb.best_k_models.items())},
+        "kth_best_model_path": relative(cb.kth_best_model_path, outdir),
+        "last_model_path": relative(cb.last_model_path, outdir),
+        "current_score": score(cb.current_score),
+    }
+
+
 def run_sections(
     outdir: str, sections: list[Callable[[str], dict[str, Any]]], seed: Callable[[int], Any]
 ) -> None:

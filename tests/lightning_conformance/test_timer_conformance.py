@@ -1,0 +1,36 @@
+"""Lightning 2.6.6's ``callbacks/test_timer.py`` promises (tests/lightning_conformance/timer_program.py, on a
+fake clock), one test per section, each against Lightning's own recording of the same scenario."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lightning_compare import assert_section_matches, run_ported
+
+PROGRAM = "timer_program"
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_ported(PROGRAM, Path(tmp_path_factory.mktemp(PROGRAM)))
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        "trainer_flag",
+        "parse_duration",
+        "parse_duration_misconfiguration",
+        "interval_choice",
+        "time_remaining",
+        "stops_training",
+        "zero_duration_stop",
+        "duration_min_steps_override",
+        "resume_training",
+        "track_stages",
+    ],
+)
+def test_section(observed: dict[str, Any], section: str) -> None:
+    assert_section_matches(PROGRAM, observed, section)

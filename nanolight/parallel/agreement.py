@@ -15,7 +15,11 @@ starts and one ``get`` when it reads, plus a compare-and-set only where its valu
 the world. The rank whose ``add`` completes the count is the last to arrive: every rank's value is
 in by then (each raises the maximum before it adds, on the same connection, which the server
 answers in order), so it publishes the maximum; the others' ``get`` waits for it (typically read a
-step later, by when it has long arrived). The last reader deletes the agreement's keys.
+step later, by when it has long arrived). The last reader deletes the agreement's keys and says
+so; rank 0, whose process holds the server, waits for that before it goes on, so no rank's read can
+meet a server that has gone with rank 0's process (its end comes right after its last read). All
+ranks read at the same point of the same step, so this waits only for the slowest to get there,
+which the step's collectives wait for anyway.
 
 No device value is read: the store answers on the host.
 """
@@ -47,8 +51,8 @@ class StoreAgreements:
     """Agreements on the maximum of one non-negative integer over `world_size` ranks, through
     `store` (one client connection per rank; see the module docstring)."""
 
-    def __init__(self, store: Any, world_size: int) -> None:
-        self.store, self.world_size = store, world_size
+    def __init__(self, store: Any, world_size: int, hosts: bool = False) -> None:
+        self.store, self.world_size, self.hosts = store, world_size, hosts  # hosts: the server is ours
         self.started = 0  # agreements started by this rank: every rank numbers them alike
 
     @classmethod
@@ -64,7 +68,7 @@ class StoreAgreements:
             )
         host, port = share((socket.gethostname(), server.port) if server is not None else None)
         store = server or dist.TCPStore(host, port, is_master=False, timeout=timeout)
-        return cls(store, world_size)
+        return cls(store, world_size, hosts=server is not None)
 
     def start(self, value: int, guard: Callable[[], AbstractContextManager] = nullcontext) -> PendingStoreMax:
         if value < 0:
@@ -78,7 +82,7 @@ class StoreAgreements:
             if self.store.add(f"{key}/n", 1) == self.world_size:
                 top = self.store.get(f"{key}/max") if self.store.check([f"{key}/max"]) else b"0"
                 self.store.set(f"{key}/agreed", top)
-        return PendingStoreMax(self.store, key, self.world_size, guard)
+        return PendingStoreMax(self.store, key, self.world_size, guard, self.hosts)
 
     def _raise_to(self, key: str, value: int) -> None:
         """The store's value at `key` becomes at least `value` (a compare-and-set loop: only ranks
@@ -93,12 +97,18 @@ class StoreAgreements:
 
 class PendingStoreMax:
     """Agreement `key`'s maximum, read from the store at `wait` (a ``get``: waits only if the last
-    rank has not arrived yet); the last of the `world_size` readers deletes the agreement's keys."""
+    rank has not arrived yet); the last of the `world_size` readers deletes the agreement's keys;
+    the rank that `hosts` the server waits until then."""
 
     def __init__(
-        self, store: Any, key: str, world_size: int, guard: Callable[[], AbstractContextManager]
+        self,
+        store: Any,
+        key: str,
+        world_size: int,
+        guard: Callable[[], AbstractContextManager],
+        hosts: bool = False,
     ) -> None:
-        self.store, self.key, self.world_size, self.guard = store, key, world_size, guard
+        self.store, self.key, self.world_size, self.guard, self.hosts = store, key, world_size, guard, hosts
         self.value: int | None = None
 
     def wait(self) -> int:
@@ -110,4 +120,8 @@ class PendingStoreMax:
                 if self.store.add(f"{self.key}/read", 1) == self.world_size:
                     for name in ("n", "max", "agreed", "read"):
                         self.store.delete_key(f"{self.key}/{name}")
+                    self.store.set(f"{self.key}/done", b"1")
+                if self.hosts:  # the server lives in this process: every rank has read before it goes on
+                    self.store.wait([f"{self.key}/done"])
+                    self.store.delete_key(f"{self.key}/done")
         return self.value

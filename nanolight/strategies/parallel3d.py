@@ -235,10 +235,11 @@ class Parallel3DStrategy(Strategy):
             cfg, env = self.config, detect_environment()
             replicas = 1 if cfg.dp == "auto" else cfg.dp  # plain python: dp="auto" is one replica
             world = env.world_size if env is not None else cfg.replica_ranks * replicas
-            if dist.is_initialized():  # a world the caller joined (e.g. the dry run's fake one) is the world
+            fake = dist.is_initialized() and dist.get_backend() == "fake"  # the dry run's world, joined
+            if fake:
                 world = dist.get_world_size()
             dp = cfg.resolve_dp(world)  # world must be tp*pp*cp*dp: a clear error, before anything starts
-            if not dist.is_initialized():
+            if not fake:
                 env = ensure_processes(world)  # plain python, world > 1: re-launches and never returns
                 self._local_rank = env.local_rank
                 self.heartbeat = init_distributed(env, self.backend, self.timeout, self.device_ids)

@@ -85,7 +85,9 @@ def test_pick_is_the_planners_best(model: str, gpus: int, gpu: str, argv: list[s
 def test_world_and_handoff(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """torchrun's world wins (a different +cluster.gpus is an error); a rank our launcher started takes
     the launching process's pick from the environment instead of planning (and measuring) again."""
-    with pytest.raises(ConfigError, match=r"\+cluster\.\* is read by \+parallel=auto and \+dry_run=true only"):
+    with pytest.raises(
+        ConfigError, match=r"\+cluster\.\* is read by \+parallel=auto and \+dry_run=true only"
+    ):
         load_config({"cluster": {"gpus": 2}})
     config = load_config({"parallel": "auto", "cluster": {"gpus": 4, "gpu": "h100-sxm"}})
     monkeypatch.delenv(PARENT_PID_VAR, raising=False)

@@ -103,7 +103,9 @@ def test_override_keys_checked_before_hydra() -> None:
         ConfigError, match=r"unknown config key `trainer.max_step`. Did you mean `trainer.max_steps`"
     ):
         check_override_keys(PretrainConfig, ["trainer.max_step=3"], groups)
-    with pytest.raises(ConfigError, match=r"Valid keys of the config: checkpoint, cluster, data, dry_run, logger"):
+    with pytest.raises(
+        ConfigError, match=r"Valid keys of the config: checkpoint, cluster, data, dry_run, logger"
+    ):
         check_override_keys(PretrainConfig, ["sed=3"], groups)
 
 

@@ -4,18 +4,12 @@ recording of the same scenario."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
-from lightning_compare import assert_section_matches, run_ported
+from lightning_compare import assert_section_matches
 
 PROGRAM = "early_stopping_program"
-
-
-@pytest.fixture(scope="module")
-def observed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_ported(PROGRAM, Path(tmp_path_factory.mktemp(PROGRAM)))
 
 
 @pytest.mark.parametrize(

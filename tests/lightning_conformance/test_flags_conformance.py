@@ -3,11 +3,10 @@ against what Lightning 2.6.6 itself did (tests/fixtures/lightning/flags_program.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
-from lightning_compare import assert_section_matches, fixture, run_ported
+from lightning_compare import assert_section_matches, fixture
 
 PROGRAM = "flags_program"
 SECTIONS = [
@@ -30,11 +29,6 @@ SECTIONS = [
     "val_check_interval_errors",
 ]
 ACCUMULATE = 2  # val_check_mid_window's accumulate_grad_batches
-
-
-@pytest.fixture(scope="module")
-def observed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_ported(PROGRAM, Path(tmp_path_factory.mktemp(PROGRAM)))
 
 
 @pytest.mark.parametrize("section", SECTIONS)

@@ -3,11 +3,10 @@ against what Lightning 2.6.6 itself did (tests/fixtures/lightning/hooks_program.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
-from lightning_compare import assert_section_matches, run_ported
+from lightning_compare import assert_section_matches
 
 PROGRAM = "hooks_program"
 SECTIONS = [
@@ -30,11 +29,6 @@ SECTIONS = [
     "configure_gradient_clipping_conflicts",
     "device_placement",
 ]
-
-
-@pytest.fixture(scope="module")
-def observed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_ported(PROGRAM, Path(tmp_path_factory.mktemp(PROGRAM)))
 
 
 @pytest.mark.parametrize("section", SECTIONS)

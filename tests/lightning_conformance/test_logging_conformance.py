@@ -3,11 +3,10 @@ against what Lightning 2.6.6 itself did (tests/fixtures/lightning/logging_progra
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
-from lightning_compare import assert_section_matches, run_ported
+from lightning_compare import assert_section_matches
 
 PROGRAM = "logging_program"
 SECTIONS = [
@@ -44,11 +43,6 @@ SECTIONS = [
     "batch_size_extraction",
     "logger_after_each_call",
 ]
-
-
-@pytest.fixture(scope="module")
-def observed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_ported(PROGRAM, Path(tmp_path_factory.mktemp(PROGRAM)))
 
 
 @pytest.mark.parametrize("section", SECTIONS)

@@ -3,11 +3,10 @@ against what Lightning 2.6.6 itself did (tests/fixtures/lightning/loops_program.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
-from lightning_compare import assert_section_matches, run_ported
+from lightning_compare import assert_section_matches
 
 PROGRAM = "loops_program"
 SECTIONS = [
@@ -34,11 +33,6 @@ SECTIONS = [
     "optimizer_step_without_closure",
     "invalid_training_step_output",
 ]
-
-
-@pytest.fixture(scope="module")
-def observed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_ported(PROGRAM, Path(tmp_path_factory.mktemp(PROGRAM)))
 
 
 @pytest.mark.parametrize("section", SECTIONS)

@@ -4,18 +4,12 @@ section logged are compared too."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
-from lightning_compare import assert_files_match, assert_section_matches, run_ported
+from lightning_compare import assert_files_match, assert_section_matches
 
 PROGRAM = "lr_monitor_program"
-
-
-@pytest.fixture(scope="module")
-def observed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_ported(PROGRAM, Path(tmp_path_factory.mktemp(PROGRAM)))
 
 
 def test_logged_rows(observed: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ from nanolight.parallel.tensor_parallel import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from nanolight.parallel.tensor_parallel.cross_entropy import VocabParallelCrossEntropyLoss
 
 B, T, H, OUT, V = 2, 8, 16, 24, 32  # every size divisible by tp in {2, 4}
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -101,11 +102,35 @@ def _check_cross_entropy(rank: int, size: int) -> None:
     _close(local.grad, 2.0 * logits.grad.chunk(size, -1)[rank], "cross-entropy logits grad")
 
 
+def _check_head_loss(rank: int, size: int, sp: bool) -> None:
+    """The column-parallel head and the vocab-parallel loss in one chunked pass (`head_loss`, what
+    the model's training loss calls) against the dense head and F.cross_entropy: loss, input and
+    weight gradients, chunks of 5 tokens (the last one short) and 3 of them."""
+    group = dist.group.WORLD
+    dense = nn.Linear(H, V, bias=False)
+    x = torch.randn(B, T, H, requires_grad=True)
+    target = torch.randint(0, V, (B, T))
+    target[0, :3] = -100
+    loss_ref = F.cross_entropy(dense(x).view(-1, V), target.view(-1), ignore_index=-100, reduction="sum")
+    (2.0 * loss_ref).backward()
+    head = ColumnParallelLinear(H, V, group, sequence_parallel=sp)
+    head.weight.data.copy_(dense.weight.detach().chunk(size, 0)[rank])
+    local_x = _seq(x.detach(), rank, size, sp).requires_grad_()
+    for rows in (5, 3):
+        local_x.grad = head.weight.grad = None
+        loss = VocabParallelCrossEntropyLoss(group).head_loss(head, local_x, target, "sum", rows=rows)
+        _close(loss, loss_ref.detach(), "head loss")
+        (2.0 * loss).backward()
+        _close(local_x.grad, _seq(x.grad, rank, size, sp), "head loss input grad")
+        _close(head.weight.grad, dense.weight.grad.chunk(size, 0)[rank], "head loss weight grad")
+
+
 def _all_layers(rank: int, size: int, sp: bool) -> bool:
     torch.manual_seed(1234)  # identical dense weights and inputs on every rank
     _check_column(rank, size, sp, gather_output=False)
     _check_row(rank, size, sp, input_is_parallel=True)
     _check_embedding(rank, size, sp)
+    _check_head_loss(rank, size, sp)
     if not sp:  # the exit/entry variants are not used inside a sequence-parallel region
         _check_column(rank, size, sp, gather_output=True)
         _check_row(rank, size, sp, input_is_parallel=False)

@@ -7,6 +7,8 @@ every gradient (== the matching slice of the reference gradient) and the global 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -137,3 +139,37 @@ def _bf16_autocast(rank: int, world: int) -> float:
 
 def test_tp_bf16_autocast_runs() -> None:
     run_distributed(_bf16_autocast, 2, timeout=120)
+
+
+def _saved_for_backward(rank: int, world: int) -> dict:
+    """What a tp-sharded model's training forward keeps for backward: every saved tensor's shape
+    and the bytes of their distinct storages."""
+    cfg = tiny_config(vocab=384, heads=8, kv_heads=4)  # a vocabulary slice (192) unlike any other dim
+    model = LlamaForCausalLM(cfg)
+    specs = param_specs(model)
+    apply_tensor_parallel(model, model.tp_plan, dist.group.WORLD)
+    init_replayed_(model, specs, torch.Generator().manual_seed(SEED), shard_dims(model), rank, world)
+    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(1))
+    shapes, storages = [], {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(t.shape))
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(ids, labels=ids)
+    loss.backward()  # what was kept suffices
+    return {"shapes": shapes, "bytes": sum(storages.values())}
+
+
+def test_tp_loss_keeps_no_logits_for_backward() -> None:
+    """Under tp the training loss runs the vocab-sharded head and the loss together over chunks
+    of tokens (`models/fused_loss.py`): no (tokens x V/tp) tensor -- logits, their exponentials,
+    the softmax -- is kept for backward, only the head's input and weight gradients."""
+    tokens, vocab_slice = B * T, 384 // 2
+    for rank in run_distributed(_saved_for_backward, 2, timeout=120):
+        logits_like = [
+            s for s in rank["shapes"] if s[-1:] == (vocab_slice,) and math.prod(s) >= tokens * vocab_slice
+        ]
+        assert logits_like == [], rank["shapes"]

@@ -11,6 +11,11 @@ On CPU a chunk is large (64 MB of logits): every chunk is a round of small kerne
 two threads on a busy machine 174-row chunks (a 4 MB budget) ran the head + loss 2x slower
 than one 1024-row chunk (vocab 6000, hidden 320; equal on one thread).
 
+Under tensor parallelism the head holds a slice of the vocabulary (rows `vocab_start` onwards):
+the same chunks, each token's log-sum-exp over the slice and its target's logit (where this slice
+holds the target) gathered from every slice (`gather`, given by the vocab-parallel loss,
+`parallel/tensor_parallel/cross_entropy.py`) and combined; nothing else changes.
+
 Numerics are those of ``F.cross_entropy(logits.float(), labels, ignore_index=-100)``: logits in
 the compute dtype (autocast's, or the inputs'), softmax in fp32, the mean (or, with
 ``reduction="sum"``, the sum: the caller divides, `LlamaForCausalLM`) over counted tokens;
@@ -19,6 +24,7 @@ d weight is summed over chunks in fp32. Backward runs once (no `retain_graph` do
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,7 +54,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, rows: int, mean: bool, grad_enabled: bool
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        rows: int,
+        mean: bool,
+        grad_enabled: bool,
+        vocab_start: int,
+        gather: Callable[[Tensor], Tensor] | None,
     ) -> Tensor:
         dtype = _compute_dtype(hidden, weight)
         # `needs_input_grad` says only which inputs require grad; under no_grad (validation) no
@@ -57,10 +71,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             valid = labels != IGNORE_INDEX
-            safe = labels.masked_fill(~valid, 0)[:, None]  # (N, 1): an index that exists
+            local = labels - vocab_start
+            owned = valid & (local >= 0) & (local < w.shape[0])  # the target's logit is in this slice
+            safe = local.masked_fill(~owned, 0)[:, None]  # (N, 1): an index that exists
             # (N,): the token's weight in the loss -- 1 (sum) or 1/count (mean), 0 where ignored
             keep_all = valid / valid.sum() if mean else valid.float()
-            minus_one = torch.full((min(rows, len(labels)), 1), -1.0, device=hidden.device)
+            minus_one = -owned.float()[:, None]  # (N, 1): the one-hot, where this slice holds it
             d_hidden = torch.empty_like(hidden) if want_h else None
             d_weight = None
             loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -70,13 +86,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     keep_all[s : s + rows, None],
                     safe[s : s + rows],
                 )
-                logits = (h @ w.t()).float()  # (n, V)
-                # in place: each row's log-softmax is written after the row's max and sum are read
-                logp = torch.log_softmax(logits, dim=-1, out=logits)
-                loss -= (logp.gather(1, idx) * keep).sum()
+                logits = (h @ w.t()).float()  # (n, V), or (n, this slice of V)
+                if gather is None:
+                    # in place: each row's log-softmax is written after the row's max and sum are read
+                    logp = torch.log_softmax(logits, dim=-1, out=logits)
+                    loss -= (logp.gather(1, idx) * keep).sum()
+                else:  # every slice's log-sum-exp and target logit (0 where not held): (slices, n, 2)
+                    target = logits.gather(1, idx).masked_fill_(~owned[s : s + rows, None], 0.0)
+                    every = gather(torch.cat([torch.logsumexp(logits, -1, keepdim=True), target], 1))
+                    lse = every[..., :1].logsumexp(0)  # (n, 1) over the whole vocabulary
+                    loss -= ((every[..., 1:].sum(0) - lse) * keep).sum()
+                    logp = logits.sub_(lse)
                 if not (want_h or want_w):
                     continue
-                grad = logp.exp_().scatter_add_(1, idx, minus_one[: idx.shape[0]])  # softmax - onehot
+                grad = logp.exp_().scatter_add_(1, idx, minus_one[s : s + rows])  # softmax - onehot
                 grad = grad.to(dtype)  # d loss / d logits up to the row weights, applied on the H side
                 if want_h and d_hidden.dtype == dtype:  # written in place, no temporary
                     torch.mm(grad, w, out=d_hidden[s : s + rows]).mul_(keep)
@@ -106,22 +129,30 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # runs once, and these buffers were made for it
         dh = d_hidden.mul_(grad_out) if d_hidden is not None else None
         dw = d_weight.mul_(grad_out).to(ctx.weight_dtype) if d_weight is not None else None
-        return dh, dw, None, None, None, None
+        return dh, dw, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, labels: Tensor, rows: int | None = None, reduction: str = "mean"
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    rows: int | None = None,
+    reduction: str = "mean",
+    vocab_start: int = 0,
+    gather: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against `labels` (-100: not counted), its mean over
     the counted tokens or (``reduction="sum"``) their sum.
 
     hidden (..., H), weight (V, H), labels (...) aligned with hidden (already shifted).
-    `rows`: tokens per chunk (default: `chunk_rows`)."""
+    `rows`: tokens per chunk (default: `chunk_rows`). A vocabulary slice (tensor parallelism):
+    `weight` holds ids [vocab_start, vocab_start + len(weight)), and `gather` maps this slice's
+    (n, 2) per-token statistics to every slice's, stacked (slices, n, 2)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
     h = hidden.reshape(-1, hidden.shape[-1])
     if rows is None:
         rows = chunk_rows(weight.shape[0], weight.shape[1], hidden.device)
     return _LinearCrossEntropy.apply(
-        h, weight, labels.reshape(-1), rows, reduction == "mean", torch.is_grad_enabled()
+        h, weight, labels.reshape(-1), rows, reduction == "mean", torch.is_grad_enabled(), vocab_start, gather
     )

@@ -39,7 +39,8 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = 
     The inputs are already aligned (logits at t predict labels at t: the caller shifted the
     labels and put -100 where nothing is predicted). Computed in fp32 as HF does.
     The tensor-parallel strategy swaps `LlamaForCausalLM.loss_fn` for a vocab-parallel version
-    with this same signature.
+    with this same signature (and a `head_loss(head, hidden, labels, reduction)` that the model's
+    loss calls instead, running the sharded head and the loss in token chunks).
     """
     logits, labels = logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1)
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction=reduction)
@@ -385,7 +386,9 @@ class LlamaForCausalLM(nn.Module):
         if self.loss_fn is causal_lm_loss and type(self.lm_head) is nn.Linear:
             # the plain head and loss: fused over token chunks, the logits never held (fused_loss.py)
             loss_sum = linear_cross_entropy(h, self.lm_head.weight, target_ids, reduction="sum")
-        else:  # e.g. tensor parallelism's vocab-parallel loss
+        elif hasattr(self.loss_fn, "head_loss"):  # a loss that runs the head itself (tensor parallelism's)
+            loss_sum = self.loss_fn.head_loss(self.lm_head, h, target_ids, reduction="sum")
+        else:
             loss_sum = self.loss_fn(self.lm_head(h), target_ids, reduction="sum")
         if divisor is None:
             divisor = (target_ids != IGNORE_INDEX).sum()  # the plain mean (NaN with no valid target)

@@ -12,6 +12,13 @@ with two small all-reduces over (tokens,) vectors:
 Backward needs no communication: d loss / d logits_r = (softmax_r - onehot_r) / n_valid (mean)
 or (softmax_r - onehot_r) (sum). Matches `F.cross_entropy(logits, target, ignore_index=-100,
 reduction=...)`.
+
+The model's training loss does not take that path: `VocabParallelCrossEntropyLoss.head_loss`
+runs the output head and the loss together over chunks of tokens (`models/fused_loss.py`, the
+one chunked loss), so neither the (tokens x V/tp) fp32 logits nor their softmax are held for
+backward -- per chunk, the tp ranks exchange each token's log-sum-exp over their slice and its
+target logit (one all-gather of (2, chunk)). The loss over given logits stays for callers that
+have them.
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from nanolight.parallel.tensor_parallel.comm import tp_world
+from nanolight.models.fused_loss import linear_cross_entropy
+from nanolight.parallel.tensor_parallel.comm import all_gather_tensor, tp_world
+from nanolight.parallel.tensor_parallel.layers import ColumnParallelLinear
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -87,8 +96,35 @@ def vocab_parallel_cross_entropy(
     return _VocabParallelCrossEntropy.apply(logits, target, group, ignore_index, reduction == "mean")
 
 
+def vocab_parallel_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    group: Any,
+    reduction: str = "mean",
+    rows: int | None = None,
+) -> Tensor:
+    """Cross-entropy of ``hidden @ weight.T`` where `weight` (V/tp, H) is this rank's vocabulary
+    slice (ids [rank * V/tp, ...)) and `hidden` the head's input as every tp rank holds it: the
+    fused, chunked loss (`models/fused_loss.py`, `rows` tokens a chunk), its per-token statistics
+    gathered over tp."""
+    rank, size = tp_world(group)
+
+    def gather(stats: Tensor) -> Tensor:  # (n, 2) -> (tp, n, 2)
+        if size == 1:
+            return stats[None]
+        # tp ranks exchange each token's log-sum-exp over their vocabulary slice and target logit
+        return all_gather_tensor(stats[None], 0, group)
+
+    return linear_cross_entropy(
+        hidden, weight, target, rows, reduction, vocab_start=rank * weight.shape[0], gather=gather
+    )
+
+
 class VocabParallelCrossEntropyLoss(nn.Module):
-    """`model.loss_fn` under tensor parallelism: `loss_fn(local_logits, labels, reduction) -> loss`."""
+    """`model.loss_fn` under tensor parallelism: `loss_fn(local_logits, labels, reduction) -> loss`,
+    and `head_loss(head, hidden, labels, reduction)`: the column-parallel output head and the loss
+    in one chunked pass (no logits held), which the model's training loss calls."""
 
     def __init__(self, group: Any, ignore_index: int = -100) -> None:
         super().__init__()
@@ -96,3 +132,16 @@ class VocabParallelCrossEntropyLoss(nn.Module):
 
     def forward(self, logits: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
         return vocab_parallel_cross_entropy(logits, target, self.group, self.ignore_index, reduction)
+
+    def head_loss(
+        self,
+        head: ColumnParallelLinear,
+        hidden: Tensor,
+        target: Tensor,
+        reduction: str = "mean",
+        rows: int | None = None,
+    ) -> Tensor:
+        if self.ignore_index != -100:  # the fused loss ignores -100, the model's convention
+            return self(head(hidden), target, reduction)
+        x = head.entry(hidden)  # the whole sequence on every tp rank; d x summed over tp in backward
+        return vocab_parallel_linear_cross_entropy(x, head.weight, target, self.group, reduction, rows)

@@ -82,14 +82,17 @@ class ColumnParallelLinear(_ParallelLinear):
         self.gather_output, self.input_is_gathered = gather_output, input_is_gathered
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.input_is_gathered:
-            pass  # the caller already ran gather_from_sp, whose backward reduce-scatters for us
-        elif self.sequence_parallel:
-            x = comm.gather_from_sp(x, self.group)  # (B, T/tp, H) -> (B, T, H)
-        else:
-            x = comm.copy_to_tp(x, self.group)
-        y = F.linear(x, self.weight)  # (..., out/tp)
+        y = F.linear(self.entry(x), self.weight)  # (..., out/tp)
         return comm.gather_from_tp(y, self.group) if self.gather_output else y
+
+    def entry(self, x: Tensor) -> Tensor:
+        """The input as the layer multiplies it: the whole sequence on every tp rank, its gradient
+        summed over them in backward (each rank's is partial: its slice of the output's)."""
+        if self.input_is_gathered:
+            return x  # the caller already ran gather_from_sp, whose backward reduce-scatters for us
+        if self.sequence_parallel:
+            return comm.gather_from_sp(x, self.group)  # (B, T/tp, H) -> (B, T, H)
+        return comm.copy_to_tp(x, self.group)
 
     def extra_repr(self) -> str:
         return (

@@ -4,7 +4,10 @@
 is looked at once, its storage remembered (weakly) with its size, and the bytes of the distinct
 storages still alive are summed at every save; the peak of that sum over the step is the
 "activations held for backward" that the planner predicts. Storages of parameters are left out
-(they are the parameters' part). A storage counts once however many views of it are saved.
+(they are the parameters' part), and so are storages that have become a parameter's gradient (the
+gradients' part): a function that computes its weight's gradient in forward and saves it (the
+fused head + loss, `models/fused_loss.py`) hands that tensor to autograd, which keeps it as the
+parameter's `.grad` when none is there yet (the first micro-batch without dp's buckets). A storage counts once however many views of it are saved.
 Selective recompute keeps its saved matmul outputs in its own cache, out of the hooks' sight, so
 `SelectiveCache` adds them (the recompute policy is told each op's output).
 
@@ -45,6 +48,19 @@ class LiveStorages:
 
 class SavedActivations(LiveStorages):
     """`with SavedActivations(model.parameters()) as saved:` ... `saved.peak` (bytes)."""
+
+    def __init__(self, parameters: Iterable[torch.Tensor] = ()) -> None:
+        self.leave_out(parameters)
+        super().__init__(self.parameters)
+
+    def leave_out(self, parameters: Iterable[torch.Tensor]) -> None:
+        """The parameters whose storages, and whose gradients' storages, are not activations."""
+        self.parameters = list(parameters)
+        self.exclude = {p.untyped_storage().data_ptr() for p in self.parameters}
+
+    def current(self) -> int:
+        grads = {p.grad.untyped_storage().data_ptr() for p in self.parameters if p.grad is not None}
+        return sum(n for ptr, (ref, n) in self.live.items() if ptr not in grads and not ref.expired())
 
     def __enter__(self) -> SavedActivations:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)

@@ -44,7 +44,7 @@ class _Measure(Callback):
         self.gradients = 0
 
     def on_train_start(self, trainer: object, pl_module: object) -> None:
-        self.saved.exclude = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
+        self.saved.leave_out(pl_module.parameters())
         for probe in self.probes:
             probe.__enter__()
 

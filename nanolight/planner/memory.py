@@ -34,9 +34,9 @@ norm inputs x*h and rstd x (twice), the two column linears' gathered inputs N*h,
 (v is a view of it), rope'd q and k, SDPA's output and log-sum-exp, gate_up (2I), silu (I) and
 the product (I); eager attention instead saves q, the GQA-expanded k and v, the (T, T) mask and
 the softmax (b, heads, T, T). On CPU the SwiGLU's regrouped gate_up weight (`_blocked_gate_up`)
-is saved too. The head: one process runs the fused head + loss (`fused_loss.py`: d hidden and an
-fp32 d weight kept); a sharded model (tp or pp) the vocab-parallel loss (fp32 softmax over its
-vocabulary shard). `full` recompute keeps the block input only; `selective` keeps the input, the
+is saved too. The head: the fused head + loss (`fused_loss.py`, over this rank's vocabulary slice
+under tp) keeps d hidden (the whole sequence's: the head's input is gathered) and an fp32 d weight.
+`full` recompute keeps the block input only; `selective` keeps the input, the
 matmul outputs and the attention kernel's outputs (`recompute._keep`).
 
 Context parallelism (cp > 1) gives each rank T/cp tokens of every sequence (zigzag chunks), so
@@ -179,7 +179,7 @@ def ring_transient_bytes(work: Workload, layout: Layout) -> int:
 def chunk_activation_bytes(work: Workload, layout: Layout, stage: int) -> list[int]:
     """Bytes saved by one micro-batch's forward through each of this rank's chunks."""
     c, p, v = work.config, layout.pp, layout.pp_virtual
-    _, _, a, r = PRECISION_BYTES[layout.precision]
+    r = PRECISION_BYTES[layout.precision][3]
     T = work.seq_len // layout.cp  # this rank's tokens of each sequence
     N, h, tp = layout.micro_batch_size * T, c.hidden_size, layout.tp
     x = N // tp if layout.sequence_parallel else N
@@ -192,10 +192,7 @@ def chunk_activation_bytes(work: Workload, layout: Layout, stage: int) -> list[i
             n += 8 * N  # token ids (int64), saved by the embedding
         if g == p * v - 1:
             n += r * x * h + 4 * x  # final norm: input, rstd
-            if tp * p == 1:  # the plain model's fused head + loss: d hidden and fp32 d weight
-                n += r * N * h + 4 * c.vocab_size * h
-            else:  # a sharded model's head input (gathered) and vocab-parallel loss: fp32 softmax
-                n += a * N * h + 4 * N * c.vocab_size // tp + 10 * N  # over its vocab; labels, masks
+            n += r * N * h + 4 * c.vocab_size // tp * h  # the fused head + loss: d hidden, fp32 d weight
         out.append(n)
     return out
 
@@ -221,18 +218,20 @@ def schedule_peaks(work: Workload, layout: Layout, stage: int) -> tuple[int, int
 
 
 def head_transient_bytes(work: Workload, layout: Layout, stage: int) -> int:
-    """The plain model's fused head + loss (`fused_loss.py`, tp = pp = 1) at the end of the forward,
-    every block's activations still held: one chunk's fp32 logits (written over by its log-softmax and
-    its gradient; under bf16 compute the bf16 product too), and the d weight accumulating. The dry run's
-    ``MemTracker`` puts the step's peak here."""
-    if layout.tp * layout.pp != 1 or stage != layout.pp - 1:
+    """The fused head + loss (`fused_loss.py`, over this rank's vocabulary slice under tp) at the end
+    of the last stage's forward, every block's activations still held: one chunk's fp32 logits
+    (written over by its log-softmax and its gradient; under bf16 compute the bf16 product too), and
+    the d weight accumulating. Under tp a chunk's per-token statistics (tokens x 2, from every tp
+    rank) are small next to its logits. The dry run's ``MemTracker`` puts the step's peak here."""
+    if stage != layout.pp - 1:
         return 0
     c = work.config
-    rows = chunk_rows(c.vocab_size, c.hidden_size, torch.device(work.device))
+    vocab = c.vocab_size // layout.tp
+    rows = chunk_rows(vocab, c.hidden_size, torch.device(work.device))
     tokens = layout.micro_batch_size * work.seq_len // layout.cp
     _, _, a, _ = PRECISION_BYTES[layout.precision]
     logit = 4 + (a if a != 4 else 0)  # bf16 compute: the product, then its fp32 copy (``.float()``)
-    return logit * min(rows, tokens) * c.vocab_size + 4 * c.vocab_size * c.hidden_size
+    return logit * min(rows, tokens) * vocab + 4 * vocab * c.hidden_size
 
 
 def rank_memory(work: Workload, layout: Layout, stage: int) -> dict[str, int]:

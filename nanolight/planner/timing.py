@@ -51,6 +51,9 @@ from __future__ import annotations
 
 import math
 
+import torch
+
+from nanolight.models.fused_loss import chunk_rows
 from nanolight.models.llama_config import stage_costs
 from nanolight.parallel.pipeline.schedules import bubble_fraction
 from nanolight.planner.hardware import Hardware
@@ -104,7 +107,8 @@ def tp_collectives(
     Backward: the transposes (2 all-reduces of the column-parallel inputs' gradients; 4 under sp).
     A recomputed forward runs its collectives again. The embedding sums its vocabulary shards
     (forward), the head's input is gathered (sp) and its gradient summed (backward), and the
-    vocab-parallel loss exchanges each token's max logit and its (sum-exp, target logit).
+    chunked loss (`fused_loss.py`) all-gathers, per chunk of tokens, each token's log-sum-exp over
+    the rank's vocabulary slice and its target logit (fp32 (chunk, 2) from every tp rank).
     `blocks=False` leaves the blocks' own out (on hardware at hand they are timed with the block)."""
     if layout.tp == 1:
         return []
@@ -120,7 +124,9 @@ def tp_collectives(
         out.append((1, stream, not sp))  # the embedding's partial sums (reduce-scattered under sp)
     if stage == layout.pp - 1:
         out.append((2 if sp else 1, stream, not sp))  # the head's input: gathered, gradient summed
-        out += [(1, 4 * tokens, True), (1, 8 * tokens, True)]  # the loss: fp32 max, then 2 sums
+        rows = chunk_rows(c.vocab_size // layout.tp, c.hidden_size, torch.device(work.device))
+        whole, rest = divmod(tokens, rows)  # the loss's chunks: full ones, then the remainder
+        out += [(n, 8 * size * layout.tp, False) for n, size in ((whole, rows), (1, rest)) if n and size]
     return out
 
 

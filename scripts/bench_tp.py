@@ -10,7 +10,10 @@ column-wise, o/down row-wise, embedding vocab-wise, lm_head column-wise):
 * PyTorch: `torch.distributed.tensor.parallel.parallelize_module` with ColwiseParallel /
   RowwiseParallel and `loss_parallel()` for the sharded-logits loss.
 
-It checks that both give the same loss, then times forward+backward+AdamW steps, alternating
+It checks that both give the same loss, prints the bytes each keeps for backward per rank (one
+training forward; the head + loss apart: nanolight's runs in token chunks, keeping d hidden and
+an fp32 d weight of its vocabulary slice, where `loss_parallel` keeps the sharded logits and
+their softmax), then times forward+backward+AdamW steps, alternating
 blocks of the two so machine-load drift hits both equally, and prints the median step times
 and their ratio (nanolight / PyTorch; < 1 means nanolight is faster).
 """
@@ -18,14 +21,18 @@ and their ratio (nanolight / PyTorch; < 1 means nanolight is faster).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
+from collections.abc import Callable
+from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from nanolight.models import LlamaConfig, LlamaForCausalLM
+from nanolight.models.llama import causal_lm_loss
 from nanolight.parallel.launcher import ensure_processes, init_distributed
 from nanolight.parallel.tensor_parallel.apply import apply_tensor_parallel
 
@@ -78,7 +85,34 @@ def torch_tp(cfg: LlamaConfig, device: torch.device) -> tuple[LlamaForCausalLM, 
         plan[prefix + "mlp.gate_up_proj"] = ColwiseParallel()
         plan[prefix + "mlp.down_proj"] = RowwiseParallel()
     parallelize_module(model, mesh, plan)
+    # the head's logits and `loss_parallel`'s loss over them (the model's own fused head + loss
+    # takes plain tensors, not DTensors): the same loss, not the identical function object
+    model.loss_fn = functools.partial(causal_lm_loss)
     return model, loss_parallel
+
+
+def saved_bytes(model: torch.nn.Module, run: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd saves during `run` (parameters left out; a DTensor
+    counted by its local shard), its backward run after so the graph is freed."""
+    from torch.distributed.tensor import DTensor
+
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    params = {p.untyped_storage().data_ptr() for p in local}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        x = t.to_local() if isinstance(t, DTensor) else t
+        x = x.wait() if hasattr(x, "wait") else x  # torch's functional collectives' result: the tensor
+        storage = x.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = run()
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(seen.values())
 
 
 def timed_steps(
@@ -125,10 +159,13 @@ def main() -> None:
     theirs, loss_parallel = torch_tp(cfg, device)
     with torch.no_grad(), loss_parallel():
         ours_loss, theirs_loss = ours(ids, labels=ids).item(), theirs(ids, labels=ids).item()
+    kept = {}
+    for name, model, ctx in (("nanolight", ours, nullcontext), ("pytorch", theirs, loss_parallel)):
+        with ctx():  # the whole step, and the decoder alone: the rest is the head + loss's
+            step = saved_bytes(model, lambda m=model: m(ids, labels=ids))
+            kept[name] = (step, step - saved_bytes(model, lambda m=model: m.model(ids).sum()))
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-4)
     opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=1e-4)
-    from contextlib import nullcontext
-
     timed_steps(ours, opt_ours, ids, 2, nullcontext)  # warm-up
     timed_steps(theirs, opt_theirs, ids, 2, loss_parallel)
     t_ours, t_theirs = [], []
@@ -141,7 +178,11 @@ def main() -> None:
             f"tp={args.tp} backend={dist.get_backend()} hidden={args.hidden} layers={args.layers} "
             f"vocab={args.vocab} batch={args.batch}x{args.seq}\n"
             f"initial loss: nanolight {ours_loss:.6f}  pytorch {theirs_loss:.6f}\n"
-            f"step time (median of {len(t_ours)}): nanolight {m_ours:.1f} ms  pytorch {m_theirs:.1f} ms  "
+            + "".join(
+                f"kept for backward per rank, {name}: {step / 1e6:.1f} MB, of which head + loss {head / 1e6:.1f} MB\n"
+                for name, (step, head) in kept.items()
+            )
+            + f"step time (median of {len(t_ours)}): nanolight {m_ours:.1f} ms  pytorch {m_theirs:.1f} ms  "
             f"ratio nanolight/pytorch = {m_ours / m_theirs:.3f}"
         )
     dist.destroy_process_group()

@@ -142,3 +142,34 @@ def test_the_upgrade_refuses_an_order_the_shapes_contradict(tmp_path: Path) -> N
     torch.save(states, step / "optimizer.pt")
     with pytest.raises(CheckpointError, match=r"no param group's next parameter has the shape of model"):
         upgrade_checkpoint.upgrade(step, tmp_path / "new")
+
+
+def test_a_v1_model_directory_names_the_script_and_upgrades(tmp_path: Path) -> None:
+    """A model directory of format v1 (config.json, model.safetensors with gate_up's rows
+    interleaved per unit) is refused with the script's name; once upgraded it loads as the model
+    it was saved from."""
+    from safetensors.torch import load_file, save_file
+
+    from nanolight.models import LlamaConfig, LlamaForCausalLM
+    from nanolight.models.pretrained import load_pretrained, save_pretrained
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig.preset("smollm-tiny", num_hidden_layers=2, vocab_size=256))
+    save_pretrained(model, tmp_path / "v2")
+    old = tmp_path / "v1"
+    shutil.copytree(tmp_path / "v2", old)
+    tensors = load_file(str(old / "model.safetensors"))
+    for name, t in tensors.items():
+        if name.endswith("gate_up_proj.weight"):  # [gate | up] -> [g0, u0, g1, u1, ...]
+            gate, up = t.chunk(2)
+            tensors[name] = torch.stack((gate, up), dim=1).reshape(t.shape)
+    save_file(tensors, str(old / "model.safetensors"))
+    config = json.loads((old / "config.json").read_text())
+    (old / "config.json").write_text(json.dumps({**config, "format_version": 1}))
+    with pytest.raises(CheckpointError, match=r"convert it once with `python scripts/upgrade_checkpoint.py "):
+        load_pretrained(old)
+    assert upgrade_checkpoint.main([str(old), str(tmp_path / "new")]) == 0
+    loaded = load_pretrained(tmp_path / "new")
+    ids = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model.eval()(ids))

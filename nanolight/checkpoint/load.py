@@ -172,8 +172,9 @@ def _read_param_state(
     out = None
     for j, (offset, shape) in enumerate(blocks):
         row = math.prod(shape[1:])
-        a, b = max(start - j * n, 0), min(end - j * n, n)
-        r0, r1 = a // row, max(-(-b // row), a // row)
+        a = min(max(start - j * n, 0), n)  # the owned range within block j (maybe empty)
+        b = max(min(end - j * n, n), a)
+        r0, r1 = a // row, -(-b // row)
         rows = reader.read(name, [offset[0] + r0, *offset[1:]], [r1 - r0, *shape[1:]])
         out = torch.zeros(p.shape, dtype=rows.dtype) if out is None else out
         out.view(-1)[j * n + r0 * row : j * n + r1 * row] = rows.reshape(-1)

@@ -194,8 +194,9 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if torch.compiler.is_compiling():
-            # inductor fuses the plain expression and its backward into one kernel each, writing
-            # both gradient halves itself; `_SwiGLU`'s out= writes would stay separate kernels
+            # inductor makes the fused kernels and the one gradient buffer from the plain expression
+            # itself; `_SwiGLU` is what eager mode needs for the same (its out= writes are opaque
+            # mutations to a compiler, functionalised into copies)
             gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(_SwiGLU.apply(gate_up))

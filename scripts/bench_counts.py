@@ -150,9 +150,9 @@ def held_bytes(preset: str, seq_len: int, mode: str, batch: int = 1) -> int:
 
 def saved_bytes(preset: str, seq_len: int, mode: str) -> int:
     """The activations a layer keeps for its backward at `seq_len` tokens: what the forward holds
-    at 2·seq_len minus what it holds at seq_len (what does not grow with the tokens cancels: on CPU
-    the MLP's regrouped weight copy, `SwiGLU._blocked_gate_up`), plus the layer's input, which every
-    mode keeps (the first norm's, or the recompute's) and which the caller allocated."""
+    at 2·seq_len minus what it holds at seq_len (what does not grow with the tokens cancels), plus
+    the layer's input, which every mode keeps (the first norm's, or the recompute's) and which the
+    caller allocated."""
     config = LlamaConfig.preset(preset)
     grown = held_bytes(preset, 2 * seq_len, mode) - held_bytes(preset, seq_len, mode)
     return grown + BYTES * seq_len * config.hidden_size

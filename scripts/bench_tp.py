@@ -4,7 +4,8 @@
     python scripts/bench_tp.py --tp 4 --hidden 512  # bigger; under torchrun on GPUs it uses NCCL
 
 Both sides shard the same plain `LlamaForCausalLM` with the same weights (qkv/gate_up
-column-wise, o/down row-wise, embedding vocab-wise, lm_head column-wise):
+column-wise, o/down row-wise, embedding vocab-wise, lm_head column-wise; gate_up's rows [gate | up]
+each half split, which PyTorch's contiguous split gets from rows reordered once, before sharding):
 
 * nanolight: `apply_tensor_parallel` + vocab-parallel cross-entropy (logits never gathered);
 * PyTorch: `torch.distributed.tensor.parallel.parallelize_module` with ColwiseParallel /
@@ -35,6 +36,7 @@ from nanolight.models import LlamaConfig, LlamaForCausalLM
 from nanolight.models.llama import causal_lm_loss
 from nanolight.parallel.launcher import ensure_processes, init_distributed
 from nanolight.parallel.tensor_parallel.apply import apply_tensor_parallel
+from nanolight.parallel.tensor_parallel.layers import shard_of
 
 
 def build_config(args: argparse.Namespace) -> LlamaConfig:
@@ -73,6 +75,11 @@ def torch_tp(cfg: LlamaConfig, device: torch.device) -> tuple[LlamaForCausalLM, 
     )
 
     model = reference_model(cfg, device)
+    tp = dist.get_world_size()
+    with torch.no_grad():  # rank r's contiguous rows are then [gate_r | up_r], as nanolight's shard
+        for layer in model.model.layers:
+            w = layer.mlp.gate_up_proj.weight
+            w.copy_(torch.cat([shard_of(w, 0, r, tp, chunks=2) for r in range(tp)]))
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     plan = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),  # vocab-parallel embedding

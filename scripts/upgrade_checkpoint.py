@@ -1,24 +1,37 @@
-"""Convert a one-process checkpoint of the format before the index into the one format.
+"""Convert a checkpoint of an earlier format into the one format of this nanolight.
 
     python scripts/upgrade_checkpoint.py OLD NEW [--overwrite]
 
-nanolight 0.1 saved one process as ``model.safetensors``, ``optimizer.pt`` (torch's optimizer state
-dicts, parameters named by position), ``trainer_state.pt`` and, later, ``checksums.json``. The
-trainer reads one format only (``index.json`` + shards, `nanolight/checkpoint/`), so such a
-directory is converted once: NEW is what a one-process save writes today, and a run resumed from
-it continues exactly as from OLD, at any layout.
+Two steps, each taken when OLD needs it:
 
-The positions of ``optimizer.pt`` become parameter names through the model that OLD's
+**Format before the index.** nanolight 0.1 saved one process as ``model.safetensors``,
+``optimizer.pt`` (torch's optimizer state dicts, parameters named by position),
+``trainer_state.pt`` and, later, ``checksums.json``. The trainer reads one format only
+(``index.json`` + shards, `nanolight/checkpoint/`), so such a directory is converted once: NEW is
+what a one-process save writes today, and a run resumed from it continues exactly as from OLD, at
+any layout. The positions of ``optimizer.pt`` become parameter names through the model that OLD's
 ``config.json`` describes: each param group is taken to list the model's parameters in the model's
 order, every parameter in one group (what the recipe's `param_groups`, and any filter of
 ``self.parameters()``, build). The stored state's shapes check that reading; one they cannot
-confirm is an error, never a guess. Errors exit with status 1 and one line on stderr; NEW is
-written atomically, so a failed run leaves nothing there.
+confirm is an error, never a guess.
+
+**Interleaved gate_up (format v1).** Up to format v1 the MLP's ``gate_up_proj`` rows were
+interleaved per unit, [gate_0, up_0, gate_1, ...]; from v2 they are [gate | up]. Every tensor of
+that shape -- the weight and each optimizer state of it -- is reordered in its global view. An
+indexed checkpoint keeps its other files as they are (the files holding gate_up pieces are
+rewritten without them) and its reordered gate_up tensors go to one file, each one whole shard:
+the loader reads any block of any shard layout, so it resumes at any layout. A model directory
+(``model.safetensors`` and ``config.json``, no trainer state) is rewritten whole.
+
+Errors exit with status 1 and one line on stderr; NEW is written atomically, so a failed run
+leaves nothing there.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,13 +46,17 @@ except ImportError:  # run from a source checkout without `pip install -e .`
 
 from nanolight.checkpoint.atomic import (
     CheckpointError,
+    atomic_directory,
     check_target,
     load_json,
     load_torch,
     open_tensors,
+    save_tensors,
     verify,
 )
-from nanolight.checkpoint.save import ExportExtras, save_checkpoint
+from nanolight.checkpoint.index import FORMAT, FORMAT_V1, INDEX_FILE, CheckpointIndex, Shard, TensorEntry
+from nanolight.checkpoint.reader import CheckpointReader
+from nanolight.checkpoint.save import FORMAT_VERSION, ExportExtras, save_checkpoint
 from nanolight.models import LlamaConfig, LlamaForCausalLM
 from nanolight.parallel.layout import ModelLayout
 
@@ -52,6 +69,13 @@ WEIGHTS, OPTIMIZER, TRAINER, CHECKSUMS, CONFIG = (
 )
 TAGS = ("format", "format_version", "sharding")  # config.json keys the writer sets itself
 ONE_PROCESS = {"tp": 1, "pp": 1, "dp": 1, "world_size": 1}
+GATE_UP = "mlp.gate_up_proj.weight"  # model/<key>, optim/<k>/<key>/<state>: every tensor of it
+GATE_UP_FILE = "gate_up-blocked.safetensors"  # an upgraded indexed checkpoint's reordered gate_up
+
+
+def blocked(interleaved: torch.Tensor) -> torch.Tensor:
+    """gate_up rows [gate_0, up_0, gate_1, ...] -> [gate_0, gate_1, ... | up_0, up_1, ...]."""
+    return interleaved.reshape(-1, 2, *interleaved.shape[1:]).transpose(0, 1).reshape(interleaved.shape)
 
 
 def check_files(old: Path) -> dict[str, Any]:
@@ -85,7 +109,9 @@ def build_module(old: Path, cfg: dict[str, Any]) -> nn.Module:
         setattr(holder, attr, root)
         root = holder
     weights = open_tensors(old / WEIGHTS)
-    root.load_state_dict({k: weights.get_tensor(k) for k in weights.keys()}, strict=True, assign=True)  # noqa: SIM118
+    state = {k: weights.get_tensor(k) for k in weights.keys()}  # noqa: SIM118
+    state = {k: blocked(v) if k.endswith(GATE_UP) else v for k, v in state.items()}  # 0.1 interleaved
+    root.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
     return root
 
@@ -139,6 +165,10 @@ def upgrade(old: str | Path, new: str | Path, overwrite: bool = False) -> Path:
         ]
         opt = torch.optim.Optimizer(hyper, {})  # only the state travels: the type is the module's
         opt.load_state_dict(sd)
+        for name, p in module.named_parameters():  # its state is interleaved like the 0.1 weight
+            for key, value in opt.state.get(p, {}).items() if name.endswith(GATE_UP) else ():
+                if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                    opt.state[p][key] = blocked(value)
         optimizers.append(opt)
     described = set(LlamaConfig.from_dict(cfg).directory_fields()) | set(TAGS)
     others = {WEIGHTS, OPTIMIZER, TRAINER, CHECKSUMS, CONFIG}
@@ -153,14 +183,82 @@ def upgrade(old: str | Path, new: str | Path, overwrite: bool = False) -> Path:
     return new
 
 
+def upgrade_v1(old: Path, new: Path, overwrite: bool = False) -> Path:
+    """Write NEW, OLD (an indexed checkpoint or a model directory of format v1) with its gate_up
+    tensors [gate | up]."""
+    config = load_json(old / CONFIG, "model config") if (old / CONFIG).is_file() else {}
+    if config:
+        config["format_version"] = FORMAT_VERSION
+    if not (old / INDEX_FILE).is_file():  # a model directory: one model.safetensors
+        weights = open_tensors(old / WEIGHTS)
+        state = {k: weights.get_tensor(k) for k in weights.keys()}  # noqa: SIM118
+        with atomic_directory(new, overwrite) as tmp:
+            save_tensors(
+                tmp / WEIGHTS, {k: blocked(v) if k.endswith(GATE_UP) else v for k, v in state.items()}
+            )
+            _copy_others(old, tmp, {WEIGHTS, CONFIG}, config)
+        return new
+    raw = json.loads((old / INDEX_FILE).read_text())
+    index = CheckpointIndex.from_json(json.dumps({**raw, "format": FORMAT}), old / INDEX_FILE)
+    reader = CheckpointReader(old, index, True)
+    reader.verify_all()  # every file as written (size, CRC-32) before any is converted or copied
+    moved = {n: e for n, e in index.tensors.items() if GATE_UP in n and len(e.shape) == 2}
+    with atomic_directory(new, overwrite) as tmp:
+        upgraded = {name: blocked(reader.read(name)) for name in moved}
+        index.checksums[GATE_UP_FILE] = save_tensors(tmp / GATE_UP_FILE, upgraded)
+        index.files[GATE_UP_FILE] = (tmp / GATE_UP_FILE).stat().st_size
+        dropped: dict[str, set[str]] = {}  # file -> its keys of gate_up pieces
+        for name, entry in moved.items():
+            for shard in entry.shards:
+                dropped.setdefault(shard.file, set()).add(shard.key)
+            index.tensors[name] = TensorEntry(
+                entry.shape, entry.dtype, [Shard(GATE_UP_FILE, name, [0, 0], entry.shape)]
+            )
+        for file, keys in dropped.items():
+            handle = open_tensors(old / file)
+            kept = {k: handle.get_tensor(k) for k in handle.keys() if k not in keys}  # noqa: SIM118
+            index.checksums[file] = save_tensors(tmp / file, kept)
+            index.files[file] = (tmp / file).stat().st_size
+        _copy_others(old, tmp, {INDEX_FILE, CONFIG, *dropped}, config)
+        (tmp / INDEX_FILE).write_text(index.to_json())  # last: no index, no checkpoint
+    return new
+
+
+def _copy_others(old: Path, tmp: Path, handled: set[str], config: dict[str, Any]) -> None:
+    """Copy OLD's files other than `handled` into `tmp`, and write `config` (if any) as config.json."""
+    for file in old.iterdir():
+        if file.is_file() and file.name not in handled:
+            shutil.copyfile(file, tmp / file.name)
+    if config:
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def is_v1(old: Path) -> bool:
+    """OLD is in the one format of version 1 (gate_up interleaved): its index or config.json says so."""
+    if (old / INDEX_FILE).is_file():
+        return load_json(old / INDEX_FILE, "checkpoint index").get("format") == FORMAT_V1
+    config = load_json(old / CONFIG, "model config") if (old / CONFIG).is_file() else {}
+    return (
+        config.get("format") == "nanolight"
+        and config.get("format_version") == 1
+        and not (old / TRAINER).is_file()
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("old", help="a one-process checkpoint directory written by nanolight 0.1")
+    parser.add_argument(
+        "old", help="a checkpoint of an earlier format: one process of nanolight 0.1, or format v1"
+    )
     parser.add_argument("new", help="where to write it in the one format (absent or empty)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty NEW")
     args = parser.parse_args(argv)
     try:
-        out = upgrade(args.old, args.new, args.overwrite)
+        old = Path(args.old)
+        if is_v1(old):
+            out = upgrade_v1(old, Path(args.new), args.overwrite)
+        else:
+            out = upgrade(old, args.new, args.overwrite)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,9 +1,10 @@
 """Checkpoints written before the core redesign (nanolight 0.1.0, tests/fixtures/legacy_v1/, made by
 fixtures/make_legacy_checkpoints.py) still resume, on one device and at tp2, with the losses the
-uninterrupted run had: the tp2·pp2·dp2 ZeRO-1 one as it is (it is the one format), the one-process
-one once `scripts/upgrade_checkpoint.py` has converted it (the trainer reads one format; opening the
-old one says to run the script). The script checks a ``checksums.json`` when there, and refuses a
-parameter order the stored shapes contradict."""
+uninterrupted run had, once `scripts/upgrade_checkpoint.py` has converted them: the one-process one
+from the format before the index, the tp2·pp2·dp2 ZeRO-1 one from format v1 (the MLP's gate_up rows
+interleaved; now [gate | up]). The trainer reads one format: opening either unconverted says to run
+the script. The script checks a ``checksums.json`` when there, and refuses a parameter order the
+stored shapes contradict."""
 
 from __future__ import annotations
 
@@ -34,20 +35,21 @@ _spec.loader.exec_module(upgrade_checkpoint)
 
 @pytest.fixture(scope="module")
 def upgraded(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The one-process fixture, converted by the script's command line."""
-    new = tmp_path_factory.mktemp("upgraded") / "step-2"
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), str(OUT / "single" / "step-2"), str(new)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    return new
+    """Both fixtures, converted by the script's command line (under <saved>/step-2)."""
+    root = tmp_path_factory.mktemp("upgraded")
+    for saved in ("single", "tp2_pp2_dp2_zero1"):
+        done = subprocess.run(
+            [sys.executable, str(SCRIPT), str(OUT / saved / "step-2"), str(root / saved / "step-2")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+    return root
 
 
 def _saved(saved: str, upgraded: Path) -> str:
-    return str(upgraded if saved == "single" else OUT / saved / "step-2")
+    return str(upgraded / saved / "step-2")
 
 
 @pytest.mark.parametrize("saved", ["single", "tp2_pp2_dp2_zero1"])
@@ -75,14 +77,18 @@ def test_legacy_checkpoint_resumes_at_tp2(saved: str, upgraded: Path) -> None:
             assert loss == pytest.approx(EXPECTED[step], rel=1e-5), (step, loss, EXPECTED[step])
 
 
-def test_legacy_weights_agree() -> None:
-    """Both fixtures hold the same step-2 weights (one run, two layouts), read on one device."""
+def test_legacy_weights_agree(upgraded: Path) -> None:
+    """Both fixtures hold the same step-2 weights (one run, two layouts), read on one device once
+    upgraded; gate_up's rows are [gate | up], the gate rows those stored first of each pair."""
     from safetensors.torch import load_file
 
     from nanolight.checkpoint import CheckpointReader
 
-    single = load_file(str(OUT / "single" / "step-2" / "model.safetensors"))
-    sharded = CheckpointReader.open(OUT / "tp2_pp2_dp2_zero1" / "step-2").model_state()
+    single = CheckpointReader.open(upgraded / "single" / "step-2").model_state()
+    sharded = CheckpointReader.open(upgraded / "tp2_pp2_dp2_zero1" / "step-2").model_state()
+    stored = load_file(str(OUT / "single" / "step-2" / "model.safetensors"))  # 0.1: [g0, u0, g1, ...]
+    gate_up = "model.model.layers.0.mlp.gate_up_proj.weight"
+    assert torch.equal(single[gate_up], torch.cat((stored[gate_up][0::2], stored[gate_up][1::2])))
     assert single.keys() == sharded.keys()
     for key, value in single.items():
         # AdamW turns last-bit gradient differences (another summation order) into ~1e-5 steps of
@@ -91,10 +97,11 @@ def test_legacy_weights_agree() -> None:
         assert rel <= 2e-5, (key, float(rel))
 
 
-def test_an_old_one_process_checkpoint_names_the_script() -> None:
+@pytest.mark.parametrize("saved", ["single", "tp2_pp2_dp2_zero1"])
+def test_an_old_checkpoint_names_the_script(saved: str) -> None:
     with pytest.raises(CheckpointError, match=r"convert it once with `python scripts/upgrade_checkpoint.py "):
         trainer(SingleDeviceStrategy("cpu"), 4).fit(
-            LegacyLM(), train_dataloaders=loader(), ckpt_path=str(OUT / "single" / "step-2")
+            LegacyLM(), train_dataloaders=loader(), ckpt_path=str(OUT / saved / "step-2")
         )
 
 
@@ -135,3 +142,34 @@ def test_the_upgrade_refuses_an_order_the_shapes_contradict(tmp_path: Path) -> N
     torch.save(states, step / "optimizer.pt")
     with pytest.raises(CheckpointError, match=r"no param group's next parameter has the shape of model"):
         upgrade_checkpoint.upgrade(step, tmp_path / "new")
+
+
+def test_a_v1_model_directory_names_the_script_and_upgrades(tmp_path: Path) -> None:
+    """A model directory of format v1 (config.json, model.safetensors with gate_up's rows
+    interleaved per unit) is refused with the script's name; once upgraded it loads as the model
+    it was saved from."""
+    from safetensors.torch import load_file, save_file
+
+    from nanolight.models import LlamaConfig, LlamaForCausalLM
+    from nanolight.models.pretrained import load_pretrained, save_pretrained
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig.preset("smollm-tiny", num_hidden_layers=2, vocab_size=256))
+    save_pretrained(model, tmp_path / "v2")
+    old = tmp_path / "v1"
+    shutil.copytree(tmp_path / "v2", old)
+    tensors = load_file(str(old / "model.safetensors"))
+    for name, t in tensors.items():
+        if name.endswith("gate_up_proj.weight"):  # [gate | up] -> [g0, u0, g1, u1, ...]
+            gate, up = t.chunk(2)
+            tensors[name] = torch.stack((gate, up), dim=1).reshape(t.shape)
+    save_file(tensors, str(old / "model.safetensors"))
+    config = json.loads((old / "config.json").read_text())
+    (old / "config.json").write_text(json.dumps({**config, "format_version": 1}))
+    with pytest.raises(CheckpointError, match=r"convert it once with `python scripts/upgrade_checkpoint.py "):
+        load_pretrained(old)
+    assert upgrade_checkpoint.main([str(old), str(tmp_path / "new")]) == 0
+    loaded = load_pretrained(tmp_path / "new")
+    ids = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model.eval()(ids))

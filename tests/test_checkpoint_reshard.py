@@ -162,3 +162,19 @@ def test_pp4_resumes_at_pp2_v2(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_pp2_v2_dp2_zero1_resumes_at_one_process(tmp_path: Path) -> None:
     _roundtrip(tmp_path, (1, 2, 2, 1, 2), (1, 1, 1, 0))
+
+
+def test_one_process_resumes_at_tp2_dp2_zero1_gate_up_in_halves(tmp_path: Path) -> None:
+    """gate_up's rows are [gate | up] and tp rank k holds [gate_k | up_k]: two blocks of the global
+    tensor, written as two shards (weights and each ZeRO-1 piece), read back from one block."""
+    _roundtrip(tmp_path, (1, 1, 1, 0), (2, 1, 2, 1))
+    index = json.loads((tmp_path / "again-2-1-1" / "index.json").read_text())
+    inter = _config().intermediate_size
+    weight = index["tensors"]["model/model.model.layers.0.mlp.gate_up_proj.weight"]
+    assert sorted((s["tp"], s["offset"][0], s["shape"][0]) for s in weight["shards"]) == [
+        (0, 0, inter // 2), (0, inter, inter // 2), (1, inter // 2, inter // 2), (1, 3 * inter // 2, inter // 2),
+    ]  # fmt: skip
+    moment = index["tensors"]["optim/0/model.model.layers.0.mlp.gate_up_proj.weight/exp_avg"]
+    assert {(s["tp"], s["offset"][0]) for s in moment["shards"]} == {
+        (0, 0), (0, inter), (1, inter // 2), (1, 3 * inter // 2),
+    }  # fmt: skip

@@ -95,7 +95,7 @@ def test_missing_truncated_or_unindexed_files_are_named(tmp_path: Path) -> None:
     )  # an index from before checksums
     with pytest.raises(ValueError, match=rf"shard {shard} is unreadable"):
         CheckpointReader.open(tmp_path).read("optim/0/w/exp_avg")
-    (tmp_path / INDEX_FILE).write_text('{"format": "nanolight-sharded-v1", "tens')
+    (tmp_path / INDEX_FILE).write_text('{"format": "nanolight-sharded-v2", "tens')
     with pytest.raises(ValueError, match=r"index .* is unreadable"):
         CheckpointReader.open(tmp_path)
     (tmp_path / INDEX_FILE).unlink()

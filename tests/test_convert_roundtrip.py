@@ -97,7 +97,7 @@ def test_hf_nanolight_hf_is_bit_identical(tmp_path, kw):
     convert_hf_to_nanolight(tmp_path / "hf", tmp_path / "nl")
     assert_tokenizer_works(tmp_path / "nl")
     meta = json.loads((tmp_path / "nl" / "config.json").read_text())
-    assert meta["format"] == "nanolight" and meta["format_version"] == 1 and meta["sharding"] is None
+    assert meta["format"] == "nanolight" and meta["format_version"] == 2 and meta["sharding"] is None
     with safe_open(str(tmp_path / "nl" / "model.safetensors"), "pt") as f:
         stored = set(f.keys())
     assert ("lm_head.weight" in stored) is (not hf.config.tie_word_embeddings)

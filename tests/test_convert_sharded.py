@@ -29,7 +29,7 @@ from nanolight.models.pretrained import (
     read_checkpoint,
     save_pretrained,
 )
-from nanolight.parallel.tensor_parallel.apply import gather_full, shard_dims
+from nanolight.parallel.tensor_parallel.apply import gather_full, shard_chunks, shard_dims
 from nanolight.strategies.parallel3d import Parallel3DStrategy
 
 SEED, STEPS, ACCUM, MICRO, T, VOCAB = 5, 3, 2, 2, 16, 128
@@ -77,9 +77,9 @@ def _train_worker(rank: int, world: int, root: str, layout: str) -> bool:
     trainer.fit(module, train_dataloaders=_loader(ctx.dp_rank))
     trainer.save_checkpoint(Path(root) / "step", update_last=False)  # collective
     # the live weights, independently of the checkpoint code: every tp shard gathered (collective)
-    dims = shard_dims(module.model)
+    dims, chunks = shard_dims(module.model), shard_chunks(module.model)
     full = {
-        name: gather_full(p.detach(), dims[name], ctx.tp_group).clone()
+        name: gather_full(p.detach(), dims[name], ctx.tp_group, chunks.get(name, 1)).clone()
         for name, p in module.model.named_parameters()
     }
     if ctx.tp_rank == 0 and ctx.dp_rank == 0:  # one writer per pipeline stage

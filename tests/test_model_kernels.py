@@ -159,7 +159,9 @@ def test_rmsnorm_function_matches_plain_formula():
         torch.testing.assert_close(a, b)
 
 
-def test_cpu_mlp_regrouped_projection_matches_stride_two_unbinding():
+def test_mlp_reads_gate_then_up_rows():
+    """gate_up_proj's rows are [gate | up]: the MLP is Llama's down(silu(x Wg^T) * x Wu^T) with Wg
+    its first half and Wu its second, values and gradients."""
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=10, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4
@@ -169,34 +171,29 @@ def test_cpu_mlp_regrouped_projection_matches_stride_two_unbinding():
         torch.nn.init.normal_(p, std=0.1)
     x = torch.randn(2, 5, 32, requires_grad=True)
 
-    def stride_two():
-        gate, up = mlp.gate_up_proj(x).unflatten(-1, (-1, 2)).unbind(-1)
-        return mlp.down_proj(F.silu(gate) * up)
+    def separate():
+        w_gate, w_up = mlp.gate_up_proj.weight[:48], mlp.gate_up_proj.weight[48:]
+        return mlp.down_proj(F.silu(x @ w_gate.T) * (x @ w_up.T))
 
     params = (x, mlp.gate_up_proj.weight, mlp.down_proj.weight)
-    ref, g_ref = _grads(stride_two, *params)
+    ref, g_ref = _grads(separate, *params)
     out, g_out = _grads(lambda: mlp(x), *params)
     torch.testing.assert_close(out, ref)
     for a, b in zip(g_out, g_ref, strict=True):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("interleaved", [True, False])
-def test_swiglu_function_matches_autograd_bit_for_bit(interleaved):
-    """One gradient buffer instead of two joined by a copy: the same ops, so the same bits, in
-    both layouts (interleaved: the GPU path; [gate | up]: the CPU path's regrouped projection)."""
+def test_swiglu_function_matches_autograd_bit_for_bit():
+    """One gradient buffer instead of two joined by a copy: the same ops, so the same bits."""
     torch.manual_seed(0)
     gate_up = torch.randn(2, 5, 24, requires_grad=True)
 
     def plain():
-        if interleaved:
-            gate, up = gate_up.unflatten(-1, (-1, 2)).unbind(-1)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
     ref, (g_ref,) = _grads(plain, gate_up)
-    out, (g_out,) = _grads(lambda: _SwiGLU.apply(gate_up, interleaved), gate_up)
+    out, (g_out,) = _grads(lambda: _SwiGLU.apply(gate_up), gate_up)
     assert torch.equal(out, ref) and torch.equal(g_out, g_ref)
 
 

@@ -140,6 +140,19 @@ def test_meta_build_then_init_is_deterministic_and_tied():
     assert m(torch.randint(0, 97, (2, 5))).shape == (2, 5, 97)
 
 
+def test_init_draws_gate_up_unit_by_unit():
+    """The init stream is what it was when gate_up's rows were stored interleaved per unit (each
+    parameter drawn whole, in order): a seed gives the same weights, stored [gate | up]."""
+    torch.manual_seed(7)
+    m = LlamaForCausalLM(tiny())
+    torch.manual_seed(7)
+    for name, p in m.named_parameters():
+        drawn = torch.ones_like(p) if name.endswith("norm.weight") else torch.empty_like(p).normal_(0, 0.02)
+        if name.endswith("gate_up_proj.weight"):  # rows [g0, u0, g1, u1, ...] as drawn
+            drawn = torch.cat((drawn[0::2], drawn[1::2]))
+        assert torch.equal(p, drawn), name
+
+
 def test_direct_build_equals_meta_build_plus_init():
     torch.manual_seed(3)
     direct = LlamaForCausalLM(tiny(tie_word_embeddings=True))
@@ -274,7 +287,7 @@ def test_sharded_modules_run_unchanged():
     full_attn = attn(x, cos, sin)
     full_mlp = mlp(x)
     rows_qkv = attn.qkv_proj.weight.shape[0] // 2
-    rows_mlp = mlp.gate_up_proj.weight.shape[0] // 2
+    gate, up = mlp.gate_up_proj.weight.chunk(2)  # [gate | up]: a rank holds half of each
     parts_attn, parts_mlp = [], []
     for rank in range(2):
         a = llama.CausalSelfAttention(cfg)
@@ -282,7 +295,7 @@ def test_sharded_modules_run_unchanged():
         a.o_proj.weight.data = attn.o_proj.weight[:, rank * 32 : (rank + 1) * 32]
         parts_attn.append(a(x, cos, sin))  # row-parallel o_proj: partial sums
         mm = llama.SwiGLU(cfg)
-        mm.gate_up_proj.weight.data = mlp.gate_up_proj.weight[rank * rows_mlp : (rank + 1) * rows_mlp]
+        mm.gate_up_proj.weight.data = torch.cat((gate.chunk(2)[rank], up.chunk(2)[rank]))
         mm.down_proj.weight.data = mlp.down_proj.weight[:, rank * 48 : (rank + 1) * 48]
         parts_mlp.append(mm(x))
     torch.testing.assert_close(sum(parts_attn), full_attn, rtol=1e-5, atol=1e-6)

@@ -68,11 +68,11 @@ def _tp_worker(rank: int, world: int, root: str, sp: bool) -> list[float]:
     strategy.load_checkpoint(root_path / "single-ckpt")
     full = CheckpointReader.open(root_path / "single-ckpt").model_state()
     group = strategy.parallel_context.tp_group
-    from nanolight.parallel.tensor_parallel.apply import shard_dims, take_shard
+    from nanolight.parallel.tensor_parallel.apply import shard_chunks, shard_dims, take_shard
 
-    dims = shard_dims(module)
+    dims, chunks = shard_dims(module), shard_chunks(module)
     for name, p in module.named_parameters():
-        assert torch.equal(p.detach(), take_shard(full[name], dims[name], group)), name
+        assert torch.equal(p.detach(), take_shard(full[name], dims[name], group, chunks.get(name, 1))), name
     return module.losses
 
 
@@ -97,7 +97,7 @@ def test_trainer_tp2_matches_single_device(tmp_path: Path, sp: bool) -> None:
 
 
 def _pretrained_worker(rank: int, world: int, path: str) -> bool:
-    from nanolight.parallel.tensor_parallel.apply import shard_dims, take_shard
+    from nanolight.parallel.tensor_parallel.apply import shard_chunks, shard_dims, take_shard
 
     strategy = Parallel3DStrategy(tp=world, pretrained=path)
     strategy.setup_environment()
@@ -107,8 +107,9 @@ def _pretrained_worker(rank: int, world: int, path: str) -> bool:
     strategy.setup_module(module)
     full = load_file(str(Path(path) / "model.safetensors"))
     dims, group = shard_dims(module.model), strategy.parallel_context.tp_group
+    chunks = shard_chunks(module.model)
     for name, p in module.model.named_parameters():
-        assert torch.equal(p.detach(), take_shard(full[name], dims[name], group)), name
+        assert torch.equal(p.detach(), take_shard(full[name], dims[name], group, chunks.get(name, 1))), name
     return True
 
 

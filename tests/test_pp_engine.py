@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from nanolight import Callback, NanoModule, NanoTrainer
 from nanolight.checkpoint import CheckpointReader
 from nanolight.models import LlamaConfig, LlamaForCausalLM
-from nanolight.parallel.tensor_parallel import shard_dims, take_shard
+from nanolight.parallel.tensor_parallel import shard_chunks, shard_dims, take_shard
 from nanolight.strategies.parallel3d import Parallel3DStrategy
 
 STEPS, MICRO, B, T, SEED = 10, 4, 2, 16, 7
@@ -159,9 +159,9 @@ def _check_stage_init(module: Wrapper, cfg: LlamaConfig, ctx: object) -> bool:
         ctx.is_first_stage or (cfg.tie_word_embeddings and ctx.is_last_stage)
     )
     assert (lm.lm_head is not None) == ctx.is_last_stage
-    dims = shard_dims(lm)
+    dims, chunks = shard_dims(lm), shard_chunks(lm)
     for name, p in lm.named_parameters():
-        expected = take_shard(ref_params[name], dims[name], ctx.tp_group)
+        expected = take_shard(ref_params[name], dims[name], ctx.tp_group, chunks.get(name, 1))
         assert torch.equal(p.detach(), expected), name
     return True
 

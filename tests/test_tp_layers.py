@@ -13,6 +13,8 @@ from nanolight.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    gather_full,
+    take_shard,
     vocab_parallel_cross_entropy,
 )
 from nanolight.parallel.tensor_parallel.cross_entropy import VocabParallelCrossEntropyLoss
@@ -50,6 +52,32 @@ def _check_column(rank: int, size: int, sp: bool, gather_output: bool) -> None:
         y.backward(gy.chunk(size, -1)[rank])
     _close(x_local.grad, _seq(x.grad, rank, size, sp), "column input grad")
     _close(layer.weight.grad, dense.weight.grad.chunk(size, 0)[rank], "column weight grad")
+
+
+def _check_column_chunks(rank: int, size: int, sp: bool) -> None:
+    """chunks=2 (the MLP's [gate | up]): rank k holds [gate_k | up_k], and its output is its slice
+    of each half of the dense output; take_shard / gather_full follow the same rule."""
+    group = dist.group.WORLD
+    dense = nn.Linear(H, OUT, bias=False)
+    x = torch.randn(B, T, H, requires_grad=True)
+    gy = torch.randn(B, T, OUT)
+    dense(x).backward(gy)
+
+    def mine(t: torch.Tensor, dim: int) -> torch.Tensor:  # [first half's slice | second half's slice]
+        first, second = t.chunk(2, dim)
+        return torch.cat((first.chunk(size, dim)[rank], second.chunk(size, dim)[rank]), dim)
+
+    layer = ColumnParallelLinear(H, OUT, group, chunks=2, sequence_parallel=sp)
+    local = mine(dense.weight.detach(), 0)
+    assert torch.equal(take_shard(dense.weight.detach(), 0, group, chunks=2), local)
+    assert torch.equal(gather_full(local, 0, group, chunks=2), dense.weight.detach())
+    layer.weight.data.copy_(local)
+    x_local = _seq(x.detach(), rank, size, sp).requires_grad_()
+    y = layer(x_local)
+    _close(y, mine(dense(x).detach(), -1), "chunked column output shard")
+    y.backward(mine(gy, -1))
+    _close(x_local.grad, _seq(x.grad, rank, size, sp), "chunked column input grad")
+    _close(layer.weight.grad, mine(dense.weight.grad, 0), "chunked column weight grad")
 
 
 def _check_row(rank: int, size: int, sp: bool, input_is_parallel: bool) -> None:
@@ -128,6 +156,7 @@ def _check_head_loss(rank: int, size: int, sp: bool) -> None:
 def _all_layers(rank: int, size: int, sp: bool) -> bool:
     torch.manual_seed(1234)  # identical dense weights and inputs on every rank
     _check_column(rank, size, sp, gather_output=False)
+    _check_column_chunks(rank, size, sp)
     _check_row(rank, size, sp, input_is_parallel=True)
     _check_embedding(rank, size, sp)
     _check_head_loss(rank, size, sp)

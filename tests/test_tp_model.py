@@ -19,7 +19,12 @@ from nanolight.parallel import ParallelContext
 from nanolight.parallel.grads import GradientSync
 from nanolight.parallel.layout import ModelLayout, tied_aliases
 from nanolight.parallel.shard import init_replayed_, param_specs
-from nanolight.parallel.tensor_parallel.apply import apply_tensor_parallel, shard_dims, take_shard
+from nanolight.parallel.tensor_parallel.apply import (
+    apply_tensor_parallel,
+    shard_chunks,
+    shard_dims,
+    take_shard,
+)
 
 STEPS, B, T, SEED = 10, 2, 16, 7
 ATTN = {
@@ -53,11 +58,13 @@ def _train_and_compare(rank: int, world: int, attn: str, tied: bool, sp: bool) -
         model, ModelLayout.sharded(model, full_shapes, aliases, ctx), ctx, sequence_parallel=sp
     )
 
-    dims = shard_dims(model)
+    dims, chunks = shard_dims(model), shard_chunks(model)
     ref_params = dict(ref.named_parameters())
     assert list(dims) == list(ref_params), "parameter names must not change under TP"
     for name, p in model.named_parameters():  # topology-independent init: exactly the slice
-        torch.testing.assert_close(p, take_shard(ref_params[name], dims[name], group), rtol=0, atol=0)
+        torch.testing.assert_close(
+            p, take_shard(ref_params[name], dims[name], group, chunks.get(name, 1)), rtol=0, atol=0
+        )
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
 
     ids = torch.randint(0, cfg.vocab_size, (STEPS, B, T), generator=torch.Generator().manual_seed(1))
@@ -72,7 +79,7 @@ def _train_and_compare(rank: int, world: int, attn: str, tied: bool, sp: bool) -
         grads.finish()  # under sequence parallelism: the norm weights' partial sums over tp
         torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0, msg=f"loss differs at step {step}")
         for name, p in model.named_parameters():
-            expected = take_shard(ref_params[name].grad, dims[name], group)
+            expected = take_shard(ref_params[name].grad, dims[name], group, chunks.get(name, 1))
             # elementwise, with an absolute floor relative to the gradient's scale: AdamW turns
             # last-bit differences into weight differences, so after a few steps an element's
             # gradient moves by up to 5.3e-5 of the largest (measured on an AMD EPYC over seeds 3-8;

@@ -35,7 +35,10 @@ from typing import Any
 from nanolight.checkpoint.atomic import CheckpointError
 
 INDEX_FILE = "index.json"
-FORMAT = "nanolight-sharded-v1"
+# v2: the MLP's gate_up rows are stored [gate | up] (v1: interleaved per unit); a v1 checkpoint
+# converts once with scripts/upgrade_checkpoint.py
+FORMAT, FORMAT_V1 = "nanolight-sharded-v2", "nanolight-sharded-v1"
+UPGRADE_HINT = "convert it once with `python scripts/upgrade_checkpoint.py {path} NEW` and resume from NEW"
 
 
 @dataclass
@@ -91,6 +94,11 @@ class CheckpointIndex:
     def from_json(cls, text: str, where: Path) -> CheckpointIndex:
         try:
             raw = json.loads(text)
+            if raw.get("format") == FORMAT_V1:
+                raise CheckpointError(
+                    f"{where.parent} is a checkpoint of format v1 (the MLP's gate_up rows interleaved): "
+                    + UPGRADE_HINT.format(path=where.parent)
+                )
             if isinstance(raw.get("format"), str) and raw["format"] != FORMAT:  # another tool's index
                 raise CheckpointError(
                     f"{where.parent} is not a checkpoint directory: its {where.name} is a "

@@ -91,9 +91,11 @@ def load_model(
     with torch.no_grad():
         for key in keys:
             tensor = own_tensor(module, key)
-            offset, shape = layout.block(key, tensor.shape)
+            blocks = layout.blocks(key, tensor.shape)
             name = f"model/{stored_prefix}{key.removeprefix(strip)}"
-            tensor.copy_(reader.read(name, offset, shape))
+            parts = tensor.chunk(len(blocks), layout.tp_dims.get(key) or 0)  # views: copied into in place
+            for part, (offset, shape) in zip(parts, blocks, strict=True):
+                part.copy_(reader.read(name, offset, shape))
     return missing, unexpected
 
 
@@ -142,7 +144,7 @@ def load_optimizers(
                     if name in reader.index.extras:
                         entry[skey] = reader.index.extras[name]
                     elif list(reader.shape(name)) == list(layout.full_shapes[key]):
-                        entry[skey] = _read_param_state(reader, name, *layout.block(key, p.shape), owned, p)
+                        entry[skey] = _read_param_state(reader, name, layout, key, owned, p)
                     else:
                         entry[skey] = reader.read(name).to(p.device)
                 if entry:
@@ -154,25 +156,28 @@ def load_optimizers(
 
 
 def _read_param_state(
-    reader: CheckpointReader,
-    name: str,
-    offset: list[int],
-    shape: list[int],
-    owned: dict | None,
-    p: torch.Tensor,
+    reader: CheckpointReader, name: str, layout: Any, key: str, owned: dict | None, p: torch.Tensor
 ) -> torch.Tensor:
-    """A param-shaped state tensor (this rank's tp block of it). With `owned` (ZeRO-1), only the
-    rows covering the owned flat range are read; the rest stays zero and is never used."""
+    """A param-shaped state tensor (this rank's tp blocks of it, `layout.blocks`). With `owned`
+    (ZeRO-1), only the rows covering the owned flat range are read; the rest stays zero and is
+    never used. Several blocks split dim 0 (column layers): each is a contiguous flat range."""
+    blocks = layout.blocks(key, p.shape)
     if owned is None or p.dim() == 0:
-        return reader.read(name, offset, shape).to(p.device)
+        parts = [reader.read(name, offset, shape) for offset, shape in blocks]
+        return torch.cat(parts, dim=layout.tp_dims.get(key) or 0).to(p.device)
     if id(p) not in owned:
         return torch.empty(0, device=p.device)  # another dp rank's partition: not read at all
     start, end = owned[id(p)]
-    row = math.prod(shape[1:])
-    r0, r1 = start // row, -(-end // row)
-    rows = reader.read(name, [offset[0] + r0, *offset[1:]], [r1 - r0, *shape[1:]])
-    out = torch.zeros(shape, dtype=rows.dtype)
-    out.view(-1)[r0 * row : r1 * row] = rows.reshape(-1)
+    n = math.prod(blocks[0][1])
+    out = None
+    for j, (offset, shape) in enumerate(blocks):
+        row = math.prod(shape[1:])
+        a = min(max(start - j * n, 0), n)  # the owned range within block j (maybe empty)
+        b = max(min(end - j * n, n), a)
+        r0, r1 = a // row, -(-b // row)
+        rows = reader.read(name, [offset[0] + r0, *offset[1:]], [r1 - r0, *shape[1:]])
+        out = torch.zeros(p.shape, dtype=rows.dtype) if out is None else out
+        out.view(-1)[j * n + r0 * row : j * n + r1 * row] = rows.reshape(-1)
     return out.to(p.device)
 
 

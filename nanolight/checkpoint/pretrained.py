@@ -23,13 +23,14 @@ from typing import Any
 import torch
 
 from nanolight.checkpoint.atomic import (
+    CheckpointError,
     MissingCheckpointFile,
     atomic_directory,
     load_json,
     resolve_checkpoint,
     save_tensors,
 )
-from nanolight.checkpoint.index import INDEX_FILE
+from nanolight.checkpoint.index import INDEX_FILE, UPGRADE_HINT
 from nanolight.checkpoint.reader import CONFIG_FILE, TRAINER_FILE, WEIGHTS_FILE, CheckpointReader
 from nanolight.checkpoint.save import FORMAT_NAME, FORMAT_VERSION, ExportExtras, write_config
 
@@ -115,6 +116,10 @@ def read_model_directory(path: str | Path) -> tuple[dict[str, Any], dict[str, to
         raise ValueError(
             f"{cfg_file} is not a nanolight checkpoint (format={meta.get('format')!r})"
             + (hint if "model_type" in meta or "architectures" in meta else "")
+        )
+    if meta.get("format_version") == 1:  # the MLP's gate_up rows interleaved
+        raise CheckpointError(
+            f"{path} is a nanolight directory of format version 1: " + UPGRADE_HINT.format(path=path)
         )
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(

@@ -38,7 +38,7 @@ from nanolight.checkpoint.atomic import (
     open_tensors,
     verify,
 )
-from nanolight.checkpoint.index import INDEX_FILE, CheckpointIndex, Shard, TensorEntry
+from nanolight.checkpoint.index import INDEX_FILE, UPGRADE_HINT, CheckpointIndex, Shard, TensorEntry
 
 TRAINER_FILE, CONFIG_FILE = "trainer_state.pt", "config.json"
 GROUPS_FILE = "optimizer_groups.pt"  # every optimizer's param-group hyperparameters
@@ -92,7 +92,7 @@ class CheckpointReader:
         if (path / WEIGHTS_FILE).is_file() and (path / TRAINER_FILE).is_file():  # the old one-process format
             raise CheckpointError(
                 f"{path} is a one-process checkpoint of the format before the index (nanolight 0.1): "
-                f"convert it once with `python scripts/upgrade_checkpoint.py {path} NEW` and resume from NEW"
+                + UPGRADE_HINT.format(path=path)
             )
         if (path / WEIGHTS_FILE).is_file() or (path / HF_INDEX).is_file():  # no index: build it in memory
             index = CheckpointIndex({"tp": 1, "pp": 1, "dp": 1, "world_size": 1}, {}, {})

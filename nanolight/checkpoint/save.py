@@ -47,7 +47,8 @@ from nanolight.checkpoint.atomic import (
 from nanolight.checkpoint.index import INDEX_FILE, CheckpointIndex, Shard, TensorEntry
 from nanolight.checkpoint.reader import CONFIG_FILE, GROUPS_FILE, TRAINER_FILE
 
-FORMAT_NAME, FORMAT_VERSION = "nanolight", 1  # a model directory's config.json says so
+# a model directory's config.json says so; 2: the MLP's gate_up rows [gate | up] (1: interleaved)
+FORMAT_NAME, FORMAT_VERSION = "nanolight", 2
 
 
 @runtime_checkable
@@ -120,10 +121,12 @@ class ShardWriter:
         block_shape: list[int] | None = None,
         flat: tuple[int, int] | None = None,
         tp_dim: int | None = None,
+        key: str | None = None,
     ) -> None:
         """Store `tensor` as the piece of global tensor `name` at `offset` (a block of
         `block_shape`, default: the tensor's own shape), or, with `flat`, as that range of the
-        block's flattening. The tensor must be exactly the piece (no copy is made here)."""
+        block's flattening, under `key` in the file (default: `name`; a rank holding two blocks of
+        one tensor names each). The tensor must be exactly the piece (no copy is made here)."""
         block_shape = list(block_shape if block_shape is not None else tensor.shape)
         offset = list(offset if offset is not None else [0] * len(block_shape))
         expected = flat[1] - flat[0] if flat is not None else math.prod(block_shape)
@@ -134,8 +137,9 @@ class ShardWriter:
         if where in self._seen:  # the same tensor under two names (ZeRO's per-group `step`)
             tensor = tensor.clone()  # safetensors refuses aliases
         self._seen.add(where)
-        self._files.setdefault(file, {})[name] = tensor
-        shard = Shard(file, name, offset, block_shape, list(flat) if flat else None, tp_dim, **self.coords)
+        key = key or name
+        self._files.setdefault(file, {})[key] = tensor
+        shard = Shard(file, key, offset, block_shape, list(flat) if flat else None, tp_dim, **self.coords)
         dtype = str(tensor.dtype).removeprefix("torch.")
         self.part.entries.append((name, list(global_shape), dtype, dict(vars(shard))))
 
@@ -212,9 +216,7 @@ def _rank_part(
     writer = ShardWriter(coords)
     for key, tensor in module.state_dict().items():
         if layout.stores(key):
-            offset, shape = layout.block(key, tensor.shape)
-            full, dim = list(layout.full_shapes[key]), layout.tp_dims.get(key)
-            writer.add(_file("model", coords), f"model/{key}", tensor, full, offset, shape, tp_dim=dim)
+            _add_blocks(writer, _file("model", coords), f"model/{key}", tensor, layout, key, None)
     names = {id(p): n for n, p in module.named_parameters()}
     for k, opt in enumerate(optimizers):
         zero = hasattr(opt, "local_state_pieces")  # ZeRO-1: this dp rank's flat partition
@@ -222,13 +224,11 @@ def _rank_part(
             key = names[id(p)]
             if not layout.stores(key, zero_piece=zero):
                 continue
-            offset, shape = layout.block(key, p.shape)
             for skey, value in entry.items():
                 name = f"optim/{k}/{key}/{skey}"
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == end - start:
-                    full, dim = list(layout.full_shapes[key]), layout.tp_dims.get(key)
                     flat = (start, end) if zero else None
-                    writer.add(_file("optim", coords), name, value, full, offset, shape, flat, dim)
+                    _add_blocks(writer, _file("optim", coords), name, value, layout, key, flat, p.shape)
                 elif start == 0 and coords["tp"] == 0:  # scalars (`step`): written once
                     writer.add_value(_file("optim", coords), name, value)
     part = writer.write(tmp)
@@ -236,6 +236,40 @@ def _rank_part(
     own = {"rng": rank_state.get("rng"), "loop": rank_state.get("loop"), "coords": coords}
     part.record(rank_file, save_torch(rank_file, own))
     return part
+
+
+def _add_blocks(
+    writer: ShardWriter,
+    file: str,
+    name: str,
+    tensor: torch.Tensor,
+    layout: Any,
+    key: str,
+    flat: tuple[int, int] | None,
+    local_shape: torch.Size | None = None,
+) -> None:
+    """Add this rank's part of global tensor `name` (of parameter `key`): `tensor`, the local
+    tensor, or with `flat` that range of its flattening, as one piece per block of `layout.blocks`.
+    Blocks of one local tensor split its tp dim, which is dim 0 where there are several (column
+    layers), so each is a contiguous range of the flattening and a flat range cuts into one per block."""
+    local_shape = tensor.shape if local_shape is None else local_shape
+    full, dim = list(layout.full_shapes[key]), layout.tp_dims.get(key)
+    blocks = layout.blocks(key, local_shape)
+    if len(blocks) == 1:
+        writer.add(file, name, tensor, full, *blocks[0], flat, dim)
+        return
+    n = math.prod(blocks[0][1])
+    start, end = flat if flat is not None else (0, math.prod(local_shape))
+    pieces = tensor.reshape(-1)
+    for j, (offset, shape) in enumerate(blocks):
+        lo, hi = max(start, j * n), min(end, (j + 1) * n)
+        if lo < hi:
+            part, part_flat = pieces[lo - start : hi - start], (lo - j * n, hi - j * n)
+            whole = part_flat == (0, n) and flat is None
+            piece = part.view(shape) if whole else part
+            writer.add(
+                file, name, piece, full, offset, shape, None if whole else part_flat, dim, f"{name}@{j}"
+            )
 
 
 # ---- every rank --------------------------------------------------------------------------------

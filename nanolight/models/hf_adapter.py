@@ -8,7 +8,7 @@ tensors it is made of, and how they combine:
     copy     same tensor, same name pattern
     qkv      q_proj, k_proj, v_proj -> qkv_proj, grouped per kv head g:
              [q_{g*r} .. q_{g*r+r-1}, k_g, v_g] (r = n_heads / n_kv, head_dim rows each)
-    gate_up  gate_proj, up_proj -> gate_up_proj, rows interleaved [gate_0, up_0, gate_1, ...]
+    gate_up  gate_proj, up_proj -> gate_up_proj, rows blocked [gate | up]
 
 Both directions read the same rows, so a new tensor is added in one place. Fusing and
 splitting only move rows, which is why HF -> nanolight -> HF is bit-identical.
@@ -135,12 +135,12 @@ def split_qkv(qkv: torch.Tensor, config: LlamaConfig) -> tuple[torch.Tensor, tor
 
 
 def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return torch.stack((gate, up), dim=1).reshape(-1, gate.size(1))  # (2*intermediate, C), interleaved
+    return torch.cat((gate, up), dim=0)  # (2*intermediate, C): [gate | up]
 
 
 def split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    pairs = gate_up.view(-1, 2, gate_up.size(1))  # (intermediate, 2, C)
-    return pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
+    gate, up = gate_up.chunk(2, dim=0)
+    return gate.contiguous(), up.contiguous()
 
 
 # ---------------------------------------------------------------------- state-dict conversion

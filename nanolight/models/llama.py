@@ -3,10 +3,10 @@
 Read top to bottom like nanoGPT's model.py: RMSNorm, attention with one fused qkv projection,
 a SwiGLU MLP with one fused gate_up projection, the decoder block, the model. There is no
 parallel code here. Tensor parallelism is applied from outside using `LlamaForCausalLM.tp_plan`
-(data: module name -> "column" | "row" | "vocab"); to make that possible the fused weights are
-laid out so that a contiguous slice of rows is a whole set of heads / MLP units (see
-`CausalSelfAttention` and `SwiGLU`), and every module derives its local head or unit count from
-its weight's shape, so a tp-sharded module runs this same forward.
+(data: module name -> "column" | "row" | "vocab", or ("column", n): n blocks each split); to make
+that possible the fused weights are laid out so that a tp shard is a whole set of heads / MLP
+units (see `CausalSelfAttention` and `SwiGLU`), and every module derives its local head or unit
+count from its weight's shape, so a tp-sharded module runs this same forward.
 
 Module names are stable (`model.layers.{i}.self_attn.qkv_proj`, ...): the TP plan, the pipeline
 split and checkpoints all key on them.
@@ -20,7 +20,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from torch.func import functional_call
 
 from nanolight.models.attention import AttentionBackend, Documents, KernelAttention, flash_attn_available
 from nanolight.models.fused_loss import linear_cross_entropy
@@ -155,40 +154,37 @@ class CausalSelfAttention(nn.Module):
         return self.o_proj(y)
 
 
-def _halves(gate_up: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
-    """gate and up as views of the projection's output: [g0, u0, g1, u1, ...] or [g..., u...]."""
-    return gate_up.unflatten(-1, (-1, 2)).unbind(-1) if interleaved else gate_up.chunk(2, dim=-1)
-
-
 class _SwiGLU(torch.autograd.Function):
-    """silu(gate) * up with the gradient of gate and up written into one buffer shaped like the
-    projection's output: autograd would give two tensors and join them with a copy."""
+    """silu(gate) * up of the projection's output [gate | up], with the gradient of gate and up
+    written into one buffer shaped like that output: autograd would give two tensors and join
+    them with a copy (of the MLP's widest activation, on every device)."""
 
     @staticmethod
-    def forward(ctx: Any, gate_up: Tensor, interleaved: bool) -> Tensor:
-        gate, up = _halves(gate_up, interleaved)
+    def forward(ctx: Any, gate_up: Tensor) -> Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate)
         ctx.save_for_backward(gate_up, act)  # what autograd keeps too: the input and silu(gate)
-        ctx.interleaved = interleaved
         return act * up
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
         gate_up, act = ctx.saved_tensors
-        gate, up = _halves(gate_up, ctx.interleaved)
+        gate, up = gate_up.chunk(2, dim=-1)
         d_gate_up = torch.empty_like(gate_up)
-        d_gate, d_up = _halves(d_gate_up, ctx.interleaved)
+        d_gate, d_up = d_gate_up.chunk(2, dim=-1)
         torch.mul(grad, act, out=d_up)
         torch.mul(grad, up, out=d_gate)  # d silu(gate), then through silu in place
         torch.ops.aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)
-        return d_gate_up, None
+        return d_gate_up
 
 
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul.
 
-    gate_up_proj rows are interleaved per intermediate unit: [gate_0, up_0, gate_1, up_1, ...],
-    so any contiguous, even-sized row slice holds matching gate/up pairs (tp-shardable).
+    gate_up_proj's rows are blocked, [gate_0 .. gate_{I-1} | up_0 .. up_{I-1}], so gate and up
+    are unit-stride halves of its output on every device (vectorised elementwise kernels).
+    Tensor parallelism splits each half (`tp_plan`'s ("column", 2)): shard k = [gate_k | up_k],
+    matching units, and this same forward runs on it.
     """
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -197,22 +193,14 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # inductor fuses silu * up reading stride 2
-            gate, up = _halves(self.gate_up_proj(x), interleaved=True)
+        gate_up = self.gate_up_proj(x)
+        if torch.compiler.is_compiling():
+            # inductor makes the fused kernels and the one gradient buffer from the plain expression
+            # itself; `_SwiGLU` is what eager mode needs for the same (its out= writes are opaque
+            # mutations to a compiler, functionalised into copies)
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
-        if x.device.type != "cpu":  # CUDA's kernels read stride 2 at full speed
-            return self.down_proj(_SwiGLU.apply(self.gate_up_proj(x), True))
-        return self.down_proj(_SwiGLU.apply(self._blocked_gate_up(x), False))
-
-    def _blocked_gate_up(self, x: torch.Tensor) -> torch.Tensor:
-        """[gate | up] as unit-stride halves: the projection runs once with its weight's rows
-        regrouped [gate_0, gate_1, ..., up_0, up_1, ...] (a weight-sized copy, differentiable).
-        CPU's vectorised silu, its backward and the product need unit stride: on a stride-2 input
-        the MLP ran ~15% slower than transformers' separate gate/up projections. The module is
-        still the one called (`functional_call`), so a tensor-parallel layer keeps its collectives."""
-        w = self.gate_up_proj.weight  # (2 * intermediate_local, H), pairs interleaved
-        blocked = w.view(-1, 2, w.shape[-1]).transpose(0, 1).reshape(w.shape)
-        return functional_call(self.gate_up_proj, {"weight": blocked}, (x,))
+        return self.down_proj(_SwiGLU.apply(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -307,11 +295,11 @@ class LlamaForCausalLM(nn.Module):
         "last": ("model.norm", "lm_head"),
     }
     # Tensor-parallel plan: module-name pattern -> style. Data only; the strategy applies it.
-    tp_plan: dict[str, str] = {
+    tp_plan: dict[str, str | tuple[str, int]] = {
         "model.embed_tokens": "vocab",
         "model.layers.*.self_attn.qkv_proj": "column",
         "model.layers.*.self_attn.o_proj": "row",
-        "model.layers.*.mlp.gate_up_proj": "column",
+        "model.layers.*.mlp.gate_up_proj": ("column", 2),  # [gate | up]: each half split over tp
         "model.layers.*.mlp.down_proj": "row",
         "lm_head": "column",
     }
@@ -422,6 +410,12 @@ class LlamaForCausalLM(nn.Module):
         with torch.no_grad():
             if name.endswith("norm.weight"):
                 tensor.fill_(1.0)
+            elif name.endswith("mlp.gate_up_proj.weight"):
+                # drawn unit by unit (gate_j's row, then up_j's), stored [gate | up]: the stream's
+                # order is the model's, not the storage's, so a seed gives the weights it always has
+                drawn = torch.empty_like(tensor).view(-1, 2, tensor.shape[-1])
+                drawn.normal_(0.0, self.config.initializer_range, generator=generator)
+                tensor.view(2, -1, tensor.shape[-1]).copy_(drawn.transpose(0, 1))
             else:
                 tensor.normal_(0.0, self.config.initializer_range, generator=generator)
 

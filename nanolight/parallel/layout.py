@@ -6,7 +6,9 @@ block; gradients: which are partial sums, which are tied across stages, which co
 norm). It is pure data, the same arithmetic on every rank, no communication:
 
     question                         answer
-    block(key)                       this rank's [offset, offset + shape) of the global tensor
+    blocks(key)                      this rank's [offset, offset + shape) of the global tensor: one
+                                     block, or one per chunk of a tensor tp splits chunk by chunk
+                                     (the MLP's [gate | up]: shard k = [gate_k | up_k], two blocks)
     stores(key)                      this rank writes the block to a checkpoint: the lowest stage
                                      holding it, tp rank 0 if it is replicated over tp, replica
                                      rank 0 (replicas: dp x cp; a ZeRO-1 partition: every
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanolight.parallel.tensor_parallel.apply import shard_dims
+from nanolight.parallel.tensor_parallel.apply import shard_chunks, shard_dims
 
 
 def live_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -69,6 +71,7 @@ class ModelLayout:
     tp_size: int = 1
     pp_rank: int = 0
     replica_rank: int = 0  # among the ranks holding the same weights: dp x cp (`context.py` "replica")
+    tp_chunks: dict[str, int] = field(default_factory=dict)  # keys split over tp block by block (`shard_of`)
 
     @classmethod
     def whole(cls, module: nn.Module) -> ModelLayout:
@@ -92,20 +95,33 @@ class ModelLayout:
         holders = {k: split.holders(k.removeprefix(prefix)) if split else (0,) for k in full_shapes}
         tp_dims = {k: dims.get(k) for k in module.state_dict()}
         replica = ctx.rank_in("replica")
-        return cls(full_shapes, aliases, tp_dims, holders, ctx.tp_rank, ctx.tp_size, ctx.pp_rank, replica)
+        chunks = shard_chunks(module)
+        return cls(
+            full_shapes, aliases, tp_dims, holders, ctx.tp_rank, ctx.tp_size, ctx.pp_rank, replica, chunks
+        )
 
     @property
     def coords(self) -> dict[str, int]:
         """Recorded with each checkpoint shard; "dp" is the replica index (a ZeRO-1 piece's owner)."""
         return {"pp": self.pp_rank, "tp": self.tp_rank, "dp": self.replica_rank}
 
-    def block(self, key: str, local_shape: torch.Size | tuple[int, ...]) -> tuple[list[int], list[int]]:
-        """(offset, shape) of this rank's tp slice of global tensor `key`."""
-        offset = [0] * len(local_shape)
-        dim = self.tp_dims.get(key)
-        if dim is not None:
-            offset[dim] = self.tp_rank * local_shape[dim]
-        return offset, list(local_shape)
+    def blocks(
+        self, key: str, local_shape: torch.Size | tuple[int, ...]
+    ) -> list[tuple[list[int], list[int]]]:
+        """(offset, shape) in global tensor `key` of each of this rank's blocks, in the order they
+        lie in its local tensor along the tp dim: one (the local tensor is one slice), or one per
+        chunk (chunk j of the local tensor is this rank's slice of the global tensor's chunk j)."""
+        dim, chunks = self.tp_dims.get(key), self.tp_chunks.get(key, 1)
+        if dim is None:
+            return [([0] * len(local_shape), list(local_shape))]
+        shape = list(local_shape)
+        shape[dim] //= chunks
+        out = []
+        for j in range(chunks):
+            offset = [0] * len(local_shape)
+            offset[dim] = (j * self.tp_size + self.tp_rank) * shape[dim]
+            out.append((offset, list(shape)))
+        return out
 
     def _answers(self, key: str) -> bool:
         """This rank speaks for `key` among its tp group and the stages holding it."""

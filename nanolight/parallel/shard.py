@@ -35,7 +35,8 @@ from nanolight.parallel.config import ParallelConfig
 from nanolight.parallel.context import ParallelContext
 from nanolight.parallel.layout import ModelLayout, tied_aliases
 from nanolight.parallel.pipeline import PipelineSplit, apply_split, plan_split
-from nanolight.parallel.tensor_parallel.apply import apply_tensor_parallel
+from nanolight.parallel.tensor_parallel.apply import apply_tensor_parallel, shard_chunks
+from nanolight.parallel.tensor_parallel.layers import shard_of
 
 
 @dataclass
@@ -128,13 +129,13 @@ def init_replayed_(
         raise TypeError(
             f"{type(model).__name__} has no init_param(name, tensor, generator); cannot init by name"
         )
-    kept = dict(model.named_parameters())
+    kept, chunks = dict(model.named_parameters()), shard_chunks(model)
     for name, shape in specs:
         full = torch.empty(shape, dtype=torch.float32)  # on CPU: the CPU generator's stream
         model.init_param(name, full, generator)
         if name not in kept:
             continue  # another stage's parameter: drawn only to keep the stream aligned
         dim = tp_dims.get(name)
-        local = full if dim is None else full.chunk(tp_size, dim=dim)[tp_rank]
+        local = full if dim is None else shard_of(full, dim, tp_rank, tp_size, chunks.get(name, 1))
         with torch.no_grad():
             kept[name].copy_(local)

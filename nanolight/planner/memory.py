@@ -33,10 +33,9 @@ of the micro-batch, q/kv = query/key-value widths, I = MLP width, all / tp where
 norm inputs x*h and rstd x (twice), the two column linears' gathered inputs N*h, the qkv output
 (v is a view of it), rope'd q and k, SDPA's output and log-sum-exp, gate_up (2I), silu (I) and
 the product (I); eager attention instead saves q, the GQA-expanded k and v, the (T, T) mask and
-the softmax (b, heads, T, T). On CPU the SwiGLU's regrouped gate_up weight (`_blocked_gate_up`)
-is saved too. The head: the fused head + loss (`fused_loss.py`, over this rank's vocabulary slice
-under tp) keeps d hidden (the whole sequence's: the head's input is gathered) and an fp32 d weight.
-`full` recompute keeps the block input only; `selective` keeps the input, the
+the softmax (b, heads, T, T). The head: the fused head + loss (`fused_loss.py`, over this rank's
+vocabulary slice under tp) keeps d hidden (the whole sequence's: the head's input is gathered) and an
+fp32 d weight. `full` recompute keeps the block input only; `selective` keeps the input, the
 matmul outputs and the attention kernel's outputs (`recompute._keep`).
 
 Context parallelism (cp > 1) gives each rank T/cp tokens of every sequence (zigzag chunks), so
@@ -128,7 +127,7 @@ def rank_parameters(config: LlamaConfig, layout: Layout, stage: int) -> int:
 def block_activation_bytes(work: Workload, layout: Layout, mode: str | None = None) -> int:
     """Bytes autograd saves for one decoder block and one micro-batch (see the module docstring)."""
     c, tp, b, T = work.config, layout.tp, layout.micro_batch_size, work.seq_len // layout.cp
-    w_bytes, _, a, r = PRECISION_BYTES[layout.precision]
+    _, _, a, r = PRECISION_BYTES[layout.precision]
     N, h = b * T, c.hidden_size
     x = N // tp if layout.sequence_parallel else N  # tokens between tp regions
     q, kv = c.num_attention_heads * c.head_dim // tp, c.num_key_value_heads * c.head_dim // tp
@@ -137,9 +136,6 @@ def block_activation_bytes(work: Workload, layout: Layout, mode: str | None = No
     block_input = r * x * h
     if mode == "full":
         return block_input
-    cpu_weight = (
-        2 * inter * h * (w_bytes if layout.precision == "32-true" else a) if work.device == "cpu" else 0
-    )
     if layout.cp > 1:  # ring attention: q, k, v, the fp32 output and lse, the output's cast
         attn_out = a * N * q if a != 4 else 0
         kernel_outputs = 4 * N * q + 4 * b * heads * T + attn_out
@@ -157,7 +153,7 @@ def block_activation_bytes(work: Workload, layout: Layout, mode: str | None = No
     norms = 2 * (r * x * h + 4 * x)
     linear_inputs = 2 * a * N * h
     mlp = a * N * 2 * inter + 2 * a * N * inter
-    return norms + linear_inputs + attention + mlp + cpu_weight
+    return norms + linear_inputs + attention + mlp
 
 
 def ring_transient_bytes(work: Workload, layout: Layout) -> int:

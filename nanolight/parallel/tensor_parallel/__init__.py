@@ -3,6 +3,7 @@
 from nanolight.parallel.tensor_parallel.apply import (
     apply_tensor_parallel,
     gather_full,
+    shard_chunks,
     shard_dims,
     take_shard,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "apply_tensor_parallel",
     "gather_full",
+    "shard_chunks",
     "shard_dims",
     "take_shard",
     "vocab_parallel_cross_entropy",

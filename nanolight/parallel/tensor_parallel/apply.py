@@ -1,7 +1,8 @@
 """Apply a model's declarative TP plan to the plain model, and the TP bookkeeping around it.
 
 The model says *what* (`LlamaForCausalLM.tp_plan`: module-name pattern -> "column" | "row" |
-"vocab"); this file says *how*:
+"vocab", or ("column", n): output rows that are n equal blocks, each split over tp, e.g. the
+MLP's [gate | up] with n=2 -- `layers.shard_of`); this file says *how*:
 
     style     module becomes                        notes
     vocab     VocabParallelEmbedding                output all-reduced (SP: reduce-scattered on T)
@@ -12,8 +13,8 @@ The model says *what* (`LlamaForCausalLM.tp_plan`: module-name pattern -> "colum
                                                     `model(ids)` without labels gathers the logits
 
 Parameter names do not change, so checkpoints, the optimizer and pipeline split see the same
-keys; `shard_dims` tells which dim of each parameter is split. Everything else (norms) is
-replicated over tp.
+keys; `shard_dims` tells which dim of each parameter is split, `shard_chunks` into how many
+blocks. Everything else (norms) is replicated over tp.
 
 Sequence parallelism: activations between TP regions are (B, T/tp, H). The sequence is
 all-gathered on entry to the *parent* of each column layer (`self_attn`, `mlp`) rather than in
@@ -43,21 +44,31 @@ from nanolight.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    shard_of,
+    unshard,
 )
 
 STYLES = ("column", "row", "vocab")
 
 
+def plan_style(value: str | tuple[str, int]) -> tuple[str, int]:
+    """A plan entry as (style, chunks): "column" -> ("column", 1); ("column", 2) as is."""
+    style, chunks = (value, 1) if isinstance(value, str) else value
+    if chunks != 1 and style != "column":
+        raise ValueError(f"tensor-parallel plan entry {value!r}: only 'column' splits blocks one by one")
+    return style, chunks
+
+
 def apply_tensor_parallel(
     model: nn.Module,
-    plan: Mapping[str, str],
+    plan: Mapping[str, str | tuple[str, int]],
     group: Any,
     sequence_parallel: bool = False,
     output_module: str = "lm_head",
 ) -> nn.Module:
     """Replace `model`'s modules per `plan` in place (on meta, or copying weight slices) and return it."""
     rank, size = comm.tp_world(group)
-    unknown = {p: s for p, s in plan.items() if s not in STYLES}
+    unknown = {p: s for p, s in plan.items() if plan_style(s)[0] not in STYLES}
     if unknown:
         raise ValueError(f"unknown tensor-parallel style(s) {unknown}; valid styles are {STYLES}")
     matched: set[str] = set()
@@ -68,10 +79,11 @@ def apply_tensor_parallel(
             continue
         matched.add(pattern)
         parent = name.rpartition(".")[0]
-        gathered_by_parent = sequence_parallel and plan[pattern] == "column" and parent != ""
+        style, chunks = plan_style(plan[pattern])
+        gathered_by_parent = sequence_parallel and style == "column" and parent != ""
         if gathered_by_parent:
             sp_entries.add(parent)
-        new = _parallel_twin(module, plan[pattern], group, sequence_parallel, gathered_by_parent)
+        new = _parallel_twin(module, style, chunks, group, sequence_parallel, gathered_by_parent)
         _copy_slice(module, new, rank, size)
         model.set_submodule(name, new)
     missing = sorted(set(plan) - matched)
@@ -90,7 +102,7 @@ def apply_tensor_parallel(
 
 
 def _parallel_twin(
-    module: nn.Module, style: str, group: Any, sp: bool, gathered_by_parent: bool
+    module: nn.Module, style: str, chunks: int, group: Any, sp: bool, gathered_by_parent: bool
 ) -> nn.Module:
     """The TP layer replacing `module`, on the same device and dtype as its weight."""
     w = module.weight
@@ -110,6 +122,7 @@ def _parallel_twin(
             group,
             sequence_parallel=sp,
             input_is_gathered=gathered_by_parent,
+            chunks=chunks,
             **kw,
         )
     return RowParallelLinear(module.in_features, module.out_features, group, sequence_parallel=sp, **kw)
@@ -120,7 +133,7 @@ def _copy_slice(dense: nn.Module, parallel: nn.Module, rank: int, size: int) -> 
     if dense.weight.is_meta:
         return
     with torch.no_grad():
-        parallel.weight.copy_(dense.weight.chunk(size, dim=parallel.tp_shard_dim)[rank])
+        parallel.weight.copy_(shard_of(dense.weight, parallel.tp_shard_dim, rank, size, parallel.tp_chunks))
 
 
 class _GatherSequence:
@@ -165,14 +178,29 @@ def shard_dims(model: nn.Module, remove_duplicate: bool = True) -> dict[str, int
     return {name: owner[name] for name, _ in model.named_parameters(remove_duplicate=remove_duplicate)}
 
 
-def gather_full(tensor: Tensor, dim: int | None, group: Any) -> Tensor:
+def shard_chunks(model: nn.Module) -> dict[str, int]:
+    """Parameter name -> the blocks its tp dim is split in one by one (`layers.shard_of`), for the
+    parameters with more than one (every other sharded parameter: one contiguous slice)."""
+    return {
+        f"{mod_name}.weight" if mod_name else "weight": mod.tp_chunks
+        for mod_name, mod in model.named_modules(remove_duplicate=False)
+        if isinstance(mod, TP_LAYERS) and mod.tp_chunks > 1
+    }
+
+
+def gather_full(tensor: Tensor, dim: int | None, group: Any, chunks: int = 1) -> Tensor:
     """The unsharded tensor, on every tp rank (tp ranks exchange their shards)."""
-    return tensor if dim is None else comm.all_gather_tensor(tensor.detach(), dim, group).contiguous()
+    if dim is None:
+        return tensor
+    gathered = comm.all_gather_tensor(tensor.detach(), dim, group)  # tp ranks exchange their shards
+    if chunks == 1:
+        return gathered.contiguous()
+    return unshard(list(gathered.chunk(comm.tp_world(group)[1], dim=dim)), dim, chunks)
 
 
-def take_shard(full: Tensor, dim: int | None, group: Any) -> Tensor:
-    """This rank's slice of an unsharded tensor (no communication)."""
+def take_shard(full: Tensor, dim: int | None, group: Any, chunks: int = 1) -> Tensor:
+    """This rank's shard of an unsharded tensor (no communication)."""
     if dim is None:
         return full
     rank, size = comm.tp_world(group)
-    return full.chunk(size, dim=dim)[rank]
+    return shard_of(full, dim, rank, size, chunks)

@@ -6,7 +6,11 @@
 
 The parameter is always called `weight` and each class records which dim is sharded
 (`tp_shard_dim`), so state-dict keys are those of the plain model and a full tensor is one
-`torch.cat(shards, dim=tp_shard_dim)` away: checkpoints load at any layout.
+`unshard(shards, tp_shard_dim, tp_chunks)` away: checkpoints load at any layout.
+
+A column layer whose output is several tensors side by side (the MLP's [gate | up]) splits each
+of its `tp_chunks` equal row blocks over tp, so shard k = [gate_k | up_k] and every rank holds
+matching halves (nanotron's ``contiguous_chunks``); `shard_of` / `unshard` are that rule.
 
 With `sequence_parallel=True` the activations *between* TP regions are split along the
 sequence (dim 1 of (B, T, H)): a column layer all-gathers the sequence first, a row layer
@@ -31,10 +35,25 @@ def _shard_size(total: int, size: int, what: str) -> int:
     return total // size
 
 
+def shard_of(full: Tensor, dim: int, rank: int, size: int, chunks: int = 1) -> Tensor:
+    """Rank `rank`'s shard of `full`: of each of its `chunks` equal blocks along `dim`, the
+    rank's 1/size slice, concatenated (chunks=1: one contiguous slice, a view)."""
+    if chunks == 1:
+        return full.chunk(size, dim=dim)[rank]
+    return torch.cat([block.chunk(size, dim=dim)[rank] for block in full.chunk(chunks, dim=dim)], dim=dim)
+
+
+def unshard(shards: list[Tensor], dim: int, chunks: int = 1) -> Tensor:
+    """The full tensor from every rank's `shard_of`, in rank order (its inverse)."""
+    pieces = [shard.chunk(chunks, dim=dim) for shard in shards]
+    return torch.cat([p[j] for j in range(chunks) for p in pieces], dim=dim)
+
+
 class _ParallelLinear(nn.Module):
     """A bias-free linear layer holding the `tp_shard_dim` slice of its dense twin's weight."""
 
     tp_shard_dim = 0
+    tp_chunks = 1  # blocks along tp_shard_dim split over tp one by one (`shard_of`)
 
     def __init__(
         self,
@@ -64,6 +83,7 @@ class ColumnParallelLinear(_ParallelLinear):
     row-parallel layer (or the vocab-parallel loss) wants: no communication at the exit.
     `input_is_gathered=True` (sequence parallelism only) means the caller already all-gathered
     the sequence with `comm.gather_from_sp`, e.g. once for a whole attention block.
+    `chunks` > 1: the output features are that many equal blocks, each split over tp (`shard_of`).
     """
 
     tp_shard_dim = 0
@@ -76,10 +96,19 @@ class ColumnParallelLinear(_ParallelLinear):
         *,
         gather_output: bool = False,
         input_is_gathered: bool = False,
+        chunks: int = 1,
         **common: Any,  # sequence_parallel, device, dtype
     ) -> None:
+        if out_features % chunks != 0:
+            raise ValueError(f"out_features={out_features} is not {chunks} equal blocks")
+        _shard_size(out_features // chunks, comm.tp_world(group)[1], f"out_features / {chunks}")
+        if gather_output and chunks > 1:
+            raise ValueError(
+                "gather_output=True needs chunks=1: a gathered output would interleave the blocks"
+            )
         super().__init__(in_features, out_features, group, **common)
         self.gather_output, self.input_is_gathered = gather_output, input_is_gathered
+        self.tp_chunks = chunks
 
     def forward(self, x: Tensor) -> Tensor:
         y = F.linear(self.entry(x), self.weight)  # (..., out/tp)
@@ -97,7 +126,8 @@ class ColumnParallelLinear(_ParallelLinear):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features} "
-            f"(local {self.weight.shape[0]}), tp={self.tp_size}, gather_output={self.gather_output}, "
+            f"(local {self.weight.shape[0]}), tp={self.tp_size}, chunks={self.tp_chunks}, "
+            f"gather_output={self.gather_output}, "
             f"sequence_parallel={self.sequence_parallel}"
         )
 
@@ -148,6 +178,7 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     tp_shard_dim = 0
+    tp_chunks = 1
 
     def __init__(
         self,

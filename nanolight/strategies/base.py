@@ -62,9 +62,8 @@ class Parallelism:
     context: Any = None  # the ParallelContext (ranks, process groups); None without parallelism
     dp: int = 1  # data-parallel replicas: tokens per step = a rank's tokens x this (ThroughputMonitor)
     cp: int = 1  # ranks splitting each sequence (context parallelism): each holds 1/cp of its tokens
-    sequence_multiple: int = (
-        1  # sequence lengths must be a multiple of this (cp; tp under sequence parallelism)
-    )
+    # sequence lengths must be a multiple of this (cp's zigzag chunks; tp under sequence parallelism)
+    sequence_multiple: int = 1
     pipelined: bool = False  # only the last stage computes the loss; every stage runs every micro-batch
     # (process group, size) whose ranks' micro-batches make up one global batch: the step's valid
     # targets are counted over it (`Strategy.token_mean`)

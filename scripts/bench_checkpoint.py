@@ -156,7 +156,7 @@ def worker(
         timeout=timedelta(minutes=10),
     )
     strategy = setup(layout, args)
-    ctx = strategy.parallel_context
+    ctx = strategy.parallel.context
     coords = {"pp": ctx.pp_rank, "tp": ctx.tp_rank, "dp": ctx.dp_rank}
     base = Path(root)
     state = {"format": "bench"}  # the trainer's part (progress, rng, ...) is a few KB: not measured

@@ -14,7 +14,7 @@
    section 4) applied to a Llama layer and nanolight's recompute policies: see `formula_bytes`.
 3. World-wide collectives at start-up and per step at 8 ... 4,096 ranks: torch's fake process
    group (``torch.testing._internal.distributed.fake_pg``: one simulated rank of the large world)
-   running the real `ParallelContext` and its per-step agreement (`start_max`), every group
+   running the real `ParallelContext` and its per-step agreement (`agree_max`), every group
    creation and collective counted as it is called. Under NCCL with a bound device every group-
    creation call is one ``ncclCommSplit`` that the whole world joins; one made with
    ``use_local_synchronization`` (the path without a bound device) only its members meet.
@@ -245,9 +245,9 @@ def world_collectives(world: int, rank: int = 0) -> dict[str, int]:
     try:
         with counting_calls(world) as startup:
             ctx = ParallelContext(**mesh_for(world), timeout=timedelta(seconds=30))
-            ctx.start_max(0)  # the first one hands rank 0's store address round
+            ctx.agree_max(0)  # the first one hands rank 0's store address round
         with counting_calls(world) as step:
-            ctx.start_max(0)
+            ctx.agree_max(0)
         return {
             "group calls per rank": startup["group calls"],
             "world-wide group calls (NCCL, bound device)": startup["group calls"],

@@ -352,7 +352,7 @@ def trainer_losses(
                     self.losses.append(float(trainer.callback_metrics["train/loss"]))
             if seen is not None:
                 seen["weights"] = {p.dtype for p in module.parameters()}
-                masters = trainer.strategy.master_optimizers()
+                masters = trainer.optimizers  # bf16-master: ZeroOptimizers holding the fp32 masters
                 seen["masters"] = {m.dtype for opt in masters for m in opt.master}
 
     watch = Watch()

@@ -413,6 +413,25 @@ def unmapped_files(pkg: Path, map_text: str) -> list[str]:
     return out
 
 
+def unnamed_strategy_names(pkg: Path, map_text: str) -> list[str]:
+    """Every public method or property of a strategy class (a class in ``strategies/`` whose name
+    ends in ``Strategy``) that the map does not name in backticks (`` `clip_gradients` ``, or
+    inside one: `` `Parallel3DStrategy.from_config` ``): the seam is what the map lists."""
+    words = {w for quoted in re.findall(r"`([^`\n]+)`", map_text) for w in re.findall(r"\w+", quoted)}
+    out = []
+    for path in sorted((pkg / "strategies").glob("*.py")):
+        for cls in ast.parse(path.read_text()).body:
+            if not (isinstance(cls, ast.ClassDef) and cls.name.endswith("Strategy")):
+                continue
+            for node in cls.body:
+                public = isinstance(
+                    node, ast.FunctionDef | ast.AsyncFunctionDef
+                ) and not node.name.startswith("_")
+                if public and node.name not in words:
+                    out.append(f"strategies/{path.name}: {cls.name}.{node.name} is not named in the map")
+    return out
+
+
 @dataclass(frozen=True)
 class SizeTargets:
     """The consolidation's targets (issue 23) that hold for good; line totals are not among them."""

@@ -35,17 +35,12 @@ def listing(dirpath: str | Path) -> list[str]:
 
 class StandInStrategy:
     root_device = torch.device("cpu")
-
-    def __init__(self) -> None:
-        self.shared_checks: list[str] = []
+    world_size, global_rank, is_global_zero = 1, 0, True  # one process: no shared-directory check
 
     def barrier(self, name: str | None = None) -> None: ...
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
-
-    def check_shared_directory(self, path: str) -> None:
-        self.shared_checks.append(str(path))
 
 
 class StandInTrainer:

@@ -255,6 +255,22 @@ def test_the_map_fails_when_broken(tmp_path: Path) -> None:
     ]
 
 
+def test_the_map_names_every_strategy_method() -> None:
+    violations = arch.unnamed_strategy_names(PKG, (REPO / "ARCHITECTURE.md").read_text())
+    assert not violations, report(violations)
+
+
+def test_strategy_names_fail_when_broken(tmp_path: Path) -> None:
+    code = (
+        "class Strategy:\n    def barrier(self): ...\n    def _own(self): ...\n    def any_rank(self): ...\n"
+    )
+    pkg = write_tree(tmp_path, {"strategies/base.py": code})
+    assert arch.unnamed_strategy_names(pkg, "`barrier`, `Strategy.any_rank`") == []
+    assert arch.unnamed_strategy_names(pkg, "`barrier`, any_rank") == [
+        "strategies/base.py: Strategy.any_rank is not named in the map"
+    ]
+
+
 # 5b. No parallel code in the trainer --------------------------------------------------------------
 
 

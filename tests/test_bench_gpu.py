@@ -79,7 +79,7 @@ def test_bf16_master_step_is_adamw_on_fp32_masters_with_fp32_gradients() -> None
     copy of the weights with the bf16 model's gradient taken in fp32, clipped by
     ``clip_grad_norm_``. The masters match it in fp32, the compute weights are them cast to bf16."""
     from nanolight.models import LlamaConfig
-    from nanolight.parallel.zero import ZeroOptimizer
+    from nanolight.parallel.zero import ZeroOptimizer, masters_in_model
 
     bench = _load_bench()
     device = torch.device("cpu")
@@ -101,7 +101,7 @@ def test_bf16_master_step_is_adamw_on_fp32_masters_with_fp32_gradients() -> None
     bench.optimizer(reference, device).step()
 
     names = [n for n, _ in model.named_parameters()]
-    with step.strategy.weights_in_fp32():
+    with masters_in_model(step.strategy.optimizers):
         masters = [p.detach().clone() for p in model.parameters()]
     for name, got, want, weight in zip(
         names, masters, reference.parameters(), model.parameters(), strict=True

@@ -18,6 +18,7 @@ from _tiny import StepLosses, TinyLM, token_loader
 
 from nanolight import Callback, NanoTrainer
 from nanolight.checkpoint import CheckpointReader
+from nanolight.parallel.zero import masters_in_model
 from nanolight.precision import Precision
 from nanolight.strategies import SingleDeviceStrategy
 
@@ -41,12 +42,12 @@ class MasterGrads(Callback):
         self.steps: list[dict[str, torch.Tensor]] = []
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        (zero,) = trainer.strategy.master_optimizers()
+        (zero,) = trainer.optimizers  # bf16-master: a one-rank ZeroOptimizer
         self.steps.append({n: zero.reducer.grad_view(p).clone() for n, p in pl_module.named_parameters()})
 
 
 def _masters(trainer: NanoTrainer, module: TinyLM) -> dict[str, torch.Tensor]:
-    with trainer.strategy.weights_in_fp32():
+    with masters_in_model(trainer.optimizers):
         return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 

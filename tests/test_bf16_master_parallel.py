@@ -20,6 +20,7 @@ from _tiny import StepLosses, TinyLM, run_distributed, tiny_config, token_loader
 
 from nanolight import Callback, NanoTrainer
 from nanolight.parallel.blocks import decoder_blocks
+from nanolight.parallel.zero import masters_in_model
 from nanolight.strategies.parallel3d import Parallel3DStrategy
 
 SEED, STEPS, ACCUM, MICRO = 7, 3, 4, 2
@@ -235,7 +236,7 @@ def _resume_worker(rank: int, world: int, root: str, steps: int, ckpt: str | Non
     )  # fmt: skip
     module = TinyLM(tiny_config(tied=False), seed=SEED, warmup=2)
     trainer.fit(module, token_loader(4 * 2 * MICRO * world, batch_size=MICRO), ckpt_path=ckpt)
-    with trainer.strategy.weights_in_fp32():  # collective: every dp rank takes part
+    with masters_in_model(trainer.optimizers):  # collective: every dp rank takes part
         masters = {n: p.detach().numpy().copy() for n, p in module.named_parameters()}  # by value
     return seen.losses, masters
 

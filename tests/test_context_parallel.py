@@ -67,7 +67,7 @@ def _train(strategy: Any, dp: int, steps: int, root: str, load: str | None, save
     from nanolight.callbacks import ModelCheckpoint
 
     record, micro = StepLosses(), 1 if dp > 1 else 2
-    rank = 0 if strategy.parallel_context is None else strategy.parallel_context.dp_rank
+    rank = 0 if strategy.parallel.context is None else strategy.parallel.context.dp_rank
     saving = ModelCheckpoint(dirpath=Path(root) / save, every_n_train_steps=1, save_last=False, keep_last_n=1)
     trainer = NanoTrainer(
         use_distributed_sampler=False, max_steps=steps, accumulate_grad_batches=GLOBAL // (dp * micro),

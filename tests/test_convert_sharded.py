@@ -62,7 +62,7 @@ def _train_worker(rank: int, world: int, root: str, layout: str) -> bool:
     tp, pp, dp, zero_stage, tied = LAYOUTS[layout]
     strategy = Parallel3DStrategy(tp=tp, pp=pp, dp=dp, zero_stage=zero_stage)
     strategy.setup_environment()
-    ctx = strategy.parallel_context
+    ctx = strategy.parallel.context
     trainer = NanoTrainer(
         use_distributed_sampler=False,  # each rank is given its own data
         max_steps=STEPS,

@@ -66,7 +66,7 @@ def _dp_worker(rank: int, world: int, tp: int, pp: int, zero_stage: int, sp: boo
         tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, sequence_parallel=sp, dp_bucket_bytes=BUCKET
     )
     strategy.setup_environment()
-    trainer, module, record = _fit(strategy, _loader(dp, strategy.parallel_context.dp_rank))
+    trainer, module, record = _fit(strategy, _loader(dp, strategy.parallel.context.dp_rank))
     trainer.save_checkpoint(Path(root) / "dp-ckpt", update_last=False)  # collective
     state = None
     if rank == 0:  # the full tensors, read back from every rank's shards
@@ -146,7 +146,7 @@ def test_3d_tp2_pp2_dp2_matches_single_process(tmp_path: Path, zero_stage: int) 
 def _precision_worker(rank: int, world: int, precision: str) -> dict:
     strategy = Parallel3DStrategy(dp=world, zero_stage=1, precision=precision, dp_bucket_bytes=BUCKET)
     strategy.setup_environment()
-    trainer, module, record = _fit(strategy, _loader(world, strategy.parallel_context.dp_rank))
+    trainer, module, record = _fit(strategy, _loader(world, strategy.parallel.context.dp_rank))
     zero = strategy.optimizers[0]
     param_dtype = next(module.parameters()).dtype
     assert all(m.dtype == torch.float32 for m in zero.master)  # fp32 master weights either way
@@ -195,7 +195,7 @@ def _nan_worker(rank: int, world: int) -> list[int]:
     )
     strategy.setup_environment()
     module = NaNOnRank1()
-    trainer.fit(module, train_dataloaders=_loader(world, strategy.parallel_context.dp_rank))
+    trainer.fit(module, train_dataloaders=_loader(world, strategy.parallel.context.dp_rank))
     assert all(torch.isfinite(p).all() for p in module.parameters())
     return guard.skipped_steps
 

@@ -67,7 +67,7 @@ def _tp_worker(rank: int, world: int, root: str, sp: bool) -> list[float]:
     strategy = trainer.strategy
     strategy.load_checkpoint(root_path / "single-ckpt")
     full = CheckpointReader.open(root_path / "single-ckpt").model_state()
-    group = strategy.parallel_context.tp_group
+    group = strategy.parallel.context.tp_group
     from nanolight.parallel.tensor_parallel.apply import shard_chunks, shard_dims, take_shard
 
     dims, chunks = shard_dims(module), shard_chunks(module)
@@ -102,11 +102,11 @@ def _pretrained_worker(rank: int, world: int, path: str) -> bool:
     strategy = Parallel3DStrategy(tp=world, pretrained=path)
     strategy.setup_environment()
     module = TinyLM()
-    with strategy.model_init_context():
+    with strategy.tensor_init_context():
         module.configure_model()  # on meta: nothing is initialised here
     strategy.setup_module(module)
     full = load_file(str(Path(path) / "model.safetensors"))
-    dims, group = shard_dims(module.model), strategy.parallel_context.tp_group
+    dims, group = shard_dims(module.model), strategy.parallel.context.tp_group
     chunks = shard_chunks(module.model)
     for name, p in module.model.named_parameters():
         assert torch.equal(p.detach(), take_shard(full[name], dims[name], group, chunks.get(name, 1))), name
@@ -132,4 +132,4 @@ def test_strategy_takes_cp_from_its_arguments_and_its_config() -> None:
     config = ParallelConfig(tp=2, pp=2, dp=2, zero_stage=1, cp=2)
     strategy = Parallel3DStrategy.from_config(config)
     assert strategy.config == config and planned_processes(strategy) == 16
-    assert strategy.sequence_multiple == 4 and strategy.sequence_shards == 2
+    assert strategy.parallel.sequence_multiple == 4 and strategy.parallel.cp == 2

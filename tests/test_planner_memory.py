@@ -96,7 +96,7 @@ def _measure(rank: int, world: int, layout: Layout, attn: str) -> tuple[int, dic
         "activations": measure.saved.peak,
         "communication": measure.probes[2].peak,
     }
-    stage = strategy.parallel_context.pp_rank
+    stage = strategy.parallel.context.pp_rank
     predicted = rank_memory(Workload(_config(attn), T, "cpu"), layout, stage)
     return stage, measured, predicted
 

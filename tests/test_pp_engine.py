@@ -86,7 +86,7 @@ class Observe(Callback):
         self.cfg, self.losses, self.forwards, self.max_live, self.init_ok = cfg, [], [], 0, False
 
     def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
-        self.init_ok = _check_stage_init(pl_module, self.cfg, trainer.strategy.parallel_context)
+        self.init_ok = _check_stage_init(pl_module, self.cfg, trainer.strategy.parallel.context)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
         if trainer.global_step == 0:
@@ -128,7 +128,7 @@ def _pp_worker(
     state = None
     if rank == 0:
         state = {k: v.numpy() for k, v in CheckpointReader.open(Path(root) / "ckpt").model_state().items()}
-    ctx, lm = strategy.parallel_context, module.model
+    ctx, lm = strategy.parallel.context, module.model
     return {
         "losses": seen.losses,
         "init_ok": seen.init_ok,
@@ -251,7 +251,7 @@ def _memory_worker(rank: int, world: int, schedule: str) -> tuple[int, int]:
         enable_progress_bar=False, enable_checkpointing=False,
     )  # fmt: skip
     trainer.fit(Wrapper(cfg, lr=0.0), train_dataloaders=_loader(cfg, steps=1, micro=2 * MICRO))
-    return seen.max_live, strategy.parallel_context.pp_rank
+    return seen.max_live, strategy.parallel.context.pp_rank
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "afab"])

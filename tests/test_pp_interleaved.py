@@ -111,7 +111,7 @@ def _memory_worker(rank: int, world: int, schedule: str, virtual: int, m: int) -
     )  # fmt: skip
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack):
         trainer.fit(Wrapper(cfg, lr=0.0), train_dataloaders=_loader(cfg, steps=1, micro=m))
-    r = strategy.parallel_context.pp_rank
+    r = strategy.parallel.context.pp_rank
     bound = max_in_flight(stage_schedule(schedule, m, world, r, virtual))
     return {"rank": r, "live": seen.max_live, "bound": bound, "peak": saved.peak, "chunk": saved.per_chunk}
 

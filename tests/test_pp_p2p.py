@@ -114,7 +114,7 @@ def _pipeline_worker(rank: int, world: int, tp: int, pp: int, dp: int, schedule:
     )  # fmt: skip
     module = Wrapper(cfg)
     trainer.fit(module, train_dataloaders=_loader(cfg, steps=2, micro=M))
-    p2p, ctx = strategy.stage.p2p, strategy.parallel_context
+    p2p, ctx = strategy.stage.p2p, strategy.parallel.context
     step = p2p.last_traffic
     with torch.no_grad():  # a forward-only pass (as in validation) of a new shape: new metadata
         module.model(torch.zeros(1, T // 2, dtype=torch.long))

@@ -155,7 +155,7 @@ def _pretrained_worker(rank: int, world: int, path: str) -> bool:
     strategy = Parallel3DStrategy(pp=world, pretrained=path)
     strategy.setup_environment()
     module = TinyLM()
-    with strategy.model_init_context():
+    with strategy.tensor_init_context():
         module.configure_model()  # on meta: nothing is initialised here
     strategy.setup_module(module)
     full = load_file(str(Path(path) / "model.safetensors"))

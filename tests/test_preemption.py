@@ -3,7 +3,7 @@ checkpoint and return from ``fit`` (exit 0), and ``ckpt_path="last"`` continues 
 
 In-process runs send the signal to themselves from ``training_step``; the recipe runs signal the
 plain-python launcher (which passes it on to its ranks) or a single rank (the ranks agree on
-stopping through ``Strategy.start_max``, read one step later)."""
+stopping through ``Strategy.agree_max``, read one step later)."""
 
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def test_no_handlers_outside_the_main_thread() -> None:
     assert seen == [{}]
 
 
-def _any_rank(rank: int, world: int) -> list[bool]:
+def _any_flag(rank: int, world: int) -> list[bool]:
     import torch.distributed as dist
 
     from nanolight.strategies.parallel3d import Parallel3DStrategy
@@ -160,14 +160,15 @@ def _any_rank(rank: int, world: int) -> list[bool]:
     strategy.setup_environment()
     if world == 1:  # asked every step: one process must not pay for a collective
         dist.all_reduce = None  # type: ignore[assignment]
-    return [strategy.any_rank(False), strategy.any_rank(rank == world - 1), strategy.any_rank(True)]
+    flags = [False, rank == world - 1, True]  # set on no rank, on the last one, on every one
+    return [bool(strategy.agree_max(int(flag)).wait()) for flag in flags]
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_any_rank_agrees_over_the_world(world: int) -> None:
+def test_agree_max_of_a_flag_over_the_world(world: int) -> None:
     from _dist import run_distributed
 
-    assert run_distributed(_any_rank, world) == [[False, True, True]] * world
+    assert run_distributed(_any_flag, world) == [[False, True, True]] * world
 
 
 # ---- through the recipe: the plain-python launcher and its two ranks ------------------------

@@ -124,12 +124,12 @@ def test_dp2_no_host_sync_outside_logging_steps(tmp_path: Path) -> None:
 def _agree(rank: int, world: int) -> list[int]:
     strategy = Parallel3DStrategy(dp=world)
     strategy.setup_environment()
-    pending = strategy.start_max([1, 2][rank])  # rank 0 got SIGUSR1, rank 1 SIGTERM: SIGTERM wins
-    later = strategy.start_max(0)  # a second one in flight at once keeps its order
-    return [pending.wait(), later.wait(), int(strategy.any_rank(rank == 0))]
+    pending = strategy.agree_max([1, 2][rank])  # rank 0 got SIGUSR1, rank 1 SIGTERM: SIGTERM wins
+    later = strategy.agree_max(0)  # a second one in flight at once keeps its order
+    return [pending.wait(), later.wait(), strategy.agree_max(int(rank == 0)).wait()]
 
 
-def test_start_max_agrees_on_the_host() -> None:
+def test_agree_max_on_the_host() -> None:
     assert run_distributed(_agree, 2) == [[2, 0, 1]] * 2
 
 

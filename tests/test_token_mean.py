@@ -203,7 +203,7 @@ def _worker(
     )
     strategy.setup_environment()
     record = StepLosses()
-    loader = _loader(micro, dp, strategy.parallel_context.dp_rank)
+    loader = _loader(micro, dp, strategy.parallel.context.dp_rank)
     trainer, _ = _fit(strategy, loader, GLOBAL // (dp * micro), record)
     trainer.save_checkpoint(Path(root) / "ckpt", update_last=False)  # collective: every rank's shards
     if rank != 0:

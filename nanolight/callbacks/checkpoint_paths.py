@@ -2,13 +2,15 @@
 
 `format_name` fills a ``filename`` template from the monitored metrics and `default_dirpath` is
 the directory used when ``dirpath`` is not given (Lightning's rules for both);
-`remove_checkpoints` deletes the ones top-k and ``keep_last_n`` no longer keep.
+`remove_checkpoints` deletes the ones top-k and ``keep_last_n`` no longer keep;
+`check_shared_directory`, at setup, that every rank sees the directory rank 0 writes into.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,8 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from nanolight.checkpoint.atomic import LAST_POINTER, remove_directory, resolve_checkpoint
+from nanolight.checkpoint.atomic import LAST_POINTER, remove_directory, resolve_checkpoint, try_write_text
+from nanolight.errors import UsageError
 
 # "{name}" or "{name:spec}"; the name is anything up to ':' or '}' (dots and slashes included)
 _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
@@ -87,3 +90,30 @@ def remove_checkpoints(doomed: list[str], dirpath: str) -> list[str]:
         if Path(path).absolute().parent == Path(dirpath).absolute():
             remove_directory(path)
     return doomed
+
+
+def check_shared_directory(strategy: Any, path: str | Path) -> None:
+    """Every rank must see the directory rank 0 writes into, checked at start-up, not at the first
+    save: rank 0 writes a token there, every rank reads it back, the ranks agree (collective, through
+    `strategy`'s exchanges)."""
+    if strategy.world_size == 1:
+        return
+    path, token = Path(path), strategy.broadcast(uuid.uuid4().hex if strategy.is_global_zero else None)
+    probe = path / f".nanolight-shared-{token[:12]}"
+    failed = strategy.broadcast(try_write_text(probe, token) if strategy.is_global_zero else None)
+    if failed is not None:  # rank 0 could not write there (read-only, full): every rank says so
+        raise UsageError(
+            f"cannot write into {path} ({failed}): make it writable or choose another default_root_dir"
+        )
+    seen = probe.read_text() if probe.is_file() else None
+    if strategy.agree_max(int(seen != token)).wait():  # any rank that does not see it
+        if strategy.is_global_zero:
+            probe.unlink(missing_ok=True)
+        raise UsageError(
+            f"rank {strategy.global_rank} {'sees' if seen == token else 'does not see'} the run directory "
+            f"{path} that rank 0 writes (not every rank sees it): put trainer.default_root_dir on a "
+            "filesystem that every node shares (or a path that exists on every node)"
+        )
+    strategy.barrier()
+    if strategy.is_global_zero:
+        probe.unlink(missing_ok=True)

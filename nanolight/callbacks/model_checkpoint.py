@@ -33,7 +33,12 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from nanolight.callbacks.base import Callback, info
-from nanolight.callbacks.checkpoint_paths import default_dirpath, format_name, remove_checkpoints
+from nanolight.callbacks.checkpoint_paths import (
+    check_shared_directory,
+    default_dirpath,
+    format_name,
+    remove_checkpoints,
+)
 from nanolight.checkpoint.atomic import LAST_POINTER, atomic_write_text, remove_stale
 from nanolight.errors import UsageError
 
@@ -143,7 +148,7 @@ class ModelCheckpoint(Callback):
         if stage != "fit":
             return
         self._val_has_run = False
-        trainer.strategy.check_shared_directory(self.dirpath)  # every rank writes here
+        check_shared_directory(trainer.strategy, self.dirpath)  # every rank writes here
         if trainer.is_global_zero and os.path.isdir(self.dirpath):
             remove_stale(self.dirpath)  # temporaries of saves that were killed
             if self.save_top_k != 0 and os.listdir(self.dirpath):

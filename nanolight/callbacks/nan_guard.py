@@ -129,8 +129,8 @@ class DivergenceCheck(Callback):
         weights_bad = saving and not _finite(pl_module)
         strategy = trainer.strategy
         # every rank sends its first non-finite step (+1: 0 is none); the largest is the one all have seen
-        first = strategy.start_max(first + 1).wait() - 1
-        weights_bad = strategy.any_rank(weights_bad)  # a host all-reduce of one flag (a save only)
+        first = strategy.agree_max(first + 1).wait() - 1
+        weights_bad = bool(strategy.agree_max(int(weights_bad)).wait())  # any rank's flag (a save only)
         if first < 0 and not weights_bad:
             return
         what = (

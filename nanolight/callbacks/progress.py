@@ -148,7 +148,7 @@ class GreedySamples(Callback):
     def sample(self, trainer: Any, pl_module: Any) -> str:
         strategy, model = trainer.strategy, pl_module.model
         ids = torch.tensor([self.tokenizer.encode(self.prompt)], device=strategy.root_device)
-        multiple = strategy.sequence_multiple  # sp / cp split T over ranks: pad on the right
+        multiple = strategy.parallel.sequence_multiple  # sp / cp split T over ranks: pad on the right
         for _ in range(self.max_new_tokens):
             n = ids.shape[1]
             padded = torch.nn.functional.pad(ids, (0, -n % multiple))  # causal: padding never seen at < n

@@ -75,7 +75,7 @@ class NanoModule(HyperparametersMixin, DataHooks, ModelHooks, CheckpointHooks, n
     @property
     def parallel_context(self) -> Any:
         """The strategy's ParallelContext; None on a single device or before fit."""
-        return None if self._trainer is None else self._trainer.strategy.parallel_context
+        return None if self._trainer is None else self._trainer.strategy.parallel.context
 
     @property
     def device(self) -> torch.device:

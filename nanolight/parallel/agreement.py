@@ -8,7 +8,7 @@ mesh of connections at creation. The rendezvous store cannot carry it: torchrun'
 one, and workers whose agent was killed must still agree to save (`tests/test_faults_distributed.py`).
 
 How: a key-value store that the workers own -- a `TCPStore` server inside global rank 0, its
-address handed to the others once over the host group (`ParallelContext.start_max`). Agreement k
+address handed to the others once over the host group (`ParallelContext.agree_max`). Agreement k
 (the k-th the ranks start; they start them in the same order) costs each rank one ``add`` when it
 starts and one ``get`` when it reads, plus a compare-and-set only where its value is not zero
 (signals are rare), and one ``add`` after it has read: O(1) requests per rank per step, whatever
@@ -32,19 +32,17 @@ from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 PREFIX = "nanolight/agree"
 
 
-class Agreed:
-    """An agreement already complete (one process: nothing to exchange)."""
-
-    def __init__(self, value: int) -> None:
-        self.value = value
-
-    def wait(self) -> int:
-        return self.value
+def agreed(value: int) -> torch.futures.Future:
+    """An agreement already complete (one process: nothing to exchange): a done torch `Future`."""
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(value)
+    return done
 
 
 class StoreAgreements:

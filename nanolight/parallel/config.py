@@ -12,6 +12,7 @@ instead (SmolLM's 49152 is divisible by every power of two up to 2**14).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -109,6 +110,14 @@ class ParallelConfig:
     def replica_ranks(self) -> int:
         """The ranks one data-parallel replica spans: tp * pp * cp."""
         return self.tp * self.pp * self.cp
+
+    @property
+    def sequence_multiple(self) -> int:
+        """Every sequence length a run takes is a multiple of this (`check_sequence`'s rule): 2*cp
+        zigzag chunks under cp, then each rank's T/cp tokens over tp under sequence parallelism."""
+        zigzag = 2 if self.cp > 1 else 1
+        split = self.tp if self.sequence_parallel else 1
+        return self.cp * math.lcm(zigzag, split)
 
     def _named(self, dp: Any = None) -> str:
         """The product the world is split into, spelled out: "tp*pp = 2*2" (cp only when used)."""

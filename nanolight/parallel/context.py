@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanolight.parallel.agreement import Agreed, PendingStoreMax, StoreAgreements
+from nanolight.parallel.agreement import PendingStoreMax, StoreAgreements, agreed
 from nanolight.parallel.config import ParallelConfig
 
 MESH_DIMS = ("dp", "cp", "pp", "tp")  # outermost first: tp's ranks are adjacent global ranks
@@ -150,7 +150,7 @@ class ParallelContext:
         # operations on CPU as on GPUs. Not the rendezvous store: under torchrun the agent hosts
         # it, and workers whose agent was killed must still agree to save
         # (tests/test_faults_distributed.py). The per-step agreements use a store rank 0 hosts
-        # (`agreement.py`), made at the first `start_max`.
+        # (`agreement.py`), made at the first `agree_max`.
         # A fake world (the dry run, or counting set-up: one process playing one rank of many) has
         # no peers to meet on gloo: its host group is fake too.
         host = "fake" if self.backend == "fake" else "gloo"
@@ -284,15 +284,15 @@ class ParallelContext:
             out = out / size if op == "mean" else out
         return out
 
-    def start_max(
+    def agree_max(
         self, value: int, guard: Callable[[], AbstractContextManager] = nullcontext
-    ) -> Agreed | PendingStoreMax:
+    ) -> torch.futures.Future | PendingStoreMax:
         """Start agreeing on the maximum of `value` (>= 0) over every rank, on the host (no device
         sync, O(1) requests per rank: `agreement.py`); ``.wait()`` gives it. One process, or a fake
         world (the dry run's: no peer holds a value): already agreed. The first call on each rank is
         collective: it hands rank 0's store address round."""
         if self.world_size == 1 or self.backend == "fake":
-            return Agreed(value)
+            return agreed(value)
         if self._agreements is None:
             share = functools.partial(self.broadcast_object, src=0, guard=guard)
             self._agreements = StoreAgreements.hosted(self.global_rank, self.world_size, share, self.timeout)
@@ -310,10 +310,6 @@ class ParallelContext:
             # rank `src` sends obj to every rank, pickled over the host group (gloo: no device sync)
             dist.broadcast_object_list(box, src=src, group=self.host_group)
         return box[0]
-
-    def any_rank(self, flag: bool) -> bool:
-        """True on every rank if `flag` is True on any rank (blocking, on the host)."""
-        return bool(self.start_max(int(flag)).wait())
 
     def __repr__(self) -> str:
         return (

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Collection, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -398,6 +398,17 @@ class ZeroOptimizer:
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer(stage=1, dp={self.dp_size}, inner={type(self.inner).__name__})"
+
+
+def masters_in_model(optimizers: Iterable[Any]) -> ExitStack:
+    """Under ``bf16-master`` the model holds its fp32 master weights for the duration (a checkpoint
+    saves and loads those: any precision reads them): each of `optimizers` that is a `ZeroOptimizer`
+    keeping masters lends them (collective over its dp group); otherwise nothing."""
+    stack = ExitStack()
+    for opt in optimizers:
+        if isinstance(opt, ZeroOptimizer) and opt.master_weights:
+            stack.enter_context(opt.master_weights_in_model())
+    return stack
 
 
 def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

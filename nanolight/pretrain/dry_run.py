@@ -334,7 +334,7 @@ def run_role(config: PretrainConfig, rank: int, world: int, hw: Hardware) -> Rol
     try:
         strategy = build_strategy(config)
         strategy.setup_environment()  # the groups: rank bookkeeping on the host, before fake tensors
-        ctx = strategy.parallel_context
+        ctx = strategy.parallel.context
         names: dict[tuple[int, ...], str] = {}
         for name in reversed(GROUP_NAMES) if ctx is not None else ():  # earlier names win alike groups
             names[tuple(ctx.ranks(name))] = name

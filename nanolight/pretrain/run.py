@@ -267,8 +267,8 @@ def _run(
     token_ids = {k: getattr(dm.tokenizer, k) for k in TOKEN_IDS if getattr(dm.tokenizer, k) is not None}
     strategy = build_strategy(config, run_extras(tokenizer_dir, token_ids))
     strategy.setup_environment()  # plain python + parallel: re-launches this script as N ranks here
-    if strategy.data_parallel_size > 1:
-        ctx = strategy.parallel_context
+    if strategy.parallel.dp > 1:
+        ctx = strategy.parallel.context
         dm = build_data(config, ctx.dp_rank, ctx.dp_size)
     if strategy.is_global_zero:
         save_config(config, root)

@@ -10,46 +10,72 @@ checkpoint format (`nanolight/checkpoint/`) say *how*. This base is one process 
 Call order during ``NanoTrainer.fit`` (each a method below)::
 
     setup_environment()                 # processes, process groups, device, rank_zero_only.rank
-    with model_init_context():          # init_device(), e.g. meta
+    with tensor_init_context():         # e.g. the meta device
         module.configure_model()        # (trainer) the user's plain model
     setup_module(module)                # parallelize / move / cast; records `layout`
     setup_optimizers(optimizers)        # wraps configure_optimizers' optimizers (ZeRO, ...)
     load_checkpoint(path, load_optimizer=False) -> trainer state     # only when resuming
-    load_optimizer_checkpoint(path)                                  # only when resuming
+    load_checkpoint(path, load_weights=False)                        # its optimizer state, later
     per optimizer step (the order: ARCHITECTURE.md, "How one optimizer step flows"):
         shard_batch, token_mean, run_step, autocast, backward, finish_backward, reduce,
-        clip_gradients, optimizer_step, zero_grad, start_max
+        clip_gradients, optimizer_step, zero_grad, agree_max
     save_checkpoint(path, state)        # ModelCheckpoint -> trainer.save_checkpoint (all ranks)
     broadcast / barrier                 # whenever ranks must agree; watch(what) around any stage
     teardown()
+
+What the layout means to the trainer and the callbacks (data-parallel replicas, sequence shards,
+pipelining, the process groups) is one read-only answer, `parallel` (a `Parallelism`).
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from nanolight.checkpoint.atomic import try_write_text
 from nanolight.checkpoint.load import load_model, load_optimizers, trainer_state
 from nanolight.checkpoint.reader import CheckpointReader
 from nanolight.checkpoint.save import ExportExtras, save_checkpoint
-from nanolight.errors import UsageError
-from nanolight.parallel.agreement import Agreed
+from nanolight.parallel.agreement import agreed
 from nanolight.parallel.blocks import BlockOptions, CompiledBlocks
 from nanolight.parallel.grads import clip_, global_norm
 from nanolight.parallel.layout import ModelLayout
 from nanolight.parallel.loss_tokens import loss_divisor, step_targets
 from nanolight.parallel.pipeline.schedules import BACKWARD, FORWARD, Action, one_by_one
-from nanolight.parallel.zero import ZeroOptimizer
+from nanolight.parallel.zero import ZeroOptimizer, masters_in_model
 from nanolight.precision import Precision
 
-__all__ = ["BACKWARD", "FORWARD", "Action", "Strategy"]
+__all__ = ["BACKWARD", "FORWARD", "Action", "Parallelism", "Strategy"]
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """What the layout means to the trainer and the callbacks, answered in one place (defaults: one
+    process). The strategy builds it when asked (`Strategy.parallel`): the groups exist once
+    `setup_environment` ran, `pipelined` once `setup_module` did."""
+
+    context: Any = None  # the ParallelContext (ranks, process groups); None without parallelism
+    dp: int = 1  # data-parallel replicas: tokens per step = a rank's tokens x this (ThroughputMonitor)
+    cp: int = 1  # ranks splitting each sequence (context parallelism): each holds 1/cp of its tokens
+    # sequence lengths must be a multiple of this (cp's zigzag chunks; tp under sequence parallelism)
+    sequence_multiple: int = 1
+    pipelined: bool = False  # only the last stage computes the loss; every stage runs every micro-batch
+    # (process group, size) whose ranks' micro-batches make up one global batch: the step's valid
+    # targets are counted over it (`Strategy.token_mean`)
+    loss_group: tuple[Any, int] = (None, 1)
+    # the layout recorded in checkpoints (a resume at the same one restores per-rank state)
+    topology: dict[str, Any] = field(default_factory=lambda: {"tp": 1, "pp": 1, "dp": 1, "world_size": 1})
+
+    @property
+    def metrics_always_sync(self) -> bool:
+        """Every logged value is reduced as if ``sync_dist=True``: a value from one pipeline stage (only
+        the last computes the loss), or from one cp rank's share of the tokens, is partial."""
+        return self.pipelined or self.cp > 1
 
 
 class Strategy:
@@ -61,6 +87,7 @@ class Strategy:
         self.module: nn.Module | None = None  # the NanoModule being trained
         self.optimizers: list[torch.optim.Optimizer] = []
         self.layout: ModelLayout | None = None  # where each tensor lives (set by setup_module)
+        self._ctx: Any = None  # the ParallelContext, once a parallel strategy's setup_environment made it
 
     # ---- topology ------------------------------------------------------------------------
     @property
@@ -70,11 +97,11 @@ class Strategy:
 
     @property
     def world_size(self) -> int:
-        return self.parallel_context.world_size if self.parallel_context is not None else 1
+        return self._ctx.world_size if self._ctx is not None else 1
 
     @property
     def global_rank(self) -> int:
-        return self.parallel_context.global_rank if self.parallel_context is not None else 0
+        return self._ctx.global_rank if self._ctx is not None else 0
 
     @property
     def is_global_zero(self) -> bool:
@@ -82,26 +109,9 @@ class Strategy:
         return self.global_rank == 0
 
     @property
-    def data_parallel_size(self) -> int:
-        """Number of data-parallel replicas: tokens/step = local tokens x this (ThroughputMonitor)."""
-        return self.parallel_context.dp_size if self.parallel_context is not None else 1
-
-    @property
     def local_rank(self) -> int:
         """This process's index on its node (prepare_data runs where it is 0)."""
         return 0
-
-    @property
-    def pipelined(self) -> bool:
-        """Pipeline parallelism: only the last stage computes the loss, every stage runs every
-        micro-batch (no skipping, no manual optimization)."""
-        return False
-
-    @property
-    def metrics_always_sync(self) -> bool:
-        """Every logged value is reduced as if ``sync_dist=True``: under pipeline parallelism only
-        the last stage computes the loss, so a value logged from it exists on that stage alone."""
-        return self.pipelined
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int] | None:
@@ -109,25 +119,9 @@ class Strategy:
         return None
 
     @property
-    def parallel_context(self) -> Any:
-        """The ParallelContext (process groups), or None when there is no parallelism."""
-        return None
-
-    @property
-    def sequence_multiple(self) -> int:
-        """Sequence lengths the model runs must be a multiple of this (tp under sequence parallelism)."""
-        return 1
-
-    @property
-    def loss_group(self) -> tuple[Any, int]:
-        """(process group, size) whose ranks' micro-batches make up one global batch: the step's
-        valid targets are counted over it (`token_mean`). None, 1 on one process."""
-        return None, 1
-
-    @property
-    def sequence_shards(self) -> int:
-        """Ranks splitting each sequence (context parallelism): each holds 1/this of its tokens."""
-        return 1
+    def parallel(self) -> Parallelism:
+        """What the layout means to the trainer and the callbacks (`Parallelism`): one process here."""
+        return Parallelism()
 
     def shard_batch(self, batch: Any) -> Any:
         """This rank's share of a transferred batch: its chunks of every sequence under cp."""
@@ -137,11 +131,6 @@ class Strategy:
         """The whole sequence (dim 1) of a tensor computed on this rank's share (`shard_batch`)."""
         return x
 
-    @property
-    def topology(self) -> dict[str, Any]:
-        """The layout recorded in checkpoints (a resume at the same one restores per-rank state)."""
-        return {"tp": 1, "pp": 1, "dp": 1, "world_size": 1}
-
     # ---- lifecycle -----------------------------------------------------------------------
     def setup_environment(self) -> None:
         """Create processes / process groups and pick the device. Called first in fit/validate."""
@@ -150,14 +139,10 @@ class Strategy:
         rank_zero_only.rank = self.global_rank  # lightning-utilities' rank-zero helpers read this
         self.precision.setup_device(self.root_device)  # 32-true on CUDA: TF32 (precision.py)
 
-    def init_device(self) -> torch.device | None:
-        """Device to build the model on in ``configure_model`` (e.g. ``meta``); None = default."""
-        return None
-
-    def model_init_context(self) -> AbstractContextManager:
-        """Context ``configure_model`` runs in (e.g. ``torch.device('meta')``)."""
-        device = self.init_device()
-        return torch.device(device) if device is not None else nullcontext()
+    def tensor_init_context(self) -> AbstractContextManager:
+        """Context ``configure_model`` runs in (Lightning's name): the default device here; a parallel
+        strategy may build on ``meta`` (no rank ever holds the full model)."""
+        return nullcontext()
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Move/cast/parallelize the freshly configured module; returns what the trainer trains."""
@@ -176,19 +161,6 @@ class Strategy:
             self.precision.cast_to_compute(self.module)
         return self.optimizers
 
-    def master_optimizers(self, optimizer: Any = None) -> list[ZeroOptimizer]:
-        """The optimizers (or `optimizer`) that step fp32 masters of the model's weights (``bf16-master``)."""
-        candidates = self.optimizers if optimizer is None else [optimizer]
-        return [opt for opt in candidates if isinstance(opt, ZeroOptimizer) and opt.master_weights]
-
-    def weights_in_fp32(self) -> ExitStack:
-        """Under ``bf16-master`` the model holds its fp32 master weights for the duration (a
-        checkpoint saves and loads those: any precision reads them); otherwise nothing."""
-        stack = ExitStack()
-        for opt in self.master_optimizers():
-            stack.enter_context(opt.master_weights_in_model())
-        return stack
-
     def teardown(self) -> None:
         """Release what `setup_environment` acquired (process groups, CUDA cache)."""
 
@@ -203,16 +175,16 @@ class Strategy:
         ``whole_step=False``, around one evaluation batch: only the ranks splitting its sequences
         share its count, so the mean of their losses is the batch's own token mean, as on one
         process (without context parallelism there is nothing to do)."""
-        targets = step_targets(batches)
+        targets, parallel = step_targets(batches), self.parallel
         assert self.module is not None
-        wanted = targets and (whole_step or self.sequence_shards > 1)
+        wanted = targets and (whole_step or parallel.cp > 1)
         models = [m for m in self.module.modules() if hasattr(m, "loss_divisor")] if wanted else []
         if not models:
             yield
             return
-        group, size = self.loss_group if whole_step else (None, 1)
+        group, size = parallel.loss_group if whole_step else (None, 1)
         with self.watch("the count of the step's valid targets (an all-reduce over the loss group)"):
-            divisor = loss_divisor(targets, self.root_device, group, size, self.sequence_shards)
+            divisor = loss_divisor(targets, self.root_device, group, size, parallel.cp)
         for model in models:
             model.loss_divisor = divisor
         try:
@@ -244,12 +216,19 @@ class Strategy:
         """Drop gradients before the first micro-batch of a step (set_to_none saves memory)."""
         optimizer.zero_grad(set_to_none=True)
 
-    def clip_gradients(self, max_norm: float | None, optimizer: Any = None) -> torch.Tensor:
-        """Clip by the global L2 norm (``max_norm`` None: only measure); returns the pre-clip norm.
-        One process: torch's own over `optimizer`'s parameters (all of them when None); a parallel
-        strategy sums the norm over its ranks (`parallel/grads.py`). ``bf16-master``: the fp32
-        gradients the masters step with."""
-        masters = self.master_optimizers(optimizer)
+    def clip_gradients(
+        self, value: float | None, optimizer: Any = None, algorithm: str = "norm"
+    ) -> torch.Tensor | None:
+        """Lightning's two algorithms. ``"norm"``: clip by the global L2 norm (`value` None: only
+        measure) and return the pre-clip norm; one process: torch's own over `optimizer`'s
+        parameters (all of them when None); a parallel strategy sums the norm over its ranks
+        (`parallel/grads.py`). ``"value"``: clamp every element to [-value, value] (no
+        communication), returns None. ``bf16-master``: the fp32 gradients the masters step with."""
+        if algorithm == "value":
+            assert value is not None
+            self._clip_values(value, optimizer)
+            return None
+        max_norm, masters = value, self._masters(optimizer)
         if masters:
             grads = [g for opt in masters for g in opt.grad_pieces({id(p) for p in self._params(opt)})]
             norm = global_norm(grads).to(self.root_device)
@@ -263,15 +242,19 @@ class Strategy:
             return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
 
-    def clip_gradients_value(self, value: float, optimizer: Any = None) -> None:
-        """Clamp every gradient element to [-value, value] (elementwise: no communication)."""
-        for opt in self.master_optimizers(optimizer):
+    def _clip_values(self, value: float, optimizer: Any) -> None:
+        for opt in self._masters(optimizer):
             opt.reduce_gradients()
             for grad in opt.shard_grads:
                 grad.clamp_(-value, value)
         params = [p for p in self._params(optimizer) if p.grad is not None]
         if params:
             torch.nn.utils.clip_grad_value_(params, value, foreach=True)
+
+    def _masters(self, optimizer: Any = None) -> list[ZeroOptimizer]:
+        """The optimizers (or `optimizer`) that step fp32 masters of the model's weights (``bf16-master``)."""
+        candidates = self.optimizers if optimizer is None else [optimizer]
+        return [opt for opt in candidates if isinstance(opt, ZeroOptimizer) and opt.master_weights]
 
     def _params(self, optimizer: Any) -> list[nn.Parameter]:
         assert self.module is not None
@@ -297,43 +280,16 @@ class Strategy:
         """Send a picklable object from ``src`` to every rank (e.g. the resolved checkpoint path)."""
         return obj
 
-    def start_max(self, value: int) -> Any:
-        """Start agreeing on the max of a small int over every rank, on the host, without waiting
-        (pre-emption: which signal reached any rank); ``.wait()`` returns it (`parallel/context.py`)."""
-        return Agreed(value)
+    def agree_max(self, value: int) -> Any:
+        """Start agreeing on the maximum of a non-negative int over every rank, on the host, without
+        waiting (pre-emption: which signal reached any rank; ``bool(agree_max(int(flag)).wait())``:
+        whether any rank's flag is set); ``.wait()`` returns it (`ParallelContext.agree_max`). One
+        process: already agreed (a done torch `Future`)."""
+        return agreed(value)
 
     def watch(self, what: str) -> AbstractContextManager:
         """Around work that may wait on peers: a stopped peer becomes an error naming it."""
         return nullcontext()
-
-    def any_rank(self, flag: bool) -> bool:
-        """True on every rank if ``flag`` is True on any rank (e.g. "a rank cannot see the run dir")."""
-        return bool(self.start_max(int(flag)).wait())
-
-    def check_shared_directory(self, path: str | Path) -> None:
-        """Every rank must see the directory rank 0 writes into, checked at start-up, not at the first
-        save: rank 0 writes a token there, every rank reads it back, the ranks agree (collective)."""
-        if self.world_size == 1:
-            return
-        path, token = Path(path), self.broadcast(uuid.uuid4().hex if self.is_global_zero else None)
-        probe = path / f".nanolight-shared-{token[:12]}"
-        failed = self.broadcast(try_write_text(probe, token) if self.is_global_zero else None)
-        if failed is not None:  # rank 0 could not write there (read-only, full): every rank says so
-            raise UsageError(
-                f"cannot write into {path} ({failed}): make it writable or choose another default_root_dir"
-            )
-        seen = probe.read_text() if probe.is_file() else None
-        if self.any_rank(seen != token):
-            if self.is_global_zero:
-                probe.unlink(missing_ok=True)
-            raise UsageError(
-                f"rank {self.global_rank} {'sees' if seen == token else 'does not see'} the run directory "
-                f"{path} that rank 0 writes (not every rank sees it): put trainer.default_root_dir on a "
-                "filesystem that every node shares (or a path that exists on every node)"
-            )
-        self.barrier()
-        if self.is_global_zero:
-            probe.unlink(missing_ok=True)
 
     # ---- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self, path: str | Path, state: dict[str, Any], weights_only: bool = False) -> None:
@@ -343,46 +299,41 @@ class Strategy:
         the index (`checkpoint/save.py`; collective when there are several ranks)."""
         assert self.module is not None and self.layout is not None
         optimizers = [] if weights_only else self.optimizers
-        ranks = self.parallel_context is not None
+        ranks, topology = self._ctx is not None, self.parallel.topology
         # bf16-master: the fp32 masters are what is written
-        with self.watch("a checkpoint save"), self.weights_in_fp32():
+        with self.watch("a checkpoint save"), masters_in_model(self.optimizers):
             save_checkpoint(
                 Path(path),
                 self.module,
                 optimizers,
                 self.layout,
                 state,
-                self.topology,
+                topology,
                 self.root_device,
                 self.export,
                 ranks,
             )
 
-    def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
-        """Load this rank's part of the weights (+ optimizer state) from a checkpoint of any layout;
-        returns the trainer state saved with it."""
+    def load_checkpoint(
+        self, path: str | Path, load_optimizer: bool = True, load_weights: bool = True
+    ) -> dict[str, Any]:
+        """Load this rank's part of the weights and of the optimizer state from a checkpoint of any
+        layout; returns the trainer state saved with it. A resume loads the weights at setup
+        (``load_optimizer=False``) and the optimizer state once the optimizers exist
+        (``load_weights=False``)."""
         assert self.module is not None and self.layout is not None
         with self.watch("loading a checkpoint"):
             reader = CheckpointReader.open(path)
-            with self.weights_in_fp32():  # bf16-master: the fp32 values reach the masters
-                load_model(reader, self.module, self.layout)
-                self.on_weights_loaded()
+            if load_weights:
+                with masters_in_model(self.optimizers):  # bf16-master: the fp32 values reach the masters
+                    load_model(reader, self.module, self.layout)
+                    for opt in self.optimizers:  # ZeRO-1's fp32 master copy follows the new weights
+                        if isinstance(opt, ZeroOptimizer):
+                            opt.reload_master_weights()
             if load_optimizer:
-                self._load_optimizers(reader)
-            ctx = self.parallel_context  # a data position is per dp rank
-            return trainer_state(reader, self.global_rank, self.topology, ctx.dp_rank if ctx else 0)
-
-    def load_optimizer_checkpoint(self, path: str | Path) -> None:
-        """Load the optimizer state(s) stored in checkpoint directory `path`."""
-        self._load_optimizers(CheckpointReader.open(path))
-
-    def _load_optimizers(self, reader: CheckpointReader) -> None:
-        load_optimizers(reader, self.optimizers, self.module, self.layout)
-
-    def on_weights_loaded(self) -> None:
-        """The module's weights changed outside the optimizer (ZeRO-1 refreshes its master copy)."""
-        for opt in self.master_optimizers():
-            opt.reload_master_weights()
+                load_optimizers(reader, self.optimizers, self.module, self.layout)
+            ctx = self._ctx  # a data position is per dp rank
+            return trainer_state(reader, self.global_rank, self.parallel.topology, ctx.dp_rank if ctx else 0)
 
 
 # ---- one process on one device -------------------------------------------------------------------

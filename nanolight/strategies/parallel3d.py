@@ -26,7 +26,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
-import math
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
@@ -60,7 +59,7 @@ from nanolight.parallel.shard import (
 )
 from nanolight.parallel.tensor_parallel.apply import shard_dims
 from nanolight.precision import Precision
-from nanolight.strategies.base import Strategy
+from nanolight.strategies.base import Parallelism, Strategy
 
 
 class Parallel3DStrategy(Strategy):
@@ -120,7 +119,7 @@ class Parallel3DStrategy(Strategy):
         self.heartbeat: Heartbeat | None = None  # this rank's, and the way to tell who stopped
         self.pp_layers_per_stage = pp_layers_per_stage  # per virtual stage; None: balanced by cost
         self.dp_bucket_bytes = dp_bucket_bytes
-        self._ctx: ParallelContext | None = None
+        self._ctx: ParallelContext | None = None  # made by setup_environment
         self.stage: PipelineStage | None = None  # pp > 1: this rank's pipeline stage
         self.grads: GradientSync | None = None  # built by setup_optimizers
         self._local_rank = 0  # set by setup_environment
@@ -134,10 +133,6 @@ class Parallel3DStrategy(Strategy):
 
     # ---- topology ------------------------------------------------------------------------
     @property
-    def parallel_context(self) -> ParallelContext | None:
-        return self._ctx
-
-    @property
     def root_device(self) -> torch.device:
         if self._ctx is not None:
             return self._ctx.device
@@ -149,35 +144,35 @@ class Parallel3DStrategy(Strategy):
         return self._local_rank
 
     @property
-    def pipelined(self) -> bool:
-        return self.stage is not None
-
-    @property
-    def metrics_always_sync(self) -> bool:
-        # a value from one pipeline stage, or from one cp rank's share of the tokens, is partial
-        return self.pipelined or self.config.cp > 1
-
-    @property
     def distributed_sampler_kwargs(self) -> dict[str, int] | None:
         ctx = self._ctx
         return None if ctx is None or ctx.dp_size == 1 else {"num_replicas": ctx.dp_size, "rank": ctx.dp_rank}
 
     @property
-    def loss_group(self) -> tuple[Any, int]:
-        # the ranks holding the global batch's other samples: dp replicas, the context's "batch"
-        # group (cp ranks hold other tokens of the same samples: `sequence_shards`)
-        return self._ctx.group("batch"), self._ctx.size("batch")
-
-    @property
-    def sequence_shards(self) -> int:
-        return self.config.cp
-
-    @property
-    def sequence_multiple(self) -> int:
-        cfg = self.config
-        zigzag = 2 if cfg.cp > 1 else 1  # 2*cp chunks
-        split = cfg.tp if cfg.sequence_parallel else 1  # each rank's T/cp over tp
-        return cfg.cp * math.lcm(zigzag, split)
+    def parallel(self) -> Parallelism:
+        ctx, cfg = self._ctx, self.config
+        sequences = {"cp": cfg.cp, "sequence_multiple": cfg.sequence_multiple}
+        if ctx is None:  # before setup_environment: what the config alone says
+            return Parallelism(**sequences)
+        topology = {
+            "tp": ctx.tp_size,
+            "pp": ctx.pp_size,
+            "cp": ctx.cp_size,
+            "dp": ctx.dp_size,
+            "world_size": ctx.world_size,
+            "zero_stage": cfg.zero_stage,
+            "sequence_parallel": cfg.sequence_parallel,
+        }
+        return Parallelism(
+            context=ctx,
+            dp=ctx.dp_size,
+            pipelined=self.stage is not None,
+            # the ranks holding the global batch's other samples: dp replicas, the context's "batch"
+            # group (cp ranks hold other tokens of the same samples)
+            loss_group=(ctx.group("batch"), ctx.size("batch")),
+            topology=topology,
+            **sequences,
+        )
 
     def shard_batch(self, batch: Any) -> Any:
         """cp > 1: this rank's zigzag chunks (`ring_attention.zigzag_shard`) of every per-token
@@ -216,19 +211,6 @@ class Parallel3DStrategy(Strategy):
         dist.all_gather(parts, x.contiguous(), group=self._ctx.cp_group)
         return zigzag_unshard(parts, dim=1)
 
-    @property
-    def topology(self) -> dict[str, Any]:
-        ctx, cfg = self._ctx, self.config
-        return {
-            "tp": ctx.tp_size,
-            "pp": ctx.pp_size,
-            "cp": ctx.cp_size,
-            "dp": ctx.dp_size,
-            "world_size": ctx.world_size,
-            "zero_stage": cfg.zero_stage,
-            "sequence_parallel": cfg.sequence_parallel,
-        }
-
     # ---- lifecycle -----------------------------------------------------------------------
     def setup_environment(self) -> None:
         if self._ctx is None:
@@ -252,9 +234,9 @@ class Parallel3DStrategy(Strategy):
             self.heartbeat.close()
         self._ctx.destroy()
 
-    def init_device(self) -> torch.device | None:
+    def tensor_init_context(self) -> AbstractContextManager:
         # the full model is never materialised on one rank (dp alone replicates it anyway)
-        return torch.device("meta") if self.config.tp * self.config.pp > 1 else None
+        return torch.device("meta") if self.config.tp * self.config.pp > 1 else super().tensor_init_context()
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         ctx, cfg = self._ctx, self.config
@@ -353,11 +335,14 @@ class Parallel3DStrategy(Strategy):
         self.grads.zero_grad(optimizer)
 
     @watched("the global gradient norm (summed over tp / pp / dp)")
-    def clip_gradients(self, max_norm: float | None, optimizer: Any = None) -> torch.Tensor:
-        return self.grads.clip_(max_norm)  # every parameter: the norm of all of them, on all ranks
-
-    def clip_gradients_value(self, value: float, optimizer: Any = None) -> None:
-        self.grads.clip_value_(value)
+    def clip_gradients(
+        self, value: float | None, optimizer: Any = None, algorithm: str = "norm"
+    ) -> torch.Tensor | None:
+        if algorithm == "value":  # elementwise: no communication
+            assert value is not None
+            self.grads.clip_value_(value)
+            return None
+        return self.grads.clip_(value)  # every parameter: the norm of all of them, on all ranks
 
     # ---- collectives ---------------------------------------------------------------------
     @watched("the loss/metric reduction (from the last pipeline stage, over dp)")
@@ -378,14 +363,11 @@ class Parallel3DStrategy(Strategy):
     def watch(self, what: str) -> AbstractContextManager:
         return watch(what, self.heartbeat)
 
-    def start_max(self, value: int) -> Any:  # one process: Agreed, no collective; else on the host
-        watching = functools.partial(watch, "the pre-emption flags (a host all-reduce)", self.heartbeat)
-        return super().start_max(value) if self._ctx is None else self._ctx.start_max(value, watching)
-
-    # ---- checkpoints (written and read by the base, under the watch) -------------------------
-    def on_weights_loaded(self) -> None:
-        if self.grads is not None and self.grads.zero is not None:
-            self.grads.zero.reload_master_weights()  # ZeRO-1's fp32 master shards follow the weights
+    def agree_max(self, value: int) -> Any:  # one process: already agreed; else on the host
+        watching = functools.partial(
+            watch, "a host agreement (pre-emption flags, a bad step)", self.heartbeat
+        )
+        return super().agree_max(value) if self._ctx is None else self._ctx.agree_max(value, watching)
 
 
 def _last_block(module: nn.Module) -> nn.Module | None:

@@ -30,7 +30,7 @@ HOOK_NAMES = {"val": "validation", "test": "test", "predict": "predict"}
 def _grad_mode(trainer: NanoTrainer) -> AbstractContextManager:
     """Lightning evaluates under inference_mode; a pipeline's exchange buffers are reused by
     training, so under pipeline parallelism plain no_grad."""
-    if trainer.inference_mode and not trainer.strategy.pipelined:
+    if trainer.inference_mode and not trainer.strategy.parallel.pipelined:
         return torch.inference_mode()
     return torch.no_grad()
 

@@ -79,7 +79,7 @@ class MetricStore:
 
     def __init__(self, trainer: NanoTrainer) -> None:
         self.trainer = trainer
-        self.always_sync = False  # the strategy's `metrics_always_sync`, set when a call starts
+        self.always_sync = False  # the strategy's `parallel.metrics_always_sync`, set when a call starts
         self.train = Results(training=True)
         self.eval = Results(training=False)
         self.active: Results | None = None

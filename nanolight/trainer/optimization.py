@@ -162,7 +162,7 @@ class Optimization:
         if value <= 0:
             return None
         if algorithm == "value":
-            trainer.strategy.clip_gradients_value(value, optimizer)
+            trainer.strategy.clip_gradients(value, optimizer, "value")
             return None
         trainer.grad_norm = trainer.strategy.clip_gradients(value, optimizer)  # that optimizer's parameters
         return trainer.grad_norm

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 # The agreement must not cost a device sync every step: it is one host-side maximum of one integer
 # (0 nothing, 1 SIGUSR1, 2 SIGTERM), through a store rank 0 hosts (`parallel/agreement.py`: O(1)
 # requests per rank, whatever the world; no torchrun agent needed) started at the end
-# of step k without waiting (`Strategy.start_max`) and read at the end of step k+1, when it has
+# of step k without waiting (`Strategy.agree_max`) and read at the end of step k+1, when it has
 # long arrived. So with several ranks the run stops (and saves) one step after the signal's step;
 # one process exchanges nothing and stops at the signal's step. When the fit loop ends, the
 # request still in flight is waited for (`finish`): no collective is left behind.
@@ -90,7 +90,7 @@ class Preemption:
         agreed = self._read()  # started at the previous step
         if not agreed:
             # every rank sends its signal code, the world's maximum is read at the next check
-            self._pending = self.trainer.strategy.start_max(code)
+            self._pending = self.trainer.strategy.agree_max(code)
         self._stop(agreed)
 
     def finish(self) -> None:

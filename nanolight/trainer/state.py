@@ -111,7 +111,7 @@ def restore_training_state(trainer: NanoTrainer, path: Path, state: dict[str, An
                 f"checkpoint file {path / TRAINER_FILE} is missing: {path} holds no trainer state to resume "
                 "training from; restore the file or resume from an earlier checkpoint"
             )
-        trainer.strategy.load_optimizer_checkpoint(path)
+        trainer.strategy.load_checkpoint(path, load_weights=False)
     scheds = state.get("schedulers", [])
     if len(scheds) != len(trainer.lr_scheduler_configs):
         raise UsageError(

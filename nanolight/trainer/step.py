@@ -41,7 +41,7 @@ def refuse_under_pipeline(strategy: Strategy, message: str) -> None:
     """Under pipeline parallelism every stage runs every micro-batch of the strategy's schedule
     (only the last stage has the loss, 1F1B interleaves the micro-batches): nothing may skip
     one, end the window early, or drive the schedule by hand."""
-    if strategy.pipelined:
+    if strategy.parallel.pipelined:
         raise UsageError(message)
 
 
@@ -89,7 +89,7 @@ class AutomaticStep:
         with strategy.token_mean(batches):  # the causal LM's loss: the exact token mean of the step
             if not self._walk(strategy.run_step(n), batches, first):
                 return False
-        count_consumed(trainer.progress, batches, strategy.data_parallel_size)
+        count_consumed(trainer.progress, batches, strategy.parallel.dp)
         trainer.optimization.after_optimizer_step(last_of_epoch)
         trainer.hooks.call("on_train_batch_end", self.outputs.pop(n - 1), self.batches[n - 1], first + n - 1)
         return True
@@ -211,7 +211,7 @@ class ManualStep:
             return False
         with trainer.strategy.autocast():
             output = hooks.step("training_step", batch, first)
-        count_consumed(trainer.progress, batches, trainer.strategy.data_parallel_size)
+        count_consumed(trainer.progress, batches, trainer.strategy.parallel.dp)
         trainer.metrics.publish_step(sync=True)
         hooks.call("on_train_batch_end", batch_outputs(output), batch, first)
         return True

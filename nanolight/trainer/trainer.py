@@ -300,11 +300,11 @@ class NanoTrainer(TrainerProperties):
         self.hooks.setup("setup", self.state.fn)  # TrainerFn, as Lightning
         # Lightning calls configure_model (as prepare_data) only when the class overrides it
         if is_overridden("configure_model", module, NanoModule):
-            with strategy.model_init_context():  # every call, as Lightning (it must be idempotent)
+            with strategy.tensor_init_context():  # every call, as Lightning (it must be idempotent)
                 self.hooks.module("configure_model")
         if strategy.module is not module:  # parallelised once per trainer
             strategy.setup_module(module)
-        self.metrics.always_sync = strategy.metrics_always_sync
+        self.metrics.always_sync = strategy.parallel.metrics_always_sync
         path = resolve_ckpt_path(self, ckpt_path, fn, model_given)
         self._training_state: tuple[Path, dict[str, Any]] | None = None  # restored after on_fit_start
         self.ckpt_path = str(path) if path is not None else None

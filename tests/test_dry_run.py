@@ -8,9 +8,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from _dist import run_distributed
 
 from nanolight.models.llama import LlamaConfig, LlamaForCausalLM
-from nanolight.parallel.config import ParallelConfig
+from nanolight.parallel.config import PP_SCHEDULES, ParallelConfig
 from nanolight.planner.hardware import hardware
 from nanolight.pretrain.config import ClusterConfig, PretrainConfig, TrainConfig
 from nanolight.pretrain.dry_run import DryRunReport, dry_run, measured_fit
@@ -90,3 +91,38 @@ def test_fake_memory_equals_a_real_runs() -> None:
     memory, _, _ = measured_fit(config, build_strategy(config), hw, {})
     (role,) = dry_run(config).roles
     assert role.parts == memory.peak_parts()
+
+
+def _pp_config(schedule: str) -> PretrainConfig:
+    """Two pipeline ranks (one per stage), four micro-batches: every schedule's steady state."""
+    return PretrainConfig(
+        trainer=TrainConfig(micro_batch_size=2, seq_len=64, accumulate_grad_batches=4),
+        parallel=ParallelConfig(
+            pp=2, pp_schedule=schedule, pp_virtual=2 if schedule == "interleaved_1f1b" else 1, zero_stage=1
+        ),
+        cluster=ClusterConfig(gpu="h100-sxm"),
+    )
+
+
+def _real_stage(rank: int, world_size: int, config: PretrainConfig) -> tuple[dict[str, int], list]:
+    """One gloo rank of the real run, measured as the dry run measures a fake one."""
+    memory, traffic, _ = measured_fit(config, build_strategy(config), hardware("h100-sxm"), {})
+    return memory.peak_parts(), [(m.step, m.op, m.peer, m.nbytes) for m in traffic.messages]
+
+
+@pytest.mark.parametrize("schedule", PP_SCHEDULES)
+def test_pipeline_memory_and_messages_are_a_real_runs(schedule: str) -> None:
+    """Each stage's dry-run peak within 5% of the real two-process CPU run's (same measurement,
+    real tensors and gloo), and the same point-to-point messages to the same peers."""
+    config = _pp_config(schedule)
+    real = run_distributed(_real_stage, 2, config, timeout=180)
+    report = dry_run(config)
+    assert [r.rank for r in report.roles] == [0, 1] and [r.like for r in report.roles] == [1, 1]
+    for role in report.roles:
+        parts, messages = real[role.rank]
+        peak = sum(parts.values())
+        assert abs(role.peak - peak) <= 0.05 * peak, (role.rank, role.parts, parts)
+        for part in ("weights", "gradients", "optimizer_state"):
+            assert role.parts[part] == parts[part], (role.rank, part)
+        p2p = [(m.step, m.op, m.peer, m.nbytes) for m in role.messages if m.peer is not None]
+        assert p2p == [m for m in messages if m[2] is not None] and p2p

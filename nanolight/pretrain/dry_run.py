@@ -23,14 +23,16 @@ and dp ranks hold shards of the same shapes, so one of them runs):
   hand for its peaks, so it cannot price a GPU this machine does not have.
 
 What a fake tensor cannot do is left out: checkpoint saves, logging and the callbacks that read
-values (a fake tensor has none). Pipeline parallelism cannot run yet: its first exchange sends the
-activations' shapes as data (`parallel/pipeline/p2p.py`), which a fake world never delivers.
+values (a fake tensor has none). A pipeline stage learns its input's shape from a handshake that a
+fake world never delivers; `boundary_shapes` answers in its place (`parallel/pipeline/stage.py`
+`fake_world`: the handshake is still posted, and each shape a stage sends is checked against it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter, defaultdict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +48,9 @@ from torch.utils.flop_counter import flop_registry
 
 from nanolight.callbacks import Callback
 from nanolight.errors import UsageError
+from nanolight.parallel.config import ParallelConfig
 from nanolight.parallel.launcher import join_fake_world
+from nanolight.parallel.pipeline.p2p import Shape
 from nanolight.planner.hardware import Hardware, hardware
 from nanolight.planner.timing import ring_seconds
 from nanolight.pretrain.config import PretrainConfig
@@ -207,6 +211,9 @@ class _Clock(Callback):
         inner = [o for o in trainer.optimizers if isinstance(o, torch.optim.Optimizer)]
         if grads is not None and grads.zero is not None:
             inner.append(grads.zero.inner)
+        stage = getattr(strategy, "stage", None)
+        if stage is not None and dist.get_backend() == "fake":  # its handshakes deliver nothing
+            stage.fake_world(boundary_shapes(strategy.config, pl_module))
         self.memory.track_external(pl_module, *inner)
         self.memory.label("Gradient", buffers[0])
         self.memory.label("Optstate", buffers[1])
@@ -215,6 +222,21 @@ class _Clock(Callback):
 
     def on_train_batch_start(self, trainer: NanoTrainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.traffic.step = self.roofline.step = trainer.global_step
+
+
+def boundary_shapes(parallel: ParallelConfig, module: torch.nn.Module) -> Callable[[Hashable], Shape]:
+    """What crosses a pipeline boundary for a step's input (B, T) (the exchange's key: the input's
+    shape, the boundary): the residual stream (B, T, hidden), its sequence split tp ways under
+    sequence parallelism, in the weights' dtype (autocast's outputs join an fp32 residual)."""
+    weight = next(p for p in module.parameters() if p.is_floating_point())
+    hidden = module.model_config.hidden_size
+
+    def shapes(key: Hashable) -> Shape:
+        (batch, seq), _boundary = key
+        seq //= parallel.tp if parallel.sequence_parallel else 1
+        return torch.Size((batch, seq, hidden)), weight.dtype
+
+    return shapes
 
 
 def held_by_gradient_sync(grads: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -311,11 +333,6 @@ def dry_run(config: PretrainConfig) -> DryRunReport:
     check_layout(dataclasses.replace(config, parallel=dataclasses.replace(p, dp=p.resolve_dp(world))))
     gpu = config.cluster.gpu or "h100-sxm"
     hw = hardware(gpu)
-    if p.pp > 1:
-        raise UsageError(
-            "the dry run cannot run pipeline parallelism yet: its first exchange sends the activations' shapes "
-            "as data, which a fake process group never delivers; drop +parallel.pp or +dry_run"
-        )
     report = DryRunReport(world, gpu, hw.memory_bytes)
     for stage in range(p.pp):
         rank = stage * p.tp  # dp, cp and tp coordinate 0 of this stage

@@ -164,8 +164,10 @@ class StageP2P:
 
     def _check_known(self, key: Hashable, t: torch.Tensor) -> None:
         """What this stage sends for `key` is what `known_shapes` tells its next rank to expect."""
-        if self.known_shapes is not None and self.known_shapes(key) != (t.shape, t.dtype):
-            expected, dtype = self.known_shapes(key)
+        if self.known_shapes is None:
+            return
+        expected, dtype = self.known_shapes(key)
+        if (expected, dtype) != (t.shape, t.dtype):
             raise RuntimeError(
                 f"pipeline boundary {key}: this stage sends {tuple(t.shape)} {t.dtype}, but known_shapes tells "
                 f"the next stage to expect {tuple(expected)} {dtype}"

@@ -250,6 +250,13 @@ def recording() -> list[Op]:
     return list(_rec.ops)
 
 
+def take_recording() -> list[Op]:
+    """This process's recording so far, and a fresh one from here: a process that plays several
+    ranks in turn (the dry run's fake world, one role at a time) takes each rank's in turn."""
+    ops, _rec.ops = _rec.ops, []
+    return ops
+
+
 # ---- processes a test launches (``_nccl_site/sitecustomize.py``) ------------------------------
 def install_from_env() -> None:
     """With $NANOLIGHT_NCCL_RECORD set: record, and at a clean end of a rank (the world destroyed

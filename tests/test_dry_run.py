@@ -8,12 +8,18 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_distributed
+from _nccl_emulation import assert_nccl_safe, install, take_recording
 
 from nanolight.models.llama import LlamaConfig, LlamaForCausalLM
-from nanolight.parallel.config import ParallelConfig
+from nanolight.parallel.config import PP_SCHEDULES, ParallelConfig
+from nanolight.parallel.launcher import join_fake_world
+from nanolight.parallel.pipeline import FORWARD, StageP2P
 from nanolight.planner.hardware import hardware
 from nanolight.pretrain.config import ClusterConfig, PretrainConfig, TrainConfig
-from nanolight.pretrain.dry_run import DryRunReport, dry_run, measured_fit
+from nanolight.pretrain.dry_run import DryRunReport, dry_run, measured_fit, run_role
 from nanolight.pretrain.run import build_strategy
 
 pytestmark = pytest.mark.slow  # three fake ranks of 8: about a minute on 2 shared cores
@@ -90,3 +96,77 @@ def test_fake_memory_equals_a_real_runs() -> None:
     memory, _, _ = measured_fit(config, build_strategy(config), hw, {})
     (role,) = dry_run(config).roles
     assert role.parts == memory.peak_parts()
+
+
+def _pp_config(schedule: str) -> PretrainConfig:
+    """Two pipeline ranks (one per stage), four micro-batches: every schedule's steady state."""
+    return PretrainConfig(
+        trainer=TrainConfig(micro_batch_size=2, seq_len=64, accumulate_grad_batches=4),
+        parallel=ParallelConfig(
+            pp=2, pp_schedule=schedule, pp_virtual=2 if schedule == "interleaved_1f1b" else 1, zero_stage=1
+        ),
+        cluster=ClusterConfig(gpu="h100-sxm"),
+    )
+
+
+def _real_stage(rank: int, world_size: int, config: PretrainConfig) -> tuple[dict[str, int], list]:
+    """One gloo rank of the real run, measured as the dry run measures a fake one."""
+    memory, traffic, _ = measured_fit(config, build_strategy(config), hardware("h100-sxm"), {})
+    return memory.peak_parts(), [(m.step, m.op, m.peer, m.nbytes) for m in traffic.messages]
+
+
+@pytest.mark.parametrize("schedule", PP_SCHEDULES)
+def test_pipeline_memory_and_messages_are_a_real_runs(schedule: str) -> None:
+    """Each stage's dry-run peak within 5% of the real two-process CPU run's (same measurement,
+    real tensors and gloo), and the same point-to-point messages to the same peers."""
+    config = _pp_config(schedule)
+    real = run_distributed(_real_stage, 2, config, timeout=180)
+    report = dry_run(config)
+    assert [r.rank for r in report.roles] == [0, 1] and [r.like for r in report.roles] == [1, 1]
+    for role in report.roles:
+        parts, messages = real[role.rank]
+        peak = sum(parts.values())
+        assert abs(role.peak - peak) <= 0.05 * peak, (role.rank, role.parts, parts)
+        for part in ("weights", "gradients", "optimizer_state"):
+            assert role.parts[part] == parts[part], (role.rank, part)
+        p2p = [(m.step, m.op, m.peer, m.nbytes) for m in role.messages if m.peer is not None]
+        assert p2p == [m for m in messages if m[2] is not None] and p2p
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_pipeline_of_8_ranks_is_nccl_safe(schedule: str) -> None:
+    """pp 8, more ranks than this machine runs as processes: each rank's program runs under the fake
+    world (tp = cp = dp = 1: every rank is a role) and the NCCL emulation records it; the eight
+    recordings are then replayed by NCCL's rules (pairing, collectives' agreement, deadlocks)."""
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    model = dataclasses.replace(LlamaConfig.preset("smollm-tiny"), num_hidden_layers=8 * v)
+    config = PretrainConfig(
+        model=model,
+        trainer=TrainConfig(micro_batch_size=1, seq_len=32, accumulate_grad_batches=8),
+        parallel=ParallelConfig(pp=8, pp_schedule=schedule, pp_virtual=v),
+    )
+    install()
+    take_recording()  # what this process did before
+    recordings = []
+    for rank in range(8):
+        run_role(config, rank, 8, hardware("h100-sxm"))
+        recordings.append(take_recording())
+    # every boundary (8v - 1) carries each micro-batch's activation and gradient in both steps, and
+    # one shape handshake the first time
+    sends = [m for ops in recordings for op in ops if op.kind == "batch" for m in op.msgs if m.send]
+    assert len(sends) == (8 * v - 1) * (2 * 2 * 8 + 1)
+    assert_nccl_safe(recordings)
+
+
+def test_a_wrong_boundary_shape_fails_where_it_is_sent() -> None:
+    """Under `fake_world` the receiver takes `known_shapes` on trust; the sender checks it against
+    the tensor it sends, so a wrong answer cannot pass unnoticed."""
+    join_fake_world(0, 2)
+    try:
+        p2p = StageP2P(1, 1, torch.device("cpu"))
+        p2p.known_shapes = lambda key: (torch.Size((2, 64, 128)), torch.float32)
+        p2p.exchange([(FORWARD, ((2, 64), 1), torch.zeros(2, 64, 128))], [])  # as told: posted
+        with pytest.raises(RuntimeError, match=r"sends \(2, 32, 128\) torch.float32, but known_shapes"):
+            p2p.exchange([(FORWARD, ((2, 32), 1), torch.zeros(2, 32, 128))], [])
+    finally:
+        dist.destroy_process_group()

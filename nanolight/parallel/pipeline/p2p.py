@@ -17,6 +17,12 @@ first time a key crosses a boundary, its shape travels first in a batch of its o
 metadata tensor), posted by both ends at the same point; afterwards no metadata moves. A gradient
 has its activation's shape and dtype.
 
+A world whose messages carry nothing (the dry run's fake process group: `stage.fake_world`)
+cannot learn a shape from the handshake: there `known_shapes(key)` answers for the previous rank.
+The handshake is still posted, so the traffic is a real run's, and every activation this stage
+sends is checked against `known_shapes`, so a wrong answer fails where the boundary's sender runs
+rather than passing unnoticed.
+
 Completion. `wait(recv)` completes every batch this stage posted up to the receive's, in order,
 sends included: under NCCL the receive's batch finishes after the earlier ones anyway (one stream),
 so the extra waits cost nothing there, and on gloo the stage then blocks exactly where NCCL would.
@@ -32,7 +38,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +49,7 @@ from nanolight.parallel.pipeline.schedules import FORWARD
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 META_LEN = 8  # [ndim, dtype code, *shape] padded: activations have at most 6 dims
+Shape = tuple[torch.Size, torch.dtype]
 
 
 @dataclass
@@ -87,6 +94,7 @@ class StageP2P:
         self.metadata_messages = 0  # handshakes sent + received: stays constant once warm
         self.recv_wait_s = 0.0  # time blocked in receives: this stage's share of the bubble
         self.send_wait_s = 0.0  # time blocked completing batches for their sends (`complete_first`, `finish`)
+        self.known_shapes: Callable[[Hashable], Shape] | None = None  # a fake world's (`stage.fake_world`)
 
     def exchange(self, sends: list[tuple[str, Hashable, torch.Tensor | None]], recvs: list[Recv]) -> None:
         """Post one batch: `sends` ((kind, key, tensor): an activation to the next rank, or the
@@ -98,6 +106,7 @@ class StageP2P:
                 t = t.detach().contiguous()
                 if key not in self._out_meta:
                     self._out_meta[key] = (t.shape, t.dtype)
+                    self._check_known(key, t)
                     shapes.append((self.next_rank, _encode(t.shape, t.dtype, self.device)))
                 out.append((0, self.next_rank, t))
             else:
@@ -150,8 +159,19 @@ class StageP2P:
         self._post(shapes, [(self.prev_rank, m) for m in metas], [])
         self._complete_through(self._posted - 1)
         for r, meta in zip(new, metas, strict=True):
-            self._in_meta[r.key] = _decode(meta)
+            self._in_meta[r.key] = _decode(meta) if self.known_shapes is None else self.known_shapes(r.key)
         self.metadata_messages += len(shapes) + len(new)
+
+    def _check_known(self, key: Hashable, t: torch.Tensor) -> None:
+        """What this stage sends for `key` is what `known_shapes` tells its next rank to expect."""
+        if self.known_shapes is None:
+            return
+        expected, dtype = self.known_shapes(key)
+        if (expected, dtype) != (t.shape, t.dtype):
+            raise RuntimeError(
+                f"pipeline boundary {key}: this stage sends {tuple(t.shape)} {t.dtype}, but known_shapes tells "
+                f"the next stage to expect {tuple(expected)} {dtype}"
+            )
 
     def _post(self, sends: list[Message], recvs: list[Message], held: list[tuple[int, torch.Tensor]]) -> None:
         send_works, recv_works = post(self.group, sends, recvs)  # one batch_isend_irecv

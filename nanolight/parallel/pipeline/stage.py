@@ -14,18 +14,23 @@ or, where this rank cannot have it yet, a placeholder (`runner.py` says when and
 Outside a schedule (validation, inference) each call is a plain forward through the pipeline:
 every chunk in turn -- receive, compute, send -- returning the last virtual stage's output (a
 placeholder on the other ranks).
+
+A world of fake tensors and a fake process group (the dry run, `pretrain/dry_run.py`) runs this
+same program once `fake_world` is called: the seam's one place. Its messages carry nothing, so the
+handshake's shapes come from the caller (`p2p.py` `known_shapes`), and no value can be read, so
+the first step's check of training_step's returned loss is not made.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
-from nanolight.parallel.pipeline.p2p import StageP2P
+from nanolight.parallel.pipeline.p2p import Shape, StageP2P
 from nanolight.parallel.pipeline.runner import Placeholder, StageChunks, StepRun
 from nanolight.parallel.pipeline.schedules import Action, forward_program, stage_program
 from nanolight.parallel.pipeline.split import PipelineSplit
@@ -46,6 +51,7 @@ class PipelineStage:
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
         self.compute_context = compute_context
         self.steps = 0
+        self.values = True  # values can be read (False in a fake world: `fake_world`)
         self.run = StepRun([], 1, chunks, p2p, _nothing, compute_context, False)
         self.model.forward = self.forward  # instance attribute: nn.Module.__call__ (and its hooks) run it
 
@@ -62,6 +68,12 @@ class PipelineStage:
         p2p = StageP2P(*ctx.pp_ring, ctx.device, ctx.pp_p2p_group)
         return cls(StageChunks(model, split, ctx.pp_rank), p2p, compute_context)
 
+    def fake_world(self, known_shapes: Callable[[Hashable], Shape]) -> None:
+        """Run under fake tensors and a fake process group (see the module docstring):
+        `known_shapes(key)` is what the previous rank sends for an exchange key."""
+        self.p2p.known_shapes = known_shapes
+        self.values = False
+
     @property
     def max_in_flight(self) -> int:
         """Most chunk activations alive at once during the current/last step."""
@@ -76,7 +88,7 @@ class PipelineStage:
         every chunk backward whether it is that chunk's last of the step (the dp reduction)."""
         v = len(self.chunks.virtual_stages)
         program = stage_program(schedule, n, self.pp_size, self.pp_rank, v)
-        check = self.steps == 0  # the first step checks what training_step returned
+        check = self.steps == 0 and self.values  # the first step checks what training_step returned
         self.run = StepRun(program, n, self.chunks, self.p2p, before_backward, self.compute_context, check)
         self.steps += 1
         yield from self.run.steps()

@@ -18,8 +18,10 @@ from nanolight.parallel.config import PP_SCHEDULES, ParallelConfig
 from nanolight.parallel.launcher import join_fake_world
 from nanolight.parallel.pipeline import FORWARD, StageP2P
 from nanolight.planner.hardware import hardware
+from nanolight.planner.layout import Layout
+from nanolight.planner.memory import Workload, rank_memory
 from nanolight.pretrain.config import ClusterConfig, PretrainConfig, TrainConfig
-from nanolight.pretrain.dry_run import DryRunReport, dry_run, measured_fit, run_role
+from nanolight.pretrain.dry_run import DryRunReport, StepsMemTracker, dry_run, measured_fit, run_role
 from nanolight.pretrain.run import build_strategy
 
 pytestmark = pytest.mark.slow  # three fake ranks of 8: about a minute on 2 shared cores
@@ -170,3 +172,37 @@ def test_a_wrong_boundary_shape_fails_where_it_is_sent() -> None:
             p2p.exchange([(FORWARD, ((2, 32), 1), torch.zeros(2, 32, 128))], [])
     finally:
         dist.destroy_process_group()
+
+
+def test_meta_tensors_hold_no_memory() -> None:
+    """The strategy builds the model on "meta" before it materialises it: those tensors have no
+    storage anywhere, and the tracker's meta device must not add their nominal bytes to a peak."""
+    with StepsMemTracker() as memory:
+        held = torch.empty(256)  # 1 KiB on the program's device
+        nominal = torch.empty(2**20, device="meta")  # 4 MiB of nothing
+    assert nominal.is_meta and sum(memory.peak_parts().values()) == held.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-master"])
+def test_parts_match_the_planner(precision: str) -> None:
+    """The planner held to the dry run (issue 37's target, at tiny size): weights, gradients and
+    optimizer state equal, the rest within 5%. The planner's CPU workload, since the dry run runs
+    this machine's kernels. The tracker files what the forward made under activations, the
+    planner the head's last moment under transient: their sums at the peak are compared."""
+    config = _config(tp=1, cp=1, dp=2, precision=precision)
+    (role,) = dry_run(config).roles
+    t = config.trainer
+    layout = Layout(
+        dp=2,
+        zero_stage=1,
+        precision=precision,
+        micro_batch_size=t.micro_batch_size,
+        accumulate_grad_batches=t.accumulate_grad_batches,
+    )
+    planned = rank_memory(Workload(config.model, t.seq_len, "cpu"), layout, 0)
+    assert role.parts["weights"] == planned["parameters"]
+    assert role.parts["gradients"] == planned["gradients"]
+    assert role.parts["optimizer_state"] == pytest.approx(planned["optimizer_state"], abs=512)
+    measured = role.parts["activations"] + role.parts["temporaries"] + role.parts["communication"]
+    predicted = planned["activations"] + planned["transient"] + planned["communication"]
+    assert measured == pytest.approx(predicted, rel=0.05)

@@ -79,10 +79,13 @@ PP_SEQ_LEN = 64  # the pipeline's real run: real tensors, four processes on this
 PP_MAX_PARAMS = 200_000_000  # ... whose weights, gradients and AdamW state must fit this machine
 
 
-def layout_config(preset: str, layout: str, seq_len: int, micro_batches: int) -> PretrainConfig:
+def layout_config(
+    preset: str, layout: str, seq_len: int, micro_batches: int, layers: int | None = None
+) -> PretrainConfig:
+    """The layout's run of `preset` (`layers`: its decoder layers instead of the preset's)."""
     knobs = LAYOUTS[layout]
     return PretrainConfig(
-        model=LlamaConfig.preset(preset),
+        model=LlamaConfig.preset(preset, **({"num_hidden_layers": layers} if layers else {})),
         trainer=TrainConfig(
             micro_batch_size=1,
             seq_len=PP_SEQ_LEN if "pp" in knobs else seq_len,
@@ -193,13 +196,15 @@ def minimum(config: PretrainConfig) -> list[dict[str, float]]:
 
 
 # ---- the report ------------------------------------------------------------------------------
-def measure(presets: list[str], layouts: list[str], seq_len: int, micro_batches: int) -> dict[str, Any]:
+def measure(
+    presets: list[str], layouts: list[str], seq_len: int, micro_batches: int, layers: int | None = None
+) -> dict[str, Any]:
     """preset -> layout -> one row per rank role: {group: [measured, minimum]}."""
     out: dict[str, Any] = {}
     for preset in presets:
         out[preset] = {}
         for layout in layouts:
-            config = layout_config(preset, layout, seq_len, micro_batches)
+            config = layout_config(preset, layout, seq_len, micro_batches, layers)
             if config.parallel.pp > 1 and num_params(config.model) > PP_MAX_PARAMS:
                 out[preset][layout] = (
                     f"skipped: a real {config.parallel.pp}-rank run of this size does not fit here"
@@ -246,6 +251,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--traffic-seq-len", type=int, default=256, help="tokens per sequence (pp: 64)")
     p.add_argument("--micro-batches", type=int, default=2)
+    p.add_argument("--layers", type=int, help="decoder layers instead of the preset's (pp4v2 needs 8)")
 
 
 def main() -> None:
@@ -254,7 +260,7 @@ def main() -> None:
     p.add_argument("--json", help="also write the figures here")
     add_arguments(p)
     args = p.parse_args()
-    m = measure(args.presets, args.layouts, args.traffic_seq_len, args.micro_batches)
+    m = measure(args.presets, args.layouts, args.traffic_seq_len, args.micro_batches, args.layers)
     report(m, args.traffic_seq_len, args.micro_batches)
     if args.json:
         Path(args.json).write_text(json.dumps(m, indent=1))

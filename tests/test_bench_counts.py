@@ -49,7 +49,9 @@ def test_world_wide_work_does_not_grow_with_the_world(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("preset", ["smollm-tiny", pytest.param("smollm-135m", marks=pytest.mark.slow)])
 def test_a_layer_against_transformers_and_the_memory_formula(tmp_path: Path, preset: str) -> None:
-    counts = _bench(tmp_path, "--presets", preset, "--seq-len", "32", "--worlds", "--thread-worlds")
+    counts = _bench(
+        tmp_path, "--presets", preset, "--seq-len", "32", "--worlds", "--thread-worlds", "--layouts"
+    )
     layer = counts["layers"][preset]
     assert layer["nanolight"]["ops"] <= layer["transformers"]["ops"], layer
     assert layer["nanolight"]["host_syncs"] == 0 and layer["graph_breaks"] == 0, layer
@@ -72,7 +74,7 @@ CP_GAP = (
 def test_bytes_per_rank_within_10_percent_of_the_minimum(tmp_path: Path, layout: str) -> None:
     """A gradient reduction in fp32 instead of bf16, or an all-reduce where ZeRO-1 reduce-scatters,
     sends 1.5x the dp minimum; an extra tp collective per layer 1.125x the tp one: each fails here."""
-    args = ("--presets", "smollm-tiny", "--layouts", layout, "--traffic-seq-len", "64")
+    args = ("--presets", "smollm-tiny", "--layouts", layout, "--traffic-seq-len", "64", "--layers", "8")
     (rows,) = _bench(tmp_path, *args, script="bench_traffic.py")["smollm-tiny"].values()
     assert len(rows) == (4 if layout.startswith("pp") else 1)  # the pipeline's ranks differ; the rest alike
     for row in rows:

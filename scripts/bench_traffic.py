@@ -1,7 +1,8 @@
 """Bytes each rank sends per optimizer step, by group, against each layout's algorithmic minimum.
 
-    python scripts/bench_traffic.py [--presets smollm-135m smollm-1.7b] [--seq-len 256]
+    python scripts/bench_traffic.py [--presets smollm-135m smollm-1.7b] [--traffic-seq-len 256]
                                     [--micro-batches 2] [--layouts dp8 tp2dp4 cp2dp4 pp4v2]
+                                    [--layers N] [--json out.json]
 
 (`scripts/bench_counts.py --layouts ...` prints the same table after its other counts.)
 
@@ -24,7 +25,8 @@ and the vocabulary split tp ways, norms whole):
   updated weight back on every replica. A reduce-scatter of the gradients leaves each rank the
   1/n it steps and an all-gather returns the weights: 2·(n-1)/n·P·B (a ring all-reduce is
   exactly a reduce-scatter plus an all-gather, so nothing less moves the sum; fp32 gradients
-  or an all-reduce instead of the reduce-scatter would send 1.5× this).
+  or an all-reduce instead of the reduce-scatter would send 1.5× this -- as ``bf16-master``
+  does by choice, reducing in fp32 like Megatron's main gradients: hence bf16-true here).
 - tp with sequence parallelism (Korthikanti et al., arXiv 2205.05198, section 4.2.2): a layer's
   two tp regions each start with an all-gather of the (b,s,h) activation and end with a
   reduce-scatter; the backward runs their transposes: 8·(tp-1)/tp·b·s·h·B per layer and micro-
@@ -221,6 +223,7 @@ def measure(
                 groups = sorted(set(got) | set(least))
                 rows.append({g: [got.get(g, 0.0), least.get(g, 0.0)] for g in groups})
             out[preset][layout] = rows
+            print(f"{preset} {layout}: {json.dumps(rows)}", file=sys.stderr, flush=True)  # as it goes
     return out
 
 

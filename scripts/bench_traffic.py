@@ -12,7 +12,7 @@ second step recorded as it passes the dispatcher, with its group and tensor byte
 run's `Traffic`, `nanolight/pretrain/dry_run.py`). dp, tp and cp layouts run as the dry run
 runs them (one rank of the full world, fake tensors, torch's fake process group: exact shapes,
 no storage); the dry run cannot run pipeline parallelism yet, so pp runs for real: four gloo
-processes on this CPU, real tensors, the same recorder (`measured_fit`), at 64 tokens.
+processes on this CPU, real tensors, the same recorder (`measured_fit`), 8 micro-batches of 64 tokens.
 
 A collective's tensor bytes S become bytes sent per rank by the bandwidth-optimal (ring)
 algorithm over n ranks, what NCCL's ring sends: all-reduce 2(n-1)/n·S, reduce-scatter
@@ -78,6 +78,7 @@ LAYOUTS = {  # name -> ParallelConfig's knobs
     "pp4v2": {"pp": 4, "pp_schedule": "interleaved_1f1b", "pp_virtual": 2},
 }
 PP_SEQ_LEN = 64  # the pipeline's real run: real tensors, four processes on this CPU
+PP_MICRO_BATCHES = 8  # interleaving takes them in groups of pp
 PP_MAX_PARAMS = 200_000_000  # ... whose weights, gradients and AdamW state must fit this machine
 
 
@@ -91,7 +92,7 @@ def layout_config(
         trainer=TrainConfig(
             micro_batch_size=1,
             seq_len=PP_SEQ_LEN if "pp" in knobs else seq_len,
-            accumulate_grad_batches=micro_batches,
+            accumulate_grad_batches=PP_MICRO_BATCHES if "pp" in knobs else micro_batches,
             precision=PRECISION,
         ),
         parallel=ParallelConfig(zero_stage=1, **knobs),
@@ -230,7 +231,7 @@ def measure(
 def report(m: dict[str, Any], seq_len: int, micro_batches: int) -> None:
     print(
         f"bytes sent per rank per step, {PRECISION}, {micro_batches} micro-batches of 1 x {seq_len} tokens "
-        f"(pp: 1 x {PP_SEQ_LEN}), measured vs the algorithmic minimum"
+        f"(pp: {PP_MICRO_BATCHES} of 1 x {PP_SEQ_LEN}), measured vs the algorithmic minimum"
     )
     print(
         f"{'preset':<13}{'layout':<8}{'rank':>5}  {'group':<10}{'measured MiB':>14}{'minimum MiB':>13}{'ratio':>8}"

@@ -1,7 +1,8 @@
 """Counts that predict a GPU step, measured on CPU: deterministic, no timings, side by side.
 
     python scripts/bench_counts.py [--presets smollm-135m smollm-1.7b] [--seq-len 64]
-                                   [--worlds 8 64 1024 4096] [--json out.json]
+                                   [--worlds 8 64 1024 4096] [--layouts dp8 tp2dp4 cp2dp4 pp4v2]
+                                   [--json out.json]
 
 1. aten operations dispatched per decoder layer, forward + backward, eager (a `TorchDispatchMode`
    counting every op, bf16, SDPA, real tensors of one layer on CPU), nanolight's `DecoderLayer` vs
@@ -20,10 +21,14 @@
    ``use_local_synchronization`` (the path without a bound device) only its members meet.
 4. The per-step agreement's store requests per rank at several world sizes (ranks as threads, one
    real `TCPStore`): they must not grow with the world.
+5. Bytes each rank sends per step, by group, for dp8 ZeRO-1, tp2·dp4, cp2·dp4 and pp4 interleaved,
+   against each layout's algorithmic minimum: `scripts/bench_traffic.py` (its docstring derives
+   the minima), printed here too.
 
 Targets (the README's performance section): ops per layer <= transformers'; 0 host syncs and 0
 graph breaks; saved bytes within 5% of the formula; start-up world-wide calls O(mesh dimensions);
-per-step world-wide collectives 0 and per-rank requests constant.
+per-step world-wide collectives 0 and per-rank requests constant; bytes per rank within 10% of
+each layout's minimum.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a source checkout, not installed
+import bench_traffic  # noqa: E402  (scripts/, this file's directory)
+
 from nanolight.models import LlamaConfig  # noqa: E402
 from nanolight.models.llama import DecoderLayer  # noqa: E402
 from nanolight.models.llama_rope import rope_cos_sin, rope_inv_freq  # noqa: E402
@@ -357,10 +364,16 @@ def main() -> None:
     p.add_argument("--worlds", nargs="*", type=int, default=[8, 64, 1024, 4096])
     p.add_argument("--thread-worlds", nargs="*", type=int, default=[8, 64, 256])
     p.add_argument("--json", help="also write the figures here")
+    bench_traffic.add_arguments(p)
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     m = measure(args.presets, args.seq_len, args.worlds, args.thread_worlds)
+    m["traffic"] = bench_traffic.measure(
+        args.presets, args.layouts, args.traffic_seq_len, args.micro_batches, args.layers
+    )
     report(m, args.seq_len)
+    print()
+    bench_traffic.report(m["traffic"], args.traffic_seq_len, args.micro_batches)
     if args.json:
         Path(args.json).write_text(json.dumps(m, indent=1, default=str))
 

@@ -34,7 +34,7 @@ from nanolight.planner.memory import (
     schedule_peaks,
 )
 from nanolight.planner.search import candidate_layouts, plan
-from nanolight.planner.timing import micro_batch_work, ring_exchanges, step_time
+from nanolight.planner.timing import micro_batch_work, ring_block_bytes, step_time
 
 ROOT = Path(__file__).resolve().parents[1]
 H100 = HARDWARE["h100-sxm"]
@@ -298,8 +298,8 @@ def test_profiled_hardware_times_the_rank_block(monkeypatch: pytest.MonkeyPatch)
 def test_context_parallel_terms() -> None:
     """cp splits each sequence: a rank's activations are those of T/cp tokens, plus ring
     attention's fp32 output accumulator; ZeRO-1 shards over dp x cp; the ring passes K/V (compute
-    dtype) and dK/dV (fp32) of the rank's tokens and kv heads, and its sends cost latency +
-    bytes / link each: cp-1 forward, cp-1 + cp backward when no compute hides them."""
+    dtype) and dK/dV sums (the same) of the rank's tokens and kv heads, and its sends cost latency +
+    bytes / link each: cp-1 forward, 2 (cp-1) backward when no compute hides them."""
     config = dataclasses.replace(LlamaConfig.preset("smollm-360m"), max_position_embeddings=16384)
     T, q, kv = (
         16384,
@@ -320,11 +320,10 @@ def test_context_parallel_terms() -> None:
     assert rank_memory(long, zero, 0)["optimizer_state"] == 12 * rank_parameters(config, zero, 0) // 4
 
     elements = 2 * (T // 4) * kv  # K and V of T/cp tokens at cp=4, bf16 under bf16-mixed
-    assert ring_exchanges(long, Layout(cp=4)) == (2 * elements, 4 * elements)
+    assert ring_block_bytes(long, Layout(cp=4)) == 2 * elements
     instant = dataclasses.replace(H100, bf16_flops=1e30, latency=1e-5)  # nothing to hide the ring behind
-    link = instant.link(4)
-    send, grads = 1e-5 + 2 * elements / link, 1e-5 + 4 * elements / link
-    per_block = 3 * send + 3 * send + 4 * grads
+    send = 1e-5 + 2 * elements / instant.link(4)
+    per_block = 3 * send + 3 * send + 3 * send  # K/V forward, K/V backward, dK/dV home: cp-1 each
     assert micro_batch_work(long, Layout(cp=4), instant, 0) == pytest.approx(
         config.num_hidden_layers * per_block, rel=1e-3
     )

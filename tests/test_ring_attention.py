@@ -128,26 +128,30 @@ def test_zigzag_positions_balance_the_causal_triangle() -> None:
 
 
 def test_ring_attention_in_bf16_matches_fp32_attention_to_bf16_precision() -> None:
-    """bf16 inputs (what flash-attn and bf16-master feed it): the ring keeps fp32 statistics, so
-    it lands within bf16's rounding of fp32 attention over the same (bf16-rounded) inputs."""
+    """bf16 inputs (what flash-attn and bf16-master feed it): the ring keeps fp32 statistics and
+    sums, so it lands within bf16's rounding of fp32 attention over the same (bf16-rounded) inputs,
+    while every exchange travels in bf16: K/V forward and backward, and each block's dK/dV home to
+    its owner in cp - 1 hops (3 (cp - 1) exchanges a rank, each overlapped by a kernel but the last)."""
+    cp = 4
     x = _inputs(4, 2, True, torch.bfloat16)
     ref = _reference(
         {n: (t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in x.items()}
     )
-    got = run_distributed(_worker, 2, x, timeout=300, pg_timeout=120)
+    got = run_distributed(_worker, cp, x, timeout=300, pg_timeout=120)
     for key, want in zip(("out", "dq", "dk", "dv"), ref, strict=True):
         whole = _whole([r[key] for r in got])
         assert whole.dtype == torch.bfloat16, key
         torch.testing.assert_close(whole.float(), want, rtol=2e-2, atol=2e-2, msg=key)
-    for r in got:  # the dK/dV rotations (fp32; K/V travel in bf16) overlap the next step's kernels
+    for r in got:
         ops = r["ops"]
-        rotations = [op.seq for op in ops if op.kind == "batch" and op.msgs[0].dtype == "torch.float32"]
+        exchanges = [op for op in ops if op.kind == "batch"]
+        assert len(exchanges) == 3 * (cp - 1), ops
+        assert {m.dtype for op in exchanges for m in op.msgs} == {"torch.bfloat16"}, ops
         waited = {op.target: op.seq for op in ops if op.kind == "wait"}
-        backward = [at for at, kind, _ in r["kernels"] if kind == "backward"]
-        assert len(rotations) == 2, ops
-        # the first is waited for only after the next step's block kernels ran; the last, whose
-        # sum is the result, has nothing left to overlap
-        assert any(rotations[0] < at <= waited[rotations[0]] for at in backward), (ops, backward)
+        kernels = [at for at, _, _ in r["kernels"]]
+        alone = [op.seq for op in exchanges if not any(op.seq < at <= waited[op.seq] for at in kernels)]
+        # only the last dK/dV exchange, whose sum is the result, has nothing left to overlap
+        assert alone == [exchanges[-1].seq], (ops, kernels)
 
 
 def test_ring_attention_under_autocast_computes_as_without_it() -> None:

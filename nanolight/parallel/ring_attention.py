@@ -5,9 +5,11 @@ Queries stay where they are; the keys and values travel: every rank passes its K
 next rank of the ring and receives the previous rank's, `cp` blocks in all, posting the next
 exchange before it computes on the current block. Each block gives a partial result and its
 row-wise log-sum-exp; partials merge exactly by the log-sum-exp rule, so the output equals
-attention over the whole sequence. The backward pass rotates K/V again and sends each block's
-key/value gradients around with it, so they arrive back at the block's owner; each step adds
-its share and posts the sum on, waiting for the previous rank's only after its own kernels ran.
+attention over the whole sequence. The backward pass rotates K/V again; each block's key/value
+gradients start at the first rank after its owner and travel on around the ring to it (cp - 1
+hops, in K/V's dtype: the bytes of the K/V that came), each rank adding its share in fp32 and
+posting the sum on, waiting for the previous rank's only after its own kernels ran. The owner
+keeps its own share at home and adds the arriving sum last.
 
 Causal load balance (zigzag): the sequence is cut into 2·cp chunks and rank r holds chunks r and
 2·cp−1−r (`zigzag_shard`), so every rank has the same share of the causal triangle. Positions
@@ -211,10 +213,14 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring, kernels = ctx.ring, iter(ctx.kernels)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        # the gradients of the K/V block a rank holds travel with it (fp32: summed over the ring).
-        # Each step computes its own share first, then waits for the share the previous rank sent
-        # (posted a step earlier), adds it and posts the sum on: the rotation overlaps a step's compute.
-        arriving: tuple[torch.Tensor, list[Any]] | None = None
+        # The gradients of the K/V block a rank holds travel with it, from the first rank after its
+        # owner, home to it. Each step computes its own share first, then waits for the sum the
+        # previous rank sent (posted a step earlier), adds it in fp32 and posts the sum on in K/V's
+        # dtype: the rotation overlaps a step's compute. Step 0's share (this rank's own block)
+        # stays here and takes the sum that comes home after the last step.
+        own: torch.Tensor | None = None
+        arriving: tuple[torch.Tensor, list[Any]] | None = None  # the sum on its way here, its works
+        sent: torch.Tensor | None = None  # kept until its send is waited for (with the receive)
         with torch.autocast(q.device.type, enabled=False):
             for step, kv in ring.around(torch.stack([k, v]).contiguous()):
                 dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
@@ -225,18 +231,28 @@ class _RingAttention(torch.autograd.Function):
                     dq[:, :, qs] += block_dq
                     dkv[0][:, :, ks] += block_dk
                     dkv[1][:, :, ks] += block_dv
+                if step == 0:
+                    own = dkv
+                    continue
                 if arriving is not None:
-                    received, works = arriving
-                    for work in works:
-                        work.wait()
-                    dkv += received
-                # the accumulated gradients follow their block to the next rank; after the last
-                # step this send brings each block's gradients home to its owner
-                arriving = ring.rotate(dkv)
-        received, works = arriving
-        for work in works:
-            work.wait()
-        return dq.to(q.dtype), received[0].to(k.dtype), received[1].to(v.dtype), None, None
+                    dkv += _arrived(arriving)
+                    arriving = sent = None
+                # the block's sum so far goes to the next rank; after the last step this send
+                # brings each block's gradients home to its owner (`rotate`: one send, one receive)
+                sent = dkv.to(k.dtype)
+                arriving = ring.rotate(sent)
+        assert own is not None
+        if arriving is not None:
+            own += _arrived(arriving)
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None
+
+
+def _arrived(arriving: tuple[torch.Tensor, list[Any]]) -> torch.Tensor:
+    """The received buffer of a posted rotation, once its send and receive completed."""
+    received, works = arriving
+    for work in works:
+        work.wait()
+    return received
 
 
 def _blocks(

@@ -159,8 +159,9 @@ def block_activation_bytes(work: Workload, layout: Layout, mode: str | None = No
 def ring_transient_bytes(work: Workload, layout: Layout) -> int:
     """Bytes ring attention (cp > 1) holds beyond the saved activations during one block's
     backward, its busiest moment (`_RingAttention.backward`): dq and the expanded dk, dv (fp32,
-    q's heads), the travelling dK/dV accumulator and the one arriving (fp32, kv heads), the
-    stacked K/V and the block arriving (compute dtype), and K/V expanded to q's heads under GQA.
+    q's heads), this rank's own block's dK/dV share and the step's accumulator (fp32, kv heads),
+    the sum sent on and the one arriving (compute dtype), the stacked K/V and the block arriving
+    (compute dtype), and K/V expanded to q's heads under GQA.
     The forward holds less: its output and lse accumulators are saved activations."""
     if layout.cp == 1:
         return 0
@@ -169,7 +170,7 @@ def ring_transient_bytes(work: Workload, layout: Layout) -> int:
     N = layout.micro_batch_size * work.seq_len // layout.cp
     q, kv = c.num_attention_heads * c.head_dim // tp, c.num_key_value_heads * c.head_dim // tp
     expanded = 2 * a * N * q if q != kv else 0
-    return 3 * 4 * N * q + 2 * (2 * 4 * N * kv) + 2 * (2 * a * N * kv) + expanded
+    return 3 * 4 * N * q + 2 * (2 * 4 * N * kv) + 4 * (2 * a * N * kv) + expanded
 
 
 def chunk_activation_bytes(work: Workload, layout: Layout, stage: int) -> list[int]:

@@ -43,7 +43,7 @@ Each collective or message costs the hardware's `latency` and then its bytes (Ho
 moves 2(n-1)/n of an all-reduced buffer per rank, (n-1)/n of a reduce-scattered or all-gathered
 one. On a CPU that latency is measured between busy ranks (`hardware.gloo_bandwidth`): training's
 ranks compute between collectives and wait for each other there. The counts (`tp_collectives`,
-`pipeline_messages`, `ring_exchanges`) are read off the code that issues them. A CPU whose cores
+`pipeline_messages`, `ring_block_bytes`) are read off the code that issues them. A CPU whose cores
 the ranks already fill overlaps nothing: gloo's copies and sums run on those same cores.
 """
 
@@ -141,17 +141,16 @@ def pipeline_messages(layout: Layout, stage: int) -> int:
     return sum(2 * (g > 0) + 2 * (g < last) for g in chunks)
 
 
-def ring_exchanges(work: Workload, layout: Layout) -> tuple[int, int]:
-    """(bytes of the K/V block, bytes of its dK/dV accumulator) that ring attention passes to the
-    next cp rank (`parallel/ring_attention.py`): K and V of this rank's T/cp tokens and kv heads
-    (over tp), in the compute dtype; the gradients travel in fp32. Per layer and micro-batch the
-    forward sends the K/V block cp-1 times, each posted before the step's block is computed (so
-    overlapped with it); the backward sends K/V again cp-1 times (overlapped) and the gradients
-    cp times (the last brings them home), each waited for at once."""
+def ring_block_bytes(work: Workload, layout: Layout) -> int:
+    """Bytes of one exchange of ring attention (`parallel/ring_attention.py`) to the next cp rank:
+    K and V of this rank's T/cp tokens and kv heads (over tp), in the compute dtype; a block's
+    dK/dV sum travels in the same dtype and shape. Per layer and micro-batch the forward sends
+    the K/V block cp-1 times, each posted before the step's block is computed (so overlapped
+    with it); the backward sends K/V again cp-1 times and the dK/dV sums cp-1 times (home in the
+    last), each overlapped with the next step's blocks but the last, whose sum is the result."""
     c = work.config
     _, _, act, _ = PRECISION_BYTES[layout.precision]
-    elements = 2 * _local_tokens(work, layout) * c.num_key_value_heads // layout.tp * c.head_dim
-    return elements * act, elements * 4
+    return 2 * _local_tokens(work, layout) * c.num_key_value_heads // layout.tp * c.head_dim * act
 
 
 def _ring_attention(work: Workload, layout: Layout, hw: Hardware, attention_s: float) -> float:
@@ -160,14 +159,13 @@ def _ring_attention(work: Workload, layout: Layout, hw: Hardware, attention_s: f
     cp = layout.cp
     if cp == 1:
         return 0.0
-    kv, dkv = ring_exchanges(work, layout)
     link = hw.link(layout.tp * layout.pp * cp)
-    send = hw.latency + kv / link  # each rank sends one block and receives one, at once
+    send = hw.latency + ring_block_bytes(work, layout) / link  # one block sent and one received, at once
     # the forward's exchanges hide behind each step's blocks (a third of the attention work),
-    # the backward's K/V behind the rest; the dK/dV sends wait
+    # the backward's (K/V and the dK/dV sums) behind the rest; the last sum's wait is exposed
     hidden = attention_s / cp if overlaps(hw, layout) else 0.0
     forward = (cp - 1) * max(0.0, send - hidden / 3)
-    backward = (cp - 1) * max(0.0, send - 2 * hidden / 3) + cp * (hw.latency + dkv / link)
+    backward = (2 * cp - 3) * max(0.0, send - 2 * hidden / 3) + send
     recomputed = forward if layout.activation_checkpointing != "none" else 0.0
     return forward + backward + recomputed
 

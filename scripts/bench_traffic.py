@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import socket
 import sys
 from collections import defaultdict
@@ -119,7 +120,8 @@ def by_group(messages: list[Message]) -> dict[str, float]:
     out: dict[str, float] = defaultdict(float)
     for m in messages:
         if m.step == STEP:  # a group the context does not name (the tied embedding's): its ranks
-            out[m.group if m.group != "world" else "ranks " + ",".join(map(str, m.ranks))] += sent_bytes(m)
+            named = m.group in GROUP_NAMES
+            out[m.group if named else "ranks " + ",".join(map(str, m.ranks))] += sent_bytes(m)
     return dict(out)
 
 
@@ -135,14 +137,16 @@ def _pp_rank(rank: int, world: int, port: int, config: PretrainConfig, results: 
     torch.set_num_threads(1)
     strategy = build_strategy(config)
     strategy.setup_environment()  # joins the world; the groups exist from here
-    ctx = strategy.parallel_context
+    ctx = strategy.parallel.context
     names = {tuple(ctx.ranks(name)): name for name in reversed(GROUP_NAMES)}  # earlier names win
     _, traffic, _ = measured_fit(config, strategy, hardware("h100-sxm"), names)
     results.put((rank, by_group(traffic.messages)))
 
 
 def measured_pp(config: PretrainConfig) -> list[dict[str, float]]:
-    """Every pipeline rank's bytes by group (a real run: the dry run cannot run pp yet)."""
+    """Every pipeline rank's bytes by group: a real run, at a size this machine runs (the dry run
+    runs pp too now; taking smollm-1.7b's pp count from it is open). A rank that dies stops the
+    count at once, naming its exit code, rather than leaving the others waiting."""
     world = config.parallel.pp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -152,7 +156,17 @@ def measured_pp(config: PretrainConfig) -> list[dict[str, float]]:
     procs = [ctx.Process(target=_pp_rank, args=(r, world, port, config, results)) for r in range(world)]
     for p in procs:
         p.start()
-    got = dict(results.get(timeout=1800) for _ in procs)
+    got: dict[int, dict[str, float]] = {}
+    while len(got) < world:
+        try:
+            rank, row = results.get(timeout=5)
+            got[rank] = row
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode]
+            if dead:
+                for p in procs:
+                    p.terminate()
+                raise RuntimeError(f"a pipeline rank exited with {dead[0]}") from None
     for p in procs:
         p.join()
         if p.exitcode:

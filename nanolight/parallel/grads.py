@@ -175,8 +175,7 @@ class GradientSync:
 
     def _final_grads(self) -> list[Tensor]:
         if self.zero is not None:
-            self.zero.reduce_gradients()
-            return list(self.zero.shard_grads)
+            return self.zero.reduced_grads()
         return [p.grad for p in self.params if p.grad is not None]
 
     def norm(self) -> Tensor:

@@ -164,18 +164,19 @@ class ZeroOptimizer:
         group's buckets themselves)."""
         return self.reducer.shard_grads
 
-    def reduce_gradients(self) -> None:
-        """Reduce-scatter the gradients now unless backward hooks already did it this step."""
+    def reduced_grads(self) -> list[Tensor]:
+        """The gradients `step` updates with (this rank's shard per param group): reduce-scattered
+        now unless backward hooks already did it this step. What clipping must change."""
         if not self.reducer.ready:
             self.reducer.finish()
+        return list(self.shard_grads)
 
     def grad_pieces(self, counted: set[int]) -> list[Tensor]:
         """Views of this rank's gradient shard holding the parameters in `counted` (ids), for the
         global norm (`parallel/grads.py`); call after the reduction."""
-        self.reduce_gradients()
-        pieces = []
+        shards, pieces = self.reduced_grads(), []
         for bucket in self.reducer.buckets:
-            shard = self.shard_grads[bucket.group_index]
+            shard = shards[bucket.group_index]
             pieces += [shard[pos : pos + b - a] for p, a, b, pos in self._pieces(bucket) if id(p) in counted]
         return pieces
 
@@ -185,10 +186,10 @@ class ZeroOptimizer:
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not support a closure")
         self.wait_for_weights()
-        self.reduce_gradients()
+        grads = self.reduced_grads()
         for front, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
             inner.update(_hyper(front))  # the LR scheduler changed the front's lr
-        for m, g in zip(self.master, self.shard_grads, strict=True):
+        for m, g in zip(self.master, grads, strict=True):
             m.grad = g if g.dtype == m.dtype else g.float()
         self.inner.step()
         # LR schedulers warn "scheduler.step() before optimizer.step()" unless the optimizer they

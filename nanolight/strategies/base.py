@@ -244,8 +244,7 @@ class Strategy:
 
     def _clip_values(self, value: float, optimizer: Any) -> None:
         for opt in self._masters(optimizer):
-            opt.reduce_gradients()
-            for grad in opt.shard_grads:
+            for grad in opt.reduced_grads():
                 grad.clamp_(-value, value)
         params = [p for p in self._params(optimizer) if p.grad is not None]
         if params:

@@ -183,15 +183,6 @@ def test_meta_tensors_hold_no_memory() -> None:
     assert nominal.is_meta and sum(memory.peak_parts().values()) == held.untyped_storage().nbytes()
 
 
-PLANNER_OVER = (
-    "since the chunked tensor-parallel loss and the blocked SwiGLU were merged, the planner predicts "
-    "more than the dry run measures (32-true: 18.1 MB vs 13.7 MB; bf16-master: 17.5 vs 15.2): its "
-    "head transient (one chunk's logits and the fp32 d weight at the forward's end) or its block "
-    "term is over; open under issue 37"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=PLANNER_OVER)
 @pytest.mark.parametrize("precision", ["32-true", "bf16-master"])
 def test_parts_match_the_planner(precision: str) -> None:
     """The planner held to the dry run (issue 37's target, at tiny size): weights, gradients and

@@ -81,6 +81,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             d_weight = None
             loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
             for s in range(0, hidden.shape[0], rows):
+                logits = logp = grad = None  # the last chunk's (n, V) buffers go before this one's come
                 h, keep, idx = (
                     hidden[s : s + rows].to(dtype),
                     keep_all[s : s + rows, None],

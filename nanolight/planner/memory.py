@@ -30,9 +30,9 @@ allocator       CUDA caching-allocator slack (fragmentation, rounding): a fixed 
 
 The block's saved tensors (fp32 units: x = tokens on this rank between tp regions, N = tokens
 of the micro-batch, q/kv = query/key-value widths, I = MLP width, all / tp where tp splits them):
-norm inputs x*h and rstd x (twice), the two column linears' gathered inputs N*h, the qkv output
-(v is a view of it), rope'd q and k, SDPA's output and log-sum-exp, gate_up (2I), silu (I) and
-the product (I); eager attention instead saves q, the GQA-expanded k and v, the (T, T) mask and
+norm inputs x*h and rstd x (twice), the two column linears' gathered inputs N*h, rope'd q and k
+and v copied out of the qkv output (`rope_qkv`: the output itself is not kept), SDPA's output and
+log-sum-exp, gate_up (2I), silu (I) and the product (I); eager attention instead saves q, the GQA-expanded k and v, the (T, T) mask and
 the softmax (b, heads, T, T). The head: the fused head + loss (`fused_loss.py`, over this rank's
 vocabulary slice under tp) keeps d hidden (the whole sequence's: the head's input is gathered) and an
 fp32 d weight. `full` recompute keeps the block input only; `selective` keeps the input, the
@@ -139,14 +139,14 @@ def block_activation_bytes(work: Workload, layout: Layout, mode: str | None = No
     if layout.cp > 1:  # ring attention: q, k, v, the fp32 output and lse, the output's cast
         attn_out = a * N * q if a != 4 else 0
         kernel_outputs = 4 * N * q + 4 * b * heads * T + attn_out
-        attention = a * N * q + a * N * kv + a * N * (q + 2 * kv) + kernel_outputs
+        attention = a * N * (q + 2 * kv) + kernel_outputs
     elif c.attn_implementation == "eager":
         attn_out = a * N * q
         attention = a * N * q * 3 + T * T + a * b * heads * T * T + attn_out
         kernel_outputs = 0  # eager's matmuls are bmm: recomputed under `selective`
     else:
         attn_out = a * N * q
-        attention = a * N * q + a * N * kv + a * N * (q + 2 * kv) + 4 * b * heads * T + attn_out
+        attention = a * N * (q + 2 * kv) + 4 * b * heads * T + attn_out  # q, k, v; output and lse
         kernel_outputs = attn_out + 4 * b * heads * T
     if mode == "selective":  # block input + matmul outputs (qkv, o, gate_up, down) + attention kernel's
         return block_input + a * N * (q + 2 * kv) + 2 * a * N * h + a * N * 2 * inter + kernel_outputs
@@ -215,20 +215,32 @@ def schedule_peaks(work: Workload, layout: Layout, stage: int) -> tuple[int, int
 
 
 def head_transient_bytes(work: Workload, layout: Layout, stage: int) -> int:
-    """The fused head + loss (`fused_loss.py`, over this rank's vocabulary slice under tp) at the end
-    of the last stage's forward, every block's activations still held: one chunk's fp32 logits
-    (written over by its log-softmax and its gradient; under bf16 compute the bf16 product too), and
-    the d weight accumulating. Under tp a chunk's per-token statistics (tokens x 2, from every tp
-    rank) are small next to its logits. The dry run's ``MemTracker`` puts the step's peak here."""
+    """What the fused head + loss (`fused_loss.py`, over this rank's vocabulary slice under tp) holds
+    beyond the saved activations at the end of the last stage's forward, every block's activations
+    still held, the fp32 d weight among them (`chunk_activation_bytes`) from the first chunk on.
+    A chunk of n tokens (the last chunk's buffers are dropped before its are made) peaks at one of:
+    - its log-sum-exp: the fp32 logits and torch's own (n, V) fp32 temporary inside the operator
+      (``(x - max).exp_()``; the dry run's tracker sees operator outputs only, not this), before
+      the first chunk has made the d weight;
+    - its d weight update: the fp32 softmax - one-hot and, under bf16 compute, its bf16 copy (the
+      matmul's input) and the bf16 (V, H) product added into the fp32 d weight.
+    Under bf16-mixed the head's fp32 weight is cast to bf16 for the whole loss. A chunk's per-token
+    statistics (tokens x 2, from every tp rank) and its slice of the hidden states are small next
+    to its logits."""
     if stage != layout.pp - 1:
         return 0
     c = work.config
-    vocab = c.vocab_size // layout.tp
-    rows = chunk_rows(vocab, c.hidden_size, torch.device(work.device))
+    vocab, h = c.vocab_size // layout.tp, c.hidden_size
+    rows = chunk_rows(vocab, h, torch.device(work.device))
     tokens = layout.micro_batch_size * work.seq_len // layout.cp
-    _, _, a, _ = PRECISION_BYTES[layout.precision]
-    logit = 4 + (a if a != 4 else 0)  # bf16 compute: the product, then its fp32 copy (``.float()``)
-    return logit * min(rows, tokens) * vocab + 4 * vocab * c.hidden_size
+    w, _, a, _ = PRECISION_BYTES[layout.precision]
+    first, later = min(rows, tokens), min(rows, max(tokens - rows, 0))  # later: the second chunk on
+    d_weight = 4 * vocab * h
+    lse = max(8 * first * vocab - d_weight, 8 * later * vocab)
+    low = a if a != 4 else 0  # bf16 compute
+    update = (4 + low) * first * vocab + low * vocab * h
+    weight_cast = a * vocab * h if w != a else 0
+    return max(lse, update) + weight_cast
 
 
 def rank_memory(work: Workload, layout: Layout, stage: int) -> dict[str, int]:

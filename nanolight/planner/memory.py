@@ -217,16 +217,14 @@ def schedule_peaks(work: Workload, layout: Layout, stage: int) -> tuple[int, int
 def head_transient_bytes(work: Workload, layout: Layout, stage: int) -> int:
     """What the fused head + loss (`fused_loss.py`, over this rank's vocabulary slice under tp) holds
     beyond the saved activations at the end of the last stage's forward, every block's activations
-    still held, the fp32 d weight among them (`chunk_activation_bytes`) from the first chunk on.
-    A chunk of n tokens (the last chunk's buffers are dropped before its are made) peaks at one of:
-    - its log-sum-exp: the fp32 logits and torch's own (n, V) fp32 temporary inside the operator
-      (``(x - max).exp_()``; the dry run's tracker sees operator outputs only, not this), before
-      the first chunk has made the d weight;
-    - its d weight update: the fp32 softmax - one-hot and, under bf16 compute, its bf16 copy (the
-      matmul's input) and the bf16 (V, H) product added into the fp32 d weight.
-    Under bf16-mixed the head's fp32 weight is cast to bf16 for the whole loss. A chunk's per-token
-    statistics (tokens x 2, from every tp rank) and its slice of the hidden states are small next
-    to its logits."""
+    still held, the fp32 d weight among them (`chunk_activation_bytes`). Its busiest moment is a
+    chunk's d weight update (the last chunk's buffers are dropped before a chunk's are made): the
+    chunk's fp32 logits, turned in place into the softmax minus the one-hot, and under bf16 compute
+    their bf16 copy (the matmul's input) and the bf16 (V, H) product added into the fp32 d weight.
+    The chunk's earlier moments hold less: its bf16 logits and their fp32 copy, the d weight
+    untouched. Under bf16-mixed the head's fp32 weight is cast to bf16 for the whole loss. A
+    chunk's per-token statistics (tokens x 2, from every tp rank) and its slice of the hidden
+    states are small next to its logits."""
     if stage != layout.pp - 1:
         return 0
     c = work.config
@@ -234,13 +232,10 @@ def head_transient_bytes(work: Workload, layout: Layout, stage: int) -> int:
     rows = chunk_rows(vocab, h, torch.device(work.device))
     tokens = layout.micro_batch_size * work.seq_len // layout.cp
     w, _, a, _ = PRECISION_BYTES[layout.precision]
-    first, later = min(rows, tokens), min(rows, max(tokens - rows, 0))  # later: the second chunk on
-    d_weight = 4 * vocab * h
-    lse = max(8 * first * vocab - d_weight, 8 * later * vocab)
     low = a if a != 4 else 0  # bf16 compute
-    update = (4 + low) * first * vocab + low * vocab * h
+    update = (4 + low) * min(rows, tokens) * vocab + low * vocab * h
     weight_cast = a * vocab * h if w != a else 0
-    return max(lse, update) + weight_cast
+    return update + weight_cast
 
 
 def rank_memory(work: Workload, layout: Layout, stage: int) -> dict[str, int]:

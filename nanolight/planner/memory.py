@@ -23,8 +23,10 @@ communication   pipeline sends: a sent activation is the chunk's output, alive u
                 program (`schedules.held_sends`).
 transient       what lives only for a moment at the peak: under recompute, one block's full
                 activations rebuilt in backward; ring attention's (cp > 1) buffers of one block's
-                backward (`ring_transient_bytes`); after backward, ZeRO-1's all-gather buffers
-                (a full bucket per bucket, in the parameter dtype) while activations are gone.
+                backward (`ring_transient_bytes`); the fused head + loss at the forward's end
+                (`head_transient_bytes`); while activations are gone, the embedding's gradient
+                at the end of backward (`embedding_grad_bytes`) and after backward ZeRO-1's
+                all-gather buffers (a full bucket per bucket, in the parameter dtype).
 allocator       CUDA caching-allocator slack (fragmentation, rounding): a fixed allowance on GPUs,
                 to be checked against `torch.cuda.max_memory_allocated` when a GPU is at hand.
 
@@ -238,6 +240,17 @@ def head_transient_bytes(work: Workload, layout: Layout, stage: int) -> int:
     return update + weight_cast
 
 
+def embedding_grad_bytes(work: Workload, layout: Layout, stage: int) -> int:
+    """The end of the first stage's backward, its activations gone: the embedding's gradient, dense
+    (vocab/tp x hidden, in the weight's dtype) until it is added into its bucket; a tied embedding
+    on one stage (pp 1) also holds the head's gradient, which autograd keeps for it, and their sum."""
+    if stage != 0:
+        return 0
+    c = work.config
+    grad = PRECISION_BYTES[layout.precision][0] * (c.vocab_size // layout.tp) * c.hidden_size
+    return 3 * grad if c.tie_word_embeddings and layout.pp == 1 else grad
+
+
 def rank_memory(work: Workload, layout: Layout, stage: int) -> dict[str, int]:
     """The parts (bytes) of pipeline stage `stage`'s ranks, and their `total`."""
     w_bytes, g_bytes, _, _ = PRECISION_BYTES[layout.precision]
@@ -257,13 +270,14 @@ def rank_memory(work: Workload, layout: Layout, stage: int) -> dict[str, int]:
     ) + ring_transient_bytes(work, layout)
     backward = max(backward, head_transient_bytes(work, layout, stage))  # the forward's last moment
     gather = n * w_bytes if zero else 0  # after backward: no activations then
+    backward_end = embedding_grad_bytes(work, layout, stage)  # nor then
     parts = {
         "parameters": n * w_bytes,
         "gradients": grads,
         "optimizer_state": optimizer,
         "activations": activations,
         "communication": sent,
-        "transient": max(backward, gather - activations - sent),
+        "transient": max(backward, max(gather, backward_end) - activations - sent),
     }
     parts["allocator"] = int(ALLOCATOR_MARGIN.get(work.device, 0.0) * sum(parts.values()))
     parts["total"] = sum(parts.values())

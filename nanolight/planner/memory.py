@@ -34,11 +34,12 @@ The block's saved tensors (fp32 units: x = tokens on this rank between tp region
 of the micro-batch, q/kv = query/key-value widths, I = MLP width, all / tp where tp splits them):
 norm inputs x*h and rstd x (twice), the two column linears' gathered inputs N*h, rope'd q and k
 and v copied out of the qkv output (`rope_qkv`: the output itself is not kept), SDPA's output and
-log-sum-exp, gate_up (2I), silu (I) and the product (I); eager attention instead saves q, the GQA-expanded k and v, the (T, T) mask and
-the softmax (b, heads, T, T). The head: the fused head + loss (`fused_loss.py`, over this rank's
-vocabulary slice under tp) keeps d hidden (the whole sequence's: the head's input is gathered) and an
-fp32 d weight. `full` recompute keeps the block input only; `selective` keeps the input, the
-matmul outputs and the attention kernel's outputs (`recompute._keep`).
+log-sum-exp, gate_up (2I), silu (I) and the product (I); eager attention instead saves q, the
+GQA-expanded k and v, the (T, T) mask and the softmax (b, heads, T, T). The head: the fused head +
+loss (`fused_loss.py`, over this rank's vocabulary slice under tp) keeps d hidden (the whole
+sequence's: the head's input is gathered) and an fp32 d weight. `full` recompute keeps the block
+input only; `selective` keeps the input, the matmul outputs and the attention kernel's outputs
+(`recompute._keep`).
 
 Context parallelism (cp > 1) gives each rank T/cp tokens of every sequence (zigzag chunks), so
 every per-token term above scales by 1/cp; ring attention (`parallel/ring_attention.py`, whatever

@@ -76,6 +76,27 @@ def test_fused_head_loss_takes_no_gradients_under_no_grad():
     assert counter.get_total_flops() > 2 * 2 * n * hidden * vocab
 
 
+@pytest.mark.parametrize("gathered", [False, True])
+def test_fused_head_loss_holds_one_chunk_of_logits_at_a_time(gathered):
+    """Two chunks of n/2 tokens peak at least a half chunk's fp32 logits (4 * n/2 * V bytes) under
+    one chunk of n (torch's MemTracker, real tensors): a chunk's logits are gone before the next
+    chunk's are made. `gathered`: the vocab-parallel path the strategy takes (one slice here)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    n, hidden, vocab = 64, 16, 1024
+    h = torch.randn(n, hidden, requires_grad=True)
+    w = torch.randn(vocab, hidden, requires_grad=True)
+    labels = torch.randint(0, vocab, (n,))
+    gather = (lambda stats: stats[None]) if gathered else None
+
+    def peak(rows: int) -> int:
+        with MemTracker() as tracker:
+            linear_cross_entropy(h, w, labels, rows, gather=gather)
+        return tracker.get_tracker_snapshot("peak")[h.device]["Total"]
+
+    assert peak(n) - peak(n // 2) >= 4 * (n // 2) * vocab
+
+
 def test_rope_function_matches_plain_rotation():
     torch.manual_seed(0)
     x = torch.randn(2, 7, 3, 2, 16, requires_grad=True)  # (B, T, n_kv, r, head_dim)

@@ -81,6 +81,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             d_weight = None
             loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
             for s in range(0, hidden.shape[0], rows):
+                logits = logp = probs = grad = None  # the last chunk's (n, V) buffers go first
                 h, keep, idx = (
                     hidden[s : s + rows].to(dtype),
                     keep_all[s : s + rows, None],
@@ -91,15 +92,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     # in place: each row's log-softmax is written after the row's max and sum are read
                     logp = torch.log_softmax(logits, dim=-1, out=logits)
                     loss -= (logp.gather(1, idx) * keep).sum()
+                    scale = None  # exp(logp) is the softmax
                 else:  # every slice's log-sum-exp and target logit (0 where not held): (slices, n, 2)
                     target = logits.gather(1, idx).masked_fill_(~owned[s : s + rows, None], 0.0)
-                    every = gather(torch.cat([torch.logsumexp(logits, -1, keepdim=True), target], 1))
+                    top = logits.amax(-1, keepdim=True)
+                    # in place, logits -> exp(logits - top): torch.logsumexp would make an (n, V)
+                    # temporary for the same sums, and the softmax would take a second exp
+                    local = logits.sub_(top).exp_().sum(-1, keepdim=True).log_().add_(top)
+                    every = gather(torch.cat([local, target], 1))
                     lse = every[..., :1].logsumexp(0)  # (n, 1) over the whole vocabulary
                     loss -= ((every[..., 1:].sum(0) - lse) * keep).sum()
-                    logp = logits.sub_(lse)
+                    scale = (top - lse).exp_()  # exp(logits - top) * scale: the softmax
                 if not (want_h or want_w):
                     continue
-                grad = logp.exp_().scatter_add_(1, idx, minus_one[s : s + rows])  # softmax - onehot
+                probs = logits.exp_() if scale is None else logits.mul_(scale)
+                grad = probs.scatter_add_(1, idx, minus_one[s : s + rows])  # softmax - onehot
                 grad = grad.to(dtype)  # d loss / d logits up to the row weights, applied on the H side
                 if want_h and d_hidden.dtype == dtype:  # written in place, no temporary
                     torch.mm(grad, w, out=d_hidden[s : s + rows]).mul_(keep)

@@ -23,20 +23,23 @@ communication   pipeline sends: a sent activation is the chunk's output, alive u
                 program (`schedules.held_sends`).
 transient       what lives only for a moment at the peak: under recompute, one block's full
                 activations rebuilt in backward; ring attention's (cp > 1) buffers of one block's
-                backward (`ring_transient_bytes`); after backward, ZeRO-1's all-gather buffers
-                (a full bucket per bucket, in the parameter dtype) while activations are gone.
+                backward (`ring_transient_bytes`); the fused head + loss at the forward's end
+                (`head_transient_bytes`); while activations are gone, the embedding's gradient
+                at the end of backward (`embedding_grad_bytes`) and after backward ZeRO-1's
+                all-gather buffers (a full bucket per bucket, in the parameter dtype).
 allocator       CUDA caching-allocator slack (fragmentation, rounding): a fixed allowance on GPUs,
                 to be checked against `torch.cuda.max_memory_allocated` when a GPU is at hand.
 
 The block's saved tensors (fp32 units: x = tokens on this rank between tp regions, N = tokens
 of the micro-batch, q/kv = query/key-value widths, I = MLP width, all / tp where tp splits them):
-norm inputs x*h and rstd x (twice), the two column linears' gathered inputs N*h, the qkv output
-(v is a view of it), rope'd q and k, SDPA's output and log-sum-exp, gate_up (2I), silu (I) and
-the product (I); eager attention instead saves q, the GQA-expanded k and v, the (T, T) mask and
-the softmax (b, heads, T, T). The head: the fused head + loss (`fused_loss.py`, over this rank's
-vocabulary slice under tp) keeps d hidden (the whole sequence's: the head's input is gathered) and an
-fp32 d weight. `full` recompute keeps the block input only; `selective` keeps the input, the
-matmul outputs and the attention kernel's outputs (`recompute._keep`).
+norm inputs x*h and rstd x (twice), the two column linears' gathered inputs N*h, rope'd q and k
+and v copied out of the qkv output (`rope_qkv`: the output itself is not kept), SDPA's output and
+log-sum-exp, gate_up (2I), silu (I) and the product (I); eager attention instead saves q, the
+GQA-expanded k and v, the (T, T) mask and the softmax (b, heads, T, T). The head: the fused head +
+loss (`fused_loss.py`, over this rank's vocabulary slice under tp) keeps d hidden (the whole
+sequence's: the head's input is gathered) and an fp32 d weight. `full` recompute keeps the block
+input only; `selective` keeps the input, the matmul outputs and the attention kernel's outputs
+(`recompute._keep`).
 
 Context parallelism (cp > 1) gives each rank T/cp tokens of every sequence (zigzag chunks), so
 every per-token term above scales by 1/cp; ring attention (`parallel/ring_attention.py`, whatever
@@ -139,14 +142,14 @@ def block_activation_bytes(work: Workload, layout: Layout, mode: str | None = No
     if layout.cp > 1:  # ring attention: q, k, v, the fp32 output and lse, the output's cast
         attn_out = a * N * q if a != 4 else 0
         kernel_outputs = 4 * N * q + 4 * b * heads * T + attn_out
-        attention = a * N * q + a * N * kv + a * N * (q + 2 * kv) + kernel_outputs
+        attention = a * N * (q + 2 * kv) + kernel_outputs
     elif c.attn_implementation == "eager":
         attn_out = a * N * q
         attention = a * N * q * 3 + T * T + a * b * heads * T * T + attn_out
         kernel_outputs = 0  # eager's matmuls are bmm: recomputed under `selective`
     else:
         attn_out = a * N * q
-        attention = a * N * q + a * N * kv + a * N * (q + 2 * kv) + 4 * b * heads * T + attn_out
+        attention = a * N * (q + 2 * kv) + 4 * b * heads * T + attn_out  # q, k, v; output and lse
         kernel_outputs = attn_out + 4 * b * heads * T
     if mode == "selective":  # block input + matmul outputs (qkv, o, gate_up, down) + attention kernel's
         return block_input + a * N * (q + 2 * kv) + 2 * a * N * h + a * N * 2 * inter + kernel_outputs
@@ -215,20 +218,38 @@ def schedule_peaks(work: Workload, layout: Layout, stage: int) -> tuple[int, int
 
 
 def head_transient_bytes(work: Workload, layout: Layout, stage: int) -> int:
-    """The fused head + loss (`fused_loss.py`, over this rank's vocabulary slice under tp) at the end
-    of the last stage's forward, every block's activations still held: one chunk's fp32 logits
-    (written over by its log-softmax and its gradient; under bf16 compute the bf16 product too), and
-    the d weight accumulating. Under tp a chunk's per-token statistics (tokens x 2, from every tp
-    rank) are small next to its logits. The dry run's ``MemTracker`` puts the step's peak here."""
+    """What the fused head + loss (`fused_loss.py`, over this rank's vocabulary slice under tp) holds
+    beyond the saved activations at the end of the last stage's forward, every block's activations
+    still held, the fp32 d weight among them (`chunk_activation_bytes`). Its busiest moment is a
+    chunk's d weight update (the last chunk's buffers are dropped before a chunk's are made): the
+    chunk's fp32 logits, turned in place into the softmax minus the one-hot, and under bf16 compute
+    their bf16 copy (the matmul's input) and the bf16 (V, H) product added into the fp32 d weight.
+    The chunk's earlier moments hold less: its bf16 logits and their fp32 copy, the d weight
+    untouched. Under bf16-mixed the head's fp32 weight is cast to bf16 for the whole loss. A
+    chunk's per-token statistics (tokens x 2, from every tp rank) and its slice of the hidden
+    states are small next to its logits."""
     if stage != layout.pp - 1:
         return 0
     c = work.config
-    vocab = c.vocab_size // layout.tp
-    rows = chunk_rows(vocab, c.hidden_size, torch.device(work.device))
+    vocab, h = c.vocab_size // layout.tp, c.hidden_size
+    rows = chunk_rows(vocab, h, torch.device(work.device))
     tokens = layout.micro_batch_size * work.seq_len // layout.cp
-    _, _, a, _ = PRECISION_BYTES[layout.precision]
-    logit = 4 + (a if a != 4 else 0)  # bf16 compute: the product, then its fp32 copy (``.float()``)
-    return logit * min(rows, tokens) * vocab + 4 * vocab * c.hidden_size
+    w, _, a, _ = PRECISION_BYTES[layout.precision]
+    low = a if a != 4 else 0  # bf16 compute
+    update = (4 + low) * min(rows, tokens) * vocab + low * vocab * h
+    weight_cast = a * vocab * h if w != a else 0
+    return update + weight_cast
+
+
+def embedding_grad_bytes(work: Workload, layout: Layout, stage: int) -> int:
+    """The end of the first stage's backward, its activations gone: the embedding's gradient, dense
+    (vocab/tp x hidden, in the weight's dtype) until it is added into its bucket; a tied embedding
+    on one stage (pp 1) also holds the head's gradient, which autograd keeps for it, and their sum."""
+    if stage != 0:
+        return 0
+    c = work.config
+    grad = PRECISION_BYTES[layout.precision][0] * (c.vocab_size // layout.tp) * c.hidden_size
+    return 3 * grad if c.tie_word_embeddings and layout.pp == 1 else grad
 
 
 def rank_memory(work: Workload, layout: Layout, stage: int) -> dict[str, int]:
@@ -250,13 +271,14 @@ def rank_memory(work: Workload, layout: Layout, stage: int) -> dict[str, int]:
     ) + ring_transient_bytes(work, layout)
     backward = max(backward, head_transient_bytes(work, layout, stage))  # the forward's last moment
     gather = n * w_bytes if zero else 0  # after backward: no activations then
+    backward_end = embedding_grad_bytes(work, layout, stage)  # nor then
     parts = {
         "parameters": n * w_bytes,
         "gradients": grads,
         "optimizer_state": optimizer,
         "activations": activations,
         "communication": sent,
-        "transient": max(backward, gather - activations - sent),
+        "transient": max(backward, max(gather, backward_end) - activations - sent),
     }
     parts["allocator"] = int(ALLOCATOR_MARGIN.get(work.device, 0.0) * sum(parts.values()))
     parts["total"] = sum(parts.values())

@@ -240,4 +240,4 @@ def test_llama3_8b_preset_plans_and_dry_runs() -> None:
     assert role.parts["weights"] == planned["parameters"]
     assert role.parts["gradients"] == planned["gradients"]
     assert role.parts["optimizer_state"] == pytest.approx(planned["optimizer_state"], abs=512)
-    assert {m.group for m in role.messages} >= {"tp", "replica"}
+    assert {m.group for m in role.messages} >= {"tp", "dp"}  # dp: the replicas at cp = 1

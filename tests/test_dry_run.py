@@ -20,6 +20,7 @@ from nanolight.parallel.pipeline import FORWARD, StageP2P
 from nanolight.planner.hardware import hardware
 from nanolight.planner.layout import Layout
 from nanolight.planner.memory import Workload, rank_memory
+from nanolight.planner.search import predict
 from nanolight.pretrain.config import ClusterConfig, PretrainConfig, TrainConfig
 from nanolight.pretrain.dry_run import DryRunReport, StepsMemTracker, dry_run, measured_fit, run_role
 from nanolight.pretrain.run import build_strategy
@@ -213,3 +214,28 @@ def test_parts_match_the_planner(precision: str, cp: int, micro_batch: int, seq_
     measured = role.parts["activations"] + role.parts["temporaries"] + role.parts["communication"]
     predicted = planned["activations"] + planned["transient"] + planned["communication"]
     assert measured == pytest.approx(predicted, rel=0.05)
+
+
+def test_llama3_8b_preset_plans_and_dry_runs() -> None:
+    """The 8B preset (`conf/model/llama3-8b.yaml`) at its shapes -- 128256-token vocabulary split
+    8 ways, 8 KV heads, seq 8192 -- through the planner and the dry run on 64 fake ranks (two of its
+    32 layers: the run's cost is per layer, and every per-layer shape is the 8B's): the rank's model
+    states are the planner's to the byte, and the planner says the full model fits at this layout."""
+    layout = Layout(tp=8, dp=8, zero_stage=1, sequence_parallel=True, precision="bf16-master")
+    full = LlamaConfig.preset("llama3-8b")
+    assert layout.is_valid(full, 8192)
+    assert predict(Workload(full, 8192), layout, hardware("h100-sxm")).fits
+    model = dataclasses.replace(full, num_hidden_layers=2)
+    config = PretrainConfig(
+        model=model,
+        trainer=TrainConfig(micro_batch_size=1, seq_len=8192, precision="bf16-master"),
+        parallel=ParallelConfig(tp=8, dp=8, zero_stage=1, sequence_parallel=True),
+        cluster=ClusterConfig(gpus=64, gpu="h100-sxm"),
+    )
+    (role,) = dry_run(config).roles
+    planned = rank_memory(Workload(model, 8192, "cpu"), layout, 0)
+    assert role.like == 64 and role.coords == {"pp": 0, "tp": 0, "cp": 0, "dp": 0}
+    assert role.parts["weights"] == planned["parameters"]
+    assert role.parts["gradients"] == planned["gradients"]
+    assert role.parts["optimizer_state"] == pytest.approx(planned["optimizer_state"], abs=512)
+    assert {m.group for m in role.messages} >= {"tp", "dp"}  # dp: the replicas at cp = 1

@@ -1,5 +1,5 @@
 """`LlamaConfig`: the shape of a Llama/SmolLM model, validated, and its Hugging Face mapping; the
-named SmolLM shapes (`PRESETS`); the arithmetic of a shape (parameters, FLOPs per token, pipeline
+named shapes (`PRESETS`: SmolLM's, and Llama 3 8B's for planning); the arithmetic of a shape (parameters, FLOPs per token, pipeline
 stage costs).
 
 One flat dataclass, so that a Hydra group file (`conf/model/*.yaml`) is just its fields and a
@@ -101,7 +101,7 @@ class LlamaConfig:
     # ------------------------------------------------------------------ constructors
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
-        """A named SmolLM shape (`PRESETS`), optionally with overrides."""
+        """A named shape (`PRESETS`), optionally with overrides."""
         if name not in PRESETS:
             raise UsageError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
@@ -264,12 +264,16 @@ def _validate_rope_scaling(rope_scaling: dict | None) -> None:
         raise UsageError("llama3 rope_scaling needs high_freq_factor > low_freq_factor")
 
 
-# Named SmolLM shapes, as plain keyword dicts for `LlamaConfig`.
+# Named shapes, as plain keyword dicts for `LlamaConfig`.
 #
 # The three released sizes follow the SmolLM (v1) `config.json` files on the Hugging Face Hub
 # (HuggingFaceTB/SmolLM-135M, -360M, -1.7B): rope_theta 10000, 2048 positions, tied embeddings,
 # the 49152-token cosmo2 tokenizer. `smollm-tiny` is ours: the same family shrunk to run on a CPU
-# in tests and smoke runs. `conf/model/<name>.yaml` mirrors each entry (a test checks they agree).
+# in tests and smoke runs. `llama3-8b` is Meta-Llama-3-8B's shape (its `config.json`: GQA with 8 KV
+# heads, the 128256-token tokenizer, rope_theta 500000, 8192 positions, untied head): a size people
+# train, for the planner and the dry run to be held to each other at (issue 37); on one host it does
+# not train (its weights, gradients and AdamW moments are 128 GB in fp32).
+# `conf/model/<name>.yaml` mirrors each entry (a test checks they agree).
 _SMOLLM_COMMON = dict(
     vocab_size=49152,
     max_position_embeddings=2048,
@@ -316,6 +320,18 @@ PRESETS: dict[str, dict] = {
         "num_hidden_layers": 24,
         "num_attention_heads": 32,
         "num_key_value_heads": 32,
+    },
+    "llama3-8b": {
+        **_SMOLLM_COMMON,
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
     },
 }
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter, defaultdict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -363,8 +363,10 @@ def _where(coords: dict[str, int]) -> str:
     return " ".join(f"{k}{v}" for k, v in coords.items())
 
 
-def dry_run(config: PretrainConfig) -> DryRunReport:
-    """Every role of `config`'s layout on `+cluster.gpus` (default: tp*pp*cp*dp) GPUs of `+cluster.gpu`."""
+def dry_run(config: PretrainConfig, stages: Iterable[int] | None = None) -> DryRunReport:
+    """Every role of `config`'s layout on `+cluster.gpus` (default: tp*pp*cp*dp) GPUs of `+cluster.gpu`;
+    `stages`: only these pipeline stages' roles (a full-size role takes minutes: a comparison with the
+    planner runs the one at its peak)."""
     if config.cluster.gpus is not None and config.parallel.dp == 1:  # dp fills the named world
         config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, dp="auto"))
     p = config.parallel
@@ -373,7 +375,10 @@ def dry_run(config: PretrainConfig) -> DryRunReport:
     gpu = config.cluster.gpu or "h100-sxm"
     hw = hardware(gpu)
     report = DryRunReport(world, gpu, hw.memory_bytes)
-    for stage in range(p.pp):
+    roles = range(p.pp) if stages is None else sorted(set(stages))
+    if not set(roles) <= set(range(p.pp)):
+        raise UsageError(f"stages {list(roles)} are not all pipeline stages of pp={p.pp} (0..{p.pp - 1})")
+    for stage in roles:
         rank = stage * p.tp  # dp, cp and tp coordinate 0 of this stage
         report.roles.append(run_role(config, rank, world, hw))
         report.roles[-1].like = world // p.pp

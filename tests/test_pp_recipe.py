@@ -19,29 +19,38 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("nanolight-cache")
 
 
+STEPS = [
+    "trainer.max_steps=4",
+    "checkpoint.every_n_steps=2",
+    "logger=csv",
+    "trainer.accumulate_grad_batches=2",
+]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
+    """The single-process run every schedule is held to: one run for all three."""
+    run = tmp_path_factory.mktemp("single") / "single"
+    recipe(run, cache_dir, *STEPS)  # (`recipe` puts this checkout first on $PYTHONPATH)
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "afab", "interleaved_1f1b"])
 def test_recipe_pp2_matches_single_process(
-    tmp_path: Path, cache_dir: Path, schedule: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, cache_dir: Path, single: Path, schedule: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the recipe runs in a fresh interpreter outside the repo: import this checkout's nanolight,
     # not whatever an editable install elsewhere points at
     monkeypatch.setenv("PYTHONPATH", pythonpath(REPO))
-    steps = [
-        "trainer.max_steps=4",
-        "checkpoint.every_n_steps=2",
-        "logger=csv",
-        "trainer.accumulate_grad_batches=2",
-    ]
-    single, pp2 = tmp_path / "single", tmp_path / "pp2"
-    recipe(single, cache_dir, *steps)
+    pp2 = tmp_path / "pp2"
     virtual = ["+parallel.pp_virtual=2"] if schedule == "interleaved_1f1b" else []
-    recipe(pp2, cache_dir, *steps, "+parallel.pp=2", f"+parallel.pp_schedule={schedule}", *virtual)
+    recipe(pp2, cache_dir, *STEPS, "+parallel.pp=2", f"+parallel.pp_schedule={schedule}", *virtual)
     ref, got = losses(single), losses(pp2)
     assert sorted(got) == list(range(1, 5))
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-5), (step, got[step], ref[step])
-    assert len(list(tmp_path.rglob("metrics.csv"))) == 2  # one per run: only global rank 0 logs
+    assert len(list(tmp_path.rglob("metrics.csv"))) == 1  # only global rank 0 of the pp2 run logs
     assert (pp2 / "checkpoints" / "last").read_text().strip() == "step-4"
 
 

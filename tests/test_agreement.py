@@ -69,12 +69,13 @@ def test_every_rank_gets_the_maximum_for_a_constant_number_of_requests(world: in
     seen, clients = _agree(world, rounds)
     assert seen == [[max(v) for v in rounds]] * world
     # per agreement: two adds and a get; a compare-and-set per non-zero value (two where a larger
-    # value lands between); the last arrival a check, a get and a set, the last reader four
-    # deletes -- never a number that grows with N
+    # value lands between); the last arrival a check, a get and a set; the last reader four
+    # deletes and a set -- one rank may be both, whichever the threads' timing makes last; never
+    # a number that grows with N
     for r, client in enumerate(clients):
         nonzero = sum(1 for v in rounds if v[r])
-        assert client.requests <= len(rounds) * (3 + 7) + 2 * nonzero, (r, client.requests)
-    assert sum(c.requests for c in clients) <= len(rounds) * (3 * world + 7) + 2 * sum(
+        assert client.requests <= len(rounds) * (3 + 3 + 5) + 2 * nonzero, (r, client.requests)
+    assert sum(c.requests for c in clients) <= len(rounds) * (3 * world + 3 + 5) + 2 * sum(
         1 for v in rounds for x in v if x
     )
 

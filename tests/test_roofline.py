@@ -107,6 +107,7 @@ def _elementwise_bytes(precision: str, layers: int, seq: int, micro_batches: int
             _, _, roofline = measured_fit(config, strategy, HW, {})
     finally:
         dist.destroy_process_group()
+    assert "aten._fused_adamw_.default" in roofline.ops[STEPS - 1]  # a CUDA rank's AdamW, not the CPU's
     return sum(
         nbytes
         for seconds, _, nbytes, _ in roofline.ops[STEPS - 1].values()

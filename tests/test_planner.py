@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from nanolight.models.llama_config import LlamaConfig
+from nanolight.models.llama_config import LlamaConfig, stage_costs
 from nanolight.parallel.pipeline.schedules import bubble_fraction, check_micro_batches
 from nanolight.planner.hardware import HARDWARE
 from nanolight.planner.layout import Layout
@@ -34,7 +34,7 @@ from nanolight.planner.memory import (
     schedule_peaks,
 )
 from nanolight.planner.search import candidate_layouts, plan
-from nanolight.planner.timing import micro_batch_work, ring_block_bytes, step_time
+from nanolight.planner.timing import ELEMENTWISE_BYTES, micro_batch_work, ring_block_bytes, step_time
 
 ROOT = Path(__file__).resolve().parents[1]
 H100 = HARDWARE["h100-sxm"]
@@ -177,8 +177,8 @@ def test_cpu_host_costs_block_overhead_and_shared_cores() -> None:
 def test_a_gpu_at_hand_floors_each_block_at_its_host_cost() -> None:
     """On a GPU the host issues kernels while earlier ones run: a block takes its FLOPs' time or
     the host's cost of issuing it, whichever is longer (not their sum, as on a CPU). The floor is
-    what makes a larger micro-batch faster for a small model: without it the pick ties and takes
-    the smallest memory (micro-batch 1)."""
+    what makes a larger micro-batch faster for a small model: without it only the per-micro-batch
+    gradient accumulation sets them apart."""
     work = Workload(LlamaConfig.preset("smollm-135m"), 2048, "cuda")
     layers = work.config.num_hidden_layers
     floor = dataclasses.replace(H100, block_overhead=1e-3)
@@ -192,7 +192,11 @@ def test_a_gpu_at_hand_floors_each_block_at_its_host_cost() -> None:
     recompute = dataclasses.replace(one, activation_checkpointing="full")
     assert micro_batch_work(work, recompute, floor, 0) == pytest.approx(layers * 1e-3 * 4 / 3)
     fixed = {"precision": "bf16-master", "activation_checkpointing": "none"}
-    assert plan(work, 1, 16 * 2048, H100, fixed)[0].layout.micro_batch_size == 1
+    # the table alone: micro-batch sizes differ by the bytes each micro-batch moves per weight
+    # (gradient accumulation) only
+    by_size = {p.layout.micro_batch_size: p.step_time_s for p in plan(work, 1, 16 * 2048, H100, fixed)}
+    accumulate = ELEMENTWISE_BYTES["bf16-master", "none"][2] * stage_costs(work.config)[0] * layers
+    assert by_size[1] - by_size[16] == pytest.approx(15 * accumulate / H100.memory_bandwidth)
     assert plan(work, 1, 16 * 2048, floor, fixed)[0].layout.micro_batch_size > 1
 
 
@@ -321,7 +325,8 @@ def test_context_parallel_terms() -> None:
 
     elements = 2 * (T // 4) * kv  # K and V of T/cp tokens at cp=4, bf16 under bf16-mixed
     assert ring_block_bytes(long, Layout(cp=4)) == 2 * elements
-    instant = dataclasses.replace(H100, bf16_flops=1e30, latency=1e-5)  # nothing to hide the ring behind
+    # nothing to hide the ring behind: no time for FLOPs or the elementwise kernels' bytes
+    instant = dataclasses.replace(H100, bf16_flops=1e30, memory_bandwidth=1e30, latency=1e-5)
     send = 1e-5 + 2 * elements / instant.link(4)
     per_block = 3 * send + 3 * send + 3 * send  # K/V forward, K/V backward, dK/dV home: cp-1 each
     assert micro_batch_work(long, Layout(cp=4), instant, 0) == pytest.approx(

@@ -39,6 +39,16 @@ elementwise ops, and eager attention's score matmuls) -- but either mode re-runs
 operators and collectives (`parallel/blocks.py`), so both pay the forward's host cost and tp
 collectives again.
 
+A datasheet GPU also pays the bytes of the non-matmul operators (`elementwise_bytes`): eager
+PyTorch runs each norm, RoPE, SwiGLU, residual add, cast and gradient accumulation as its own
+kernel, which reads and writes its tensors at the memory bandwidth -- in one smollm-1.7b layer at
+bf16-master, 1.1 MB a token, more than its matmuls take at the peak. `ELEMENTWISE_BYTES` holds them
+per token per hidden and per intermediate element and per weight per micro-batch, by precision and
+recompute mode, as the dry run's roofline (`pretrain/roofline.py`) counts them in the code's own
+layer (`tests/test_roofline.py` holds the table to it): what makes bf16-mixed slower than
+bf16-master at equal FLOPs (fp32 weights cast each micro-batch, fp32 gradients accumulated) and
+recompute dearer than its FLOPs. The matmuls' `efficiency` stays theirs.
+
 Each collective or message costs the hardware's `latency` and then its bytes (Hockney): a ring
 moves 2(n-1)/n of an all-reduced buffer per rank, (n-1)/n of a reduce-scattered or all-gathered
 one. On a CPU that latency is measured between busy ranks (`hardware.gloo_bandwidth`): training's
@@ -62,6 +72,31 @@ from nanolight.planner.memory import Workload, chunk_layers, rank_parameters
 from nanolight.planner.probes import MAX_RANKS, block_seconds, head_seconds, rank_block_seconds
 
 ADAMW_BYTES_PER_ELEMENT = 28  # fp32 p, g, m, v read (16) + p, m, v written (12)
+# (precision, recompute) -> bytes the non-matmul operators of one decoder layer move per micro-batch:
+# (per token and hidden element, per token and intermediate element, per weight), counted by the
+# dry run's roofline in smollm-1.7b's layer (H 2,048, I 8,192): the per-token parts from layers and
+# sequence lengths apart, the per-weight part from one micro-batch more (gradient accumulation,
+# bf16-mixed's weight casts)
+ELEMENTWISE_BYTES = {
+    ("32-true", "none"): (473.4, 92.0, 24.0),
+    ("32-true", "selective"): (598.0, 112.0, 24.0),
+    ("32-true", "full"): (642.0, 120.0, 27.0),
+    ("bf16-mixed", "none"): (393.4, 46.0, 30.0),
+    ("bf16-mixed", "selective"): (508.0, 56.0, 36.0),
+    ("bf16-mixed", "full"): (530.0, 60.0, 37.5),
+    ("bf16-master", "none"): (364.8, 46.0, 16.0),
+    ("bf16-master", "selective"): (471.1, 56.0, 16.0),
+    ("bf16-master", "full"): (493.2, 60.0, 17.5),
+    ("bf16-true", "none"): (364.8, 46.0, 12.0),
+    ("bf16-true", "selective"): (471.1, 56.0, 12.0),
+    ("bf16-true", "full"): (493.2, 60.0, 13.5),
+}
+# ring attention's (cp > 1) bytes besides, per token and hidden element over tp: once (its blocks
+# and merges in place of one flash call), and per ring step (cp - 1); bf16-master at cp 2 and 4
+RING_BYTES = (287.0, 207.5)
+# sequence parallelism's gathers and scatters, per token and hidden element over tp: about 30 copies of the
+# residual stream's element (tp 4: 29 at bf16-master, 31 at bf16-mixed's fp32 stream)
+SP_STREAM_COPIES = 30
 
 
 def ring_seconds(n: int, nbytes: float, bandwidth: float, latency: float, all_reduce: bool = True) -> float:
@@ -170,6 +205,26 @@ def _ring_attention(work: Workload, layout: Layout, hw: Hardware, attention_s: f
     return forward + backward + recomputed
 
 
+def elementwise_bytes(work: Workload, layout: Layout) -> float:
+    """Bytes one rank's non-matmul operators move in one decoder layer and micro-batch
+    (`ELEMENTWISE_BYTES`): the hidden-wide ones split tp ways only under sequence parallelism, the
+    intermediate-wide ones and the weights always; sequence parallelism's copies (`SP_STREAM_COPIES`)
+    and ring attention's (`RING_BYTES`) besides."""
+    c, tp = work.config, layout.tp
+    hidden, inter, weight = ELEMENTWISE_BYTES[layout.precision, layout.activation_checkpointing]
+    width = (
+        hidden * c.hidden_size / (tp if layout.sequence_parallel else 1) + inter * c.intermediate_size / tp
+    )
+    if tp > 1 and layout.sequence_parallel:
+        _, _, _, stream = PRECISION_BYTES[layout.precision]
+        width += SP_STREAM_COPIES * stream * c.hidden_size / tp
+    if layout.cp > 1:
+        once, per_step = RING_BYTES
+        width += (once + per_step * (layout.cp - 1)) * c.hidden_size / tp
+    layer, _, _ = stage_costs(c)
+    return _local_tokens(work, layout) * width + weight * layer / tp
+
+
 def micro_batch_work(work: Workload, layout: Layout, hw: Hardware, stage: int) -> float:
     """Seconds rank `stage` spends on one micro-batch (all its chunks, forward + backward)."""
     c, tp = work.config, layout.tp
@@ -208,6 +263,9 @@ def micro_batch_work(work: Workload, layout: Layout, hw: Hardware, stage: int) -
         # ones, so there it is a floor (what a small block at a small micro-batch takes)
         host = layers * hw.block_overhead * (4 / 3 if mode != "none" else 1) / core_share(hw, layout)
         compute = tokens * flops / tp / rate
+        # a GPU's non-matmul kernels at its memory bandwidth (a CPU's are inside its calibrated rate)
+        if hw.device == "cuda":
+            compute += layers * elementwise_bytes(work, layout) / hw.memory_bandwidth
         seconds = max(compute, host) if hw.device == "cuda" else compute + host
     link = hw.link(tp)
     for count, nbytes, all_reduce in tp_collectives(work, layout, stage, blocks=not hw.profiled):

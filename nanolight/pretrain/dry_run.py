@@ -16,11 +16,10 @@ and dp ranks hold shards of the same shapes, so one of them runs):
   state: the optimizer's state and ZeRO-1's fp32 masters; communication: buffers a collective or
   message writes into; activations and backward temporaries: the rest), at the peak;
 - traffic: every collective and point-to-point message of each step, its group and bytes;
-- time: each operator's roofline on the named GPU (its FLOPs -- torch's ``flop_registry``, the
-  counts behind ``RuntimeEstimator`` -- at the table's peak, or its bytes at the memory
-  bandwidth, whichever is longer) and each collective by the planner's ring model
-  (`planner/timing.py` `ring_seconds`). torch's ``RuntimeEstimator`` itself asks the CUDA device at
-  hand for its peaks, so it cannot price a GPU this machine does not have.
+- time: each operator's roofline on the named GPU (`pretrain/roofline.py`: its FLOPs -- torch's
+  ``flop_registry``, the counts behind ``RuntimeEstimator`` -- at the table's peak, or the bytes a
+  GPU run moves at the memory bandwidth, whichever is longer) and each collective by the
+  planner's ring model (`planner/timing.py` `ring_seconds`).
 
 What a fake tensor cannot do is left out: checkpoint saves, logging and the callbacks that read
 values (a fake tensor has none). A pipeline stage learns its input's shape from a handshake that a
@@ -31,7 +30,7 @@ fake world never delivers; `boundary_shapes` answers in its place (`parallel/pip
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,8 +42,6 @@ from torch.distributed._tools.fake_collectives import CollectiveOp, collective_o
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils._runtime_estimation import _IGNORE_OPS, get_num_bytes
-from torch.utils.flop_counter import flop_registry
 
 from nanolight.callbacks import Callback
 from nanolight.errors import UsageError
@@ -55,6 +52,7 @@ from nanolight.planner.hardware import Hardware, hardware
 from nanolight.planner.timing import ring_seconds
 from nanolight.pretrain.config import PretrainConfig
 from nanolight.pretrain.module import CausalLMPretrain
+from nanolight.pretrain.roofline import Roofline
 from nanolight.pretrain.run import build_strategy, check_layout
 from nanolight.trainer import NanoTrainer
 
@@ -185,39 +183,6 @@ class Traffic(TorchDispatchMode):
             else:
                 total += ring_seconds(len(m.ranks), m.nbytes, bandwidth, self.hw.latency, all_reduce=False)
         return total
-
-
-class Roofline(TorchDispatchMode):
-    """Each operator's time on `hw`: its FLOPs at the peak for its dtype, or its bytes read and
-    written at the memory bandwidth, whichever is longer (``RuntimeEstimator``'s roofline, priced
-    for a named GPU rather than the one at hand)."""
-
-    def __init__(self, hw: Hardware) -> None:
-        super().__init__()
-        self.hw = hw
-        self.step = 0
-        self.seconds: dict[int, float] = defaultdict(float)
-        self.flops: dict[int, float] = defaultdict(float)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        if packet in _IGNORE_OPS or func in collective_ops:
-            return out
-        flat_in, flat_out = tree_flatten((args, kwargs))[0], tree_flatten(out)[0]
-        nbytes = sum(get_num_bytes(t) for t in flat_in + flat_out if isinstance(t, torch.Tensor))
-        flops = 0.0
-        if packet in flop_registry:
-            flops = flop_registry[packet](*args, **kwargs, out_val=out)
-            low = any(
-                isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) for t in flat_out
-            )
-            peak = self.hw.bf16_flops if low else self.hw.fp32_flops
-            self.flops[self.step] += flops
-        compute = flops / peak if flops else 0.0
-        self.seconds[self.step] += max(compute, nbytes / self.hw.memory_bandwidth)
-        return out
 
 
 class _Clock(Callback):
@@ -436,7 +401,8 @@ def measured_fit(
     shape = (t.micro_batch_size, t.seq_len)
     ids = torch.zeros(shape, dtype=torch.long)  # token 0 everywhere: the same work as any tokens
     batches = [{"input_ids": ids, "target_ids": ids} for _ in range(STEPS * t.accumulate_grad_batches)]
-    module = CausalLMPretrain(config.model, config.optim, t.seq_len, STEPS)
+    # the GPU's optimizer kernel (fused AdamW on CUDA), not the CPU's foreach one (3x its bytes)
+    module = CausalLMPretrain(config.model, config.optim, t.seq_len, STEPS, kernels=hw.device)
     trainer = NanoTrainer(
         max_steps=STEPS,
         accumulate_grad_batches=t.accumulate_grad_batches,

@@ -73,11 +73,15 @@ class CausalLMPretrain(NanoModule):
         max_steps: int,
         init_from: str | None = None,
         bytes_per_token: float | None = None,
+        kernels: str | None = None,
     ) -> None:
         """`bytes_per_token` (of the held-out text) turns the validation loss into
         ``val/bits_per_byte``, comparable across tokenizers and with a compressor's. (What the
-        checkpoints carry for a complete export is the strategy's: `run.py` hands it over.)"""
+        checkpoints carry for a complete export is the strategy's: `run.py` hands it over.)
+        `kernels`: the device type whose optimizer kernel to pick when it is not the parameters'
+        (the dry run plays a CUDA rank on this CPU, so it steps with CUDA's fused AdamW)."""
         super().__init__()
+        self.kernels = kernels
         self.init_from = init_from
         self.bytes_per_token = bytes_per_token
         self.model_config = model_config
@@ -147,7 +151,9 @@ class CausalLMPretrain(NanoModule):
             lr=o.lr,
             betas=tuple(o.betas),
             eps=o.eps,
-            **adamw_kernel(next(self.model.parameters()).device),
+            **adamw_kernel(
+                torch.device(self.kernels) if self.kernels else next(self.model.parameters()).device
+            ),
         )
         schedule = warmup_cosine(o.warmup_steps, self.max_steps, o.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

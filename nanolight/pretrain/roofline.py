@@ -1,0 +1,101 @@
+"""The dry run's step time: each operator of a rank's real program priced on a named GPU.
+
+torch's ``RuntimeEstimator`` has the roofline (an operator takes its FLOPs at the peak or its bytes
+at the memory bandwidth, whichever is longer) but asks the CUDA device at hand for both, so it
+cannot price a GPU this machine lacks; and its byte count, every tensor in and out, is written for
+GPU programs. The dry run runs the CPU's program, which a GPU run differs from where it matters
+here: views and device queries that pass the dispatcher, and attention kernels the flop registry
+does not know. What the GPU run pays is counted, the rest is not (`moved_bytes`, `CUDA_KERNEL`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.distributed._tools.fake_collectives import collective_ops
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils._runtime_estimation import _VIEW_OPS, get_num_bytes
+from torch.utils.flop_counter import flop_registry
+
+from nanolight.planner.hardware import Hardware
+
+# The CPU's attention kernels, which a GPU run replaces with CUDA's flash kernels: FLOPs by those
+# kernels' formulas (torch's flop registry has none for the CPU ones, so attention counted nothing)
+aten = torch.ops.aten
+CUDA_KERNEL = {
+    aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward,
+}
+OVERWRITES = (aten.copy_, aten.zero_, aten.fill_)  # in-place operators that write without reading
+ALLOCATES = (aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty)  # memory, never touched
+
+
+def moved_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """Bytes an operator reads and writes in device memory, from its schema: each tensor argument
+    is read once, a mutated one written too (and not read when overwritten: ``copy_``, ``zero_``,
+    an ``out=`` buffer); a fresh output is written. A returned alias of an argument (a view, an
+    in-place result) moves nothing of its own, and an operator that writes no tensor -- a view
+    (``slice``; ``_unsafe_view``, whose schema does not say so), a metadata query
+    (``prim::device``), an allocation (``empty``) -- moves nothing at all. torch's roofline
+    sums every tensor in and out instead, which in the dry run's step charged 1.2 TB of views and
+    device queries (twenty times the step's real traffic, at smollm-1.7b) and in-place results twice."""
+    if func._overloadpacket in _VIEW_OPS or func._overloadpacket in ALLOCATES:  # views torch's list names
+        return 0
+    schema = func._schema
+    reads = writes = 0
+    for i, a in enumerate(schema.arguments):
+        value = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
+        nbytes = sum(get_num_bytes(t) for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+        if a.alias_info is None:
+            reads += nbytes
+        elif a.alias_info.is_write:
+            writes += nbytes
+            reads += 0 if a.kwarg_only or func._overloadpacket in OVERWRITES else nbytes
+    results = out if len(schema.returns) > 1 else () if not schema.returns else (out,)
+    for r, value in zip(schema.returns, results, strict=True):
+        if r.alias_info is None:
+            writes += sum(get_num_bytes(t) for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    return reads + writes if writes else 0
+
+
+class Roofline(TorchDispatchMode):
+    """Each operator's time on `hw`: its FLOPs at the peak for its dtype, or its bytes read and
+    written at the memory bandwidth, whichever is longer (``RuntimeEstimator``'s roofline, priced
+    for a named GPU rather than the one at hand, its bytes by `moved_bytes` and the CPU's attention
+    kernels counted as CUDA's). `ops` keeps where the estimate goes, per step and operator."""
+
+    def __init__(self, hw: Hardware) -> None:
+        super().__init__()
+        self.hw = hw
+        self.step = 0
+        self.seconds: dict[int, float] = defaultdict(float)
+        self.flops: dict[int, float] = defaultdict(float)
+        # step -> operator -> [seconds, FLOPs, bytes, calls]
+        self.ops: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0] * 4))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in collective_ops:
+            return out
+        nbytes = moved_bytes(func, args, kwargs, out)
+        packet = CUDA_KERNEL.get(func._overloadpacket, func._overloadpacket)
+        flops = compute = 0.0
+        if packet in flop_registry:
+            flops = flop_registry[packet](*args, **kwargs, out_val=out)
+            low = any(
+                isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16)
+                for t in tree_flatten(out)[0]
+            )
+            self.flops[self.step] += flops
+            compute = flops / (self.hw.bf16_flops if low else self.hw.fp32_flops)
+        seconds = max(compute, nbytes / self.hw.memory_bandwidth)
+        if seconds:
+            self.seconds[self.step] += seconds
+            row = self.ops[self.step][str(func)]
+            for i, v in enumerate((seconds, flops, nbytes, 1)):
+                row[i] += v
+        return out

@@ -1,0 +1,141 @@
+"""The dry run's roofline (`nanolight/pretrain/roofline.py`) prices what a GPU run pays: an
+operator's bytes are what it reads and writes (a view or a device query moves nothing, an
+in-place result is not a second write), and the CPU's flash attention counts the FLOPs torch's
+own counter gives the same attention written as matmuls (and the scores again: flash's backward
+recomputes them). The planner's table of those bytes per layer (`planner/timing.py`) is what
+the roofline counts in the code's layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from nanolight.models.llama_config import LlamaConfig, stage_costs
+from nanolight.parallel.launcher import join_fake_world
+from nanolight.planner.hardware import hardware
+from nanolight.planner.layout import Layout
+from nanolight.planner.memory import Workload
+from nanolight.planner.timing import ELEMENTWISE_BYTES, elementwise_bytes
+from nanolight.pretrain.auto import apply_layout
+from nanolight.pretrain.config import ClusterConfig, PretrainConfig, TrainConfig
+from nanolight.pretrain.dry_run import STEPS, measured_fit
+from nanolight.pretrain.roofline import Roofline
+from nanolight.pretrain.run import build_strategy
+
+HW = hardware("h100-sxm")
+
+
+def _measured(fn) -> Roofline:
+    roofline = Roofline(HW)
+    with roofline:
+        fn()
+    return roofline
+
+
+def _bytes(roofline: Roofline) -> float:
+    return sum(row[2] for row in roofline.ops[0].values())
+
+
+def test_views_and_device_queries_move_nothing() -> None:
+    x = torch.randn(64, 256)
+
+    def views() -> None:
+        x[:, :128].unsqueeze(0)
+        x[:32].view(-1)
+        x.t()
+        # what `tensor.device` dispatches to under fake tensors (10,133 calls, 0.9 TB, in one
+        # smollm-1.7b step once)
+        assert torch.ops.prim.device.default(x).type == "cpu"
+        torch.empty(1024, 1024)
+
+    roofline = _measured(views)
+    assert _bytes(roofline) == 0 and roofline.seconds[0] == 0.0
+
+
+def test_each_tensor_is_read_or_written_once() -> None:
+    a, b, c = (torch.randn(128, 128) for _ in range(3))
+    size = a.numel() * a.element_size()
+    cases = {
+        "copy_": (lambda: c.copy_(a), 2),  # read a, write c
+        "zero_": (lambda: c.zero_(), 1),  # write c
+        "add_": (lambda: c.add_(a), 3),  # read c and a, write c
+        "mul out=": (lambda: torch.mul(a, b, out=c), 3),  # read a and b, write c
+        "add": (lambda: torch.add(a, b), 3),  # read a and b, write the result
+    }
+    for name, (fn, tensors) in cases.items():
+        roofline = _measured(fn)
+        assert _bytes(roofline) == tensors * size, name
+        assert roofline.seconds[0] == tensors * size / HW.memory_bandwidth, name
+
+
+def test_cpu_flash_attention_counts_the_attention_matmuls() -> None:
+    q, k, v = (torch.randn(2, 4, 128, 32, requires_grad=True) for _ in range(3))
+
+    def sdpa() -> None:
+        F.scaled_dot_product_attention(q, k, v).sum().backward()
+
+    def matmuls() -> None:
+        scores = (q @ k.transpose(-1, -2) / 32**0.5).softmax(-1)
+        (scores @ v).sum().backward()
+
+    counter, recompute = FlopCounterMode(display=False), FlopCounterMode(display=False)
+    with counter:
+        matmuls()
+    with recompute:  # a flash kernel's backward computes the scores again
+        q @ k.transpose(-1, -2)
+    roofline = _measured(sdpa)
+    assert any("flash_attention_for_cpu" in name for name in roofline.ops[0])
+    assert roofline.flops[0] == counter.get_total_flops() + recompute.get_total_flops() > 0
+
+
+def _elementwise_bytes(precision: str, layers: int, seq: int, micro_batches: int) -> float:
+    """Bytes of the operators the roofline prices by their bytes, in the second step of smollm-1.7b's
+    real program cut to `layers` layers (one rank of 8, dp + ZeRO-1) under fake tensors."""
+    model = LlamaConfig.preset("smollm-1.7b", num_hidden_layers=layers)
+    base = PretrainConfig(model=model, trainer=TrainConfig(seq_len=seq), cluster=ClusterConfig(gpus=8))
+    layout = Layout(dp=8, zero_stage=1, accumulate_grad_batches=micro_batches, precision=precision)
+    config = apply_layout(base, layout)
+    join_fake_world(0, 8)
+    try:
+        strategy = build_strategy(config)
+        strategy.setup_environment()
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            _, _, roofline = measured_fit(config, strategy, HW, {})
+    finally:
+        dist.destroy_process_group()
+    assert "aten._fused_adamw_.default" in roofline.ops[STEPS - 1]  # a CUDA rank's AdamW, not the CPU's
+    return sum(
+        nbytes
+        for seconds, _, nbytes, _ in roofline.ops[STEPS - 1].values()
+        if seconds * HW.memory_bandwidth >= nbytes * 0.999
+    )
+
+
+@pytest.mark.slow  # a dozen fake-tensor steps of a 2,048-wide model: about a minute on 2 shared cores
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-master"])
+def test_the_planner_prices_the_layers_elementwise_bytes_the_dry_run_counts(precision: str) -> None:
+    """`planner/timing.py`'s `ELEMENTWISE_BYTES` is what the code's layer moves besides its matmuls:
+    a layer more, at two sequence lengths, gives the bytes per token; one micro-batch more, the
+    bytes per weight (gradient accumulation, bf16-mixed's casts)."""
+    short, long = 1024, 2048
+
+    def layer(seq: int, micro_batches: int = 1) -> float:
+        return _elementwise_bytes(precision, 2, seq, micro_batches) - _elementwise_bytes(
+            precision, 1, seq, micro_batches
+        )
+
+    per_token = (layer(long) - layer(short)) / (long - short)
+    per_weight = (layer(short, 2) - layer(short) - per_token * short) / stage_costs(
+        LlamaConfig.preset("smollm-1.7b")
+    )[0]
+    work = Workload(LlamaConfig.preset("smollm-1.7b"), short, "cuda")
+    lay = Layout(dp=8, zero_stage=1, precision=precision)
+    weight = ELEMENTWISE_BYTES[precision, "none"][2]
+    assert elementwise_bytes(work, lay) - weight * stage_costs(work.config)[0] == pytest.approx(
+        per_token * short, rel=0.01
+    )
+    assert weight == pytest.approx(per_weight, rel=0.01)

@@ -321,8 +321,7 @@ PRESETS: dict[str, dict] = {
         "num_attention_heads": 32,
         "num_key_value_heads": 32,
     },
-    "llama3-8b": {
-        **_SMOLLM_COMMON,
+    "llama3-8b": {  # every field spelled out: nothing inherited from the SmolLM family's
         "vocab_size": 128256,
         "hidden_size": 4096,
         "intermediate_size": 14336,
@@ -331,7 +330,12 @@ PRESETS: dict[str, dict] = {
         "num_key_value_heads": 8,
         "max_position_embeddings": 8192,
         "rope_theta": 500000.0,
+        "rope_scaling": None,
+        "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False,
+        "attn_implementation": "sdpa",
+        "initializer_range": 0.02,
+        "head_dim": None,
     },
 }
 

@@ -86,14 +86,6 @@ class StepsMemTracker(MemTracker):
             del self.memory_tracking[module]
             super()._pre_fw_hook(module, inputs)
 
-    def _track_module_params_and_buffers(
-        self, module: torch.nn.Module, install_grad_hooks: bool = True
-    ) -> tuple[int, int]:
-        # a module called through `functional_call` with a computed weight holds a non-leaf
-        # "parameter", which takes no gradient hook
-        leaves = all(p.is_leaf for p in module.parameters())
-        return super()._track_module_params_and_buffers(module, install_grad_hooks and leaves)
-
     def _update_peak_stats(self, peak_state: Any) -> None:
         # the report reads the device peak only: the per-module peaks are not kept (their walk over
         # every tracked module at every operator was a third of smollm-1.7b's pipelined dry run)

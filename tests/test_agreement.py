@@ -6,30 +6,18 @@ requests per agreement do not grow with the number of ranks (the gloo all-reduce
 from __future__ import annotations
 
 import random
+import sys
 import threading
 from datetime import timedelta
-from typing import Any
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from nanolight.parallel.agreement import StoreAgreements
 
-
-class CountingClient:
-    """One rank's store connection, counting the requests it sends."""
-
-    def __init__(self, store: Any) -> None:
-        self.store, self.requests = store, 0
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self.store, name)
-
-        def request(*args: Any, **kwargs: Any) -> Any:
-            self.requests += 1
-            return method(*args, **kwargs)
-
-        return request
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from bench_counts import CountingClient  # noqa: E402  (the benchmark's counting store client)
 
 
 def _agree(world: int, rounds: list[list[int]]) -> tuple[list[list[int]], list[CountingClient]]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import re
 import socket
 import time
 import traceback
@@ -39,6 +40,28 @@ def pythonpath(*first: object) -> str:
     """$PYTHONPATH for a process a test starts: `first`, then what is there already (which holds
     the NCCL emulation's ``_nccl_site``, `conftest.py`)."""
     return os.pathsep.join([*map(str, first), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+# what a process a test starts imports, by Python's own report (`-X importtime`: a line on stderr
+# for each module, in the process and in every child it starts, which inherit the variable)
+IMPORT_REPORT = {"PYTHONPROFILEIMPORTTIME": "1"}
+# what a training process (the recipe's one process, the launcher, each rank) never imports under
+# logger=csv on a local corpus: the dry run's tools (torch's trackers), hub datasets, wandb
+NOT_IMPORTED_BY_A_RUN = ("torch.distributed._tools", "datasets", "wandb")
+_REPORT_LINE = re.compile(r"^import time:\s+\d+ \|\s+\d+ \| *(\S+)$", re.MULTILINE)
+
+
+def imported(stderr: str, *packages: str) -> list[str]:
+    """The modules of `packages` (each a module or a package with all of its submodules) that
+    `stderr`'s import report names."""
+    return sorted(
+        m for m in set(_REPORT_LINE.findall(stderr)) if any(m == p or m.startswith(p + ".") for p in packages)
+    )
+
+
+def without_import_report(stderr: str) -> str:
+    """`stderr` as the process wrote it, less the report's lines."""
+    return "\n".join(ln for ln in stderr.splitlines() if not ln.startswith("import time:"))
 
 
 def free_port() -> int:

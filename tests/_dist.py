@@ -71,12 +71,14 @@ def free_port() -> int:
 
 
 def _context() -> Any:
-    """A forkserver that imported torch once per test session: each rank then starts in
-    milliseconds instead of re-importing torch (seconds), and still inherits no threads or
-    process groups from the pytest process (plain fork would)."""
+    """A forkserver that imported torch, nanolight's trainer and torch._dynamo once per test
+    session: each rank then starts in milliseconds instead of importing them again (seconds per
+    rank: torch._dynamo, which any torch optimizer's constructor imports, costs as much as torch),
+    and still inherits no threads or process groups from the pytest process (plain fork would)."""
     ctx = mp.get_context("forkserver")
     # the emulation first: nanolight binds some torch.distributed functions to names at import
-    ctx.set_forkserver_preload(["_nccl_preinstall", "torch", "torch.distributed", "nanolight.parallel"])
+    preload = ["_nccl_preinstall", "torch", "torch.distributed", "torch._dynamo", "nanolight.parallel"]
+    ctx.set_forkserver_preload([*preload, "nanolight.trainer", "pytest"])  # what every test module imports
     # the forkserver imports them before it has our sys.path: give it tests/ on $PYTHONPATH (it
     # takes it off again, `_nccl_preinstall`)
     before = os.environ.get("PYTHONPATH")

@@ -18,7 +18,6 @@ import hydra
 from omegaconf import DictConfig
 
 from nanolight.pretrain import PretrainConfig, load_config, run
-from nanolight.pretrain.dry_run import dry_run
 from nanolight.pretrain.schema import check_override_keys, reported_errors, take_debug_flag
 
 DEBUG = take_debug_flag(sys.argv)
@@ -29,6 +28,8 @@ def main(cfg: DictConfig) -> None:
     with reported_errors(DEBUG):
         config = load_config(cfg, sys.argv[1:])
         if config.dry_run:  # every role's real program for two steps, fake tensors, a fake world
+            from nanolight.pretrain.dry_run import dry_run  # torch's trackers (1 s): only when dry-running
+
             print(dry_run(config).render())
             return
         trainer = run(config, sys.argv[1:])  # the command line: the knobs +parallel=auto keeps

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import re
 import socket
 import time
 import traceback
@@ -41,6 +42,28 @@ def pythonpath(*first: object) -> str:
     return os.pathsep.join([*map(str, first), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
+# what a process a test starts imports, by Python's own report (`-X importtime`: a line on stderr
+# for each module, in the process and in every child it starts, which inherit the variable)
+IMPORT_REPORT = {"PYTHONPROFILEIMPORTTIME": "1"}
+# what a training process (the recipe's one process, the launcher, each rank) never imports under
+# logger=csv on a local corpus: the dry run's tools (torch's trackers), hub datasets, wandb
+NOT_IMPORTED_BY_A_RUN = ("torch.distributed._tools", "datasets", "wandb")
+_REPORT_LINE = re.compile(r"^import time:\s+\d+ \|\s+\d+ \| *(\S+)$", re.MULTILINE)
+
+
+def imported(stderr: str, *packages: str) -> list[str]:
+    """The modules of `packages` (each a module or a package with all of its submodules) that
+    `stderr`'s import report names."""
+    return sorted(
+        m for m in set(_REPORT_LINE.findall(stderr)) if any(m == p or m.startswith(p + ".") for p in packages)
+    )
+
+
+def without_import_report(stderr: str) -> str:
+    """`stderr` as the process wrote it, less the report's lines."""
+    return "\n".join(ln for ln in stderr.splitlines() if not ln.startswith("import time:"))
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -48,12 +71,14 @@ def free_port() -> int:
 
 
 def _context() -> Any:
-    """A forkserver that imported torch once per test session: each rank then starts in
-    milliseconds instead of re-importing torch (seconds), and still inherits no threads or
-    process groups from the pytest process (plain fork would)."""
+    """A forkserver that imported torch, nanolight's trainer and torch._dynamo once per test
+    session: each rank then starts in milliseconds instead of importing them again (seconds per
+    rank: torch._dynamo, which any torch optimizer's constructor imports, costs as much as torch),
+    and still inherits no threads or process groups from the pytest process (plain fork would)."""
     ctx = mp.get_context("forkserver")
     # the emulation first: nanolight binds some torch.distributed functions to names at import
-    ctx.set_forkserver_preload(["_nccl_preinstall", "torch", "torch.distributed", "nanolight.parallel"])
+    preload = ["_nccl_preinstall", "torch", "torch.distributed", "torch._dynamo", "nanolight.parallel"]
+    ctx.set_forkserver_preload([*preload, "nanolight.trainer", "pytest"])  # what every test module imports
     # the forkserver imports them before it has our sys.path: give it tests/ on $PYTHONPATH (it
     # takes it off again, `_nccl_preinstall`)
     before = os.environ.get("PYTHONPATH")

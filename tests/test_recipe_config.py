@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _dist import pythonpath
+from _dist import IMPORT_REPORT, NOT_IMPORTED_BY_A_RUN, imported, pythonpath, without_import_report
 from hydra import compose, initialize_config_dir
 
 from nanolight.pretrain import ConfigError, PretrainConfig, load_config
@@ -91,6 +91,26 @@ def test_bad_config_exits_fast_and_writes_nothing(tmp_path: Path) -> None:
     after = sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
     assert after == before
     assert not (tmp_path / "outputs").exists()  # Hydra writes nothing of its own
+
+
+def test_a_bad_config_imports_only_what_a_run_uses(tmp_path: Path) -> None:
+    """The recipe's module-level imports are what every training process (each rank too) pays
+    before it can even say a key is wrong: not the dry run's tools (torch's trackers, with dynamo,
+    inductor and DTensor), nor hub datasets, nor the tokenizer's library (imported where a tokenizer
+    loads), nor wandb (where a wandb logger starts)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "recipes" / "smollm.py"), "trainer.seq_len=-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, **IMPORT_REPORT, "PYTHONPATH": pythonpath(REPO)},
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = without_import_report(proc.stderr).strip().splitlines()
+    assert lines == ["nanolight: error: invalid `trainer` config: trainer.seq_len must be >= 1, got -1"]
+    assert "nanolight.pretrain.run" in imported(proc.stderr, "nanolight")  # the report is read
+    assert imported(proc.stderr, *NOT_IMPORTED_BY_A_RUN, "transformers") == []
 
 
 def test_override_keys_checked_before_hydra() -> None:

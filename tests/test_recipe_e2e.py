@@ -14,9 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from _dist import pythonpath
+from _dist import IMPORT_REPORT, NOT_IMPORTED_BY_A_RUN, imported, pythonpath
+from hydra import compose, initialize_config_dir
 
 from nanolight import load_pretrained
+from nanolight.pretrain import load_config
+from nanolight.pretrain.run import build_data
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,7 +43,9 @@ BASE_OVERRIDES = (
 )
 
 
-def recipe(run_dir: Path, cache: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def recipe(
+    run_dir: Path, cache: Path, *overrides: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         str(REPO / "recipes" / "smollm.py"),
@@ -50,7 +55,7 @@ def recipe(run_dir: Path, cache: Path, *overrides: str, timeout: float = 300) ->
         *overrides,
     ]
     # this checkout's code, whatever an editable install elsewhere points at
-    env = {**os.environ, "WANDB_SILENT": "true", "PYTHONPATH": pythonpath(REPO)}
+    env = {**os.environ, **(env or {}), "WANDB_SILENT": "true", "PYTHONPATH": pythonpath(REPO)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=run_dir.parent, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -133,6 +138,19 @@ def test_resuming_a_finished_run_says_so(tmp_path: Path, cache_dir: Path) -> Non
     again = recipe(run_dir, cache_dir, "logger=csv", "trainer.max_steps=2", "checkpoint.resume=last")
     assert "already reached trainer.max_steps=2 (step 2)" in again.stdout, again.stdout
     assert "exists and is not empty" not in again.stdout + again.stderr
+
+
+def test_a_run_imports_only_what_it_uses(tmp_path: Path, cache_dir: Path) -> None:
+    """A training process pays for each import at its start (a 1,000-rank job on a shared
+    filesystem, every rank): the tokenizer's library where the tokenizer loads, never the dry run's
+    tools, wandb under logger=csv, or hub datasets once the corpus is prepared (preparing it reads
+    it with them)."""
+    overrides = [*BASE_OVERRIDES, f"data.cache_dir={cache_dir}", "logger=csv"]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        build_data(load_config(compose(config_name="config", overrides=overrides)))  # prepared, here
+    proc = recipe(tmp_path / "run", cache_dir, "logger=csv", "trainer.max_steps=2", env=IMPORT_REPORT)
+    assert {"transformers", "tokenizers"} <= set(imported(proc.stderr, "transformers", "tokenizers"))
+    assert imported(proc.stderr, *NOT_IMPORTED_BY_A_RUN) == []
 
 
 def _offline_run_ids(run_dir: Path) -> list[str]:

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, NamedTuple
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from nanolight.data.config import EMBEDDED, BatchGeometry, DataConfig, DataError
 from nanolight.data.loader import PackedDataset, PackedLoader, eval_loader, split_blocks
@@ -25,6 +23,9 @@ from nanolight.data.shards import INDEX, PreparedData, is_prepared_dir
 from nanolight.data.sources import embedded_corpus, local_files, open_hub, open_local
 from nanolight.data.streaming import StreamRows, hold_out
 from nanolight.data.tokenizer import load_tokenizer, resolve_tokenizer, tokenizer_identity
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class DataModule(NamedTuple):

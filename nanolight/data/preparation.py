@@ -23,10 +23,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from transformers import PreTrainedTokenizerBase
 
 from nanolight.checkpoint.atomic import atomic_directory, remove_stale
 from nanolight.data.cache import build_once, fingerprint
@@ -54,6 +53,9 @@ from nanolight.data.sources import (
     reading,
 )
 from nanolight.data.tokenizer import Encoder, resolve_tokenizer, tokenizer_identity, with_eos
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _INPUT_KEYS = ("source", "tokenizer", "text_field", "dtype", "shard_tokens")
 

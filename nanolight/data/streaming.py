@@ -25,15 +25,17 @@ import itertools
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from transformers import PreTrainedTokenizerBase
 
 from nanolight.data.config import BatchGeometry
 from nanolight.data.loader import PackedLoader
 from nanolight.data.sources import check_text_field, reading
 from nanolight.data.tokenizer import Encoder
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Cursor = tuple[dict | None, int]  # (stream state before a read batch, None = the pass start; token offset)
 

@@ -14,14 +14,17 @@ import json
 import os
 import socket
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import numpy as np
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from nanolight.data.cache import build_once, fingerprint
 from nanolight.data.config import EMBEDDED, DataConfig, DataError, DataNotFound
+
+# transformers is imported where a tokenizer is loaded or trained (1 s): not by every importer of data/
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 EOS = "<|endoftext|>"
 _FORMAT = 1
@@ -35,6 +38,7 @@ def train_bpe_tokenizer(texts: Iterator[str], out_dir: str, vocab_size: int) -> 
     document separator, and a single id keeps `len(tokenizer) == vocab_size` exactly.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -112,6 +116,8 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
             f"data.tokenizer={name_or_path!r}: no such directory. Point it at a directory written by "
             "save_pretrained (with tokenizer.json), a hub name like HuggingFaceTB/SmolLM-135M, or `embedded`"
         )
+    from transformers import AutoTokenizer
+
     hub = None if looks_local else _unreachable_hub()
     try:  # an unreachable hub: only the local cache (the hub client would retry for a minute)
         tok = AutoTokenizer.from_pretrained(path, **({"local_files_only": True} if hub else {}))

@@ -261,12 +261,14 @@ def _run(
     """`run`'s body, under the run directory's lock."""
     root = check_run_dir(config)
     dm = build_data(config)  # tokenizes into the cache once, before any rank is spawned
-    heldout = held_out(dm.val_loader, dm.tokenizer) if dm.val_loader is not None else None  # the whole split
     # every checkpoint carries the tokenizer and its HF token ids: an export is a complete HF directory
     tokenizer_dir = root / "tokenizer"
     token_ids = {k: getattr(dm.tokenizer, k) for k in TOKEN_IDS if getattr(dm.tokenizer, k) is not None}
     strategy = build_strategy(config, run_extras(tokenizer_dir, token_ids))
     strategy.setup_environment()  # plain python + parallel: re-launches this script as N ranks here
+    # the whole split (dm is every dp rank's yet), measured where it is used: not by a launcher, which
+    # would hold its ranks back while it decodes and compresses it
+    heldout = held_out(dm.val_loader, dm.tokenizer) if dm.val_loader is not None else None
     if strategy.parallel.dp > 1:
         ctx = strategy.parallel.context
         dm = build_data(config, ctx.dp_rank, ctx.dp_size)

@@ -78,14 +78,10 @@ def step_dirs(ckpt_dir: Path) -> list[str]:
     return sorted(p.name for p in ckpt_dir.iterdir() if re.fullmatch(r"step-\d+", p.name))
 
 
-@pytest.mark.slow
-def test_3d_run_sigkilled_after_a_checkpoint_resumes_exactly(
-    tmp_path: Path, cache_dir: Path, reference: Path
-) -> None:
-    run_dir, log = tmp_path / "run", tmp_path / "killed.log"
-    ckpt_dir = run_dir / "checkpoints"
-    keep = "checkpoint.keep_last_n=2"  # the newest 2 survive, across the kill and the resume
-    cmd = command(RECIPE, run_dir, cache_dir, *RUN, *LAYOUT_3D, f"checkpoint.every_n_steps={EVERY}", keep)
+def sigkill_after_the_first_checkpoint(tmp_path: Path, run_dir: Path, cache_dir: Path, *args: str) -> None:
+    """Start the run and SIGKILL the launcher and its 8 ranks at once when step-EVERY is `last`."""
+    ckpt_dir, log = run_dir / "checkpoints", tmp_path / "sigkill.log"
+    cmd = command(RECIPE, run_dir, cache_dir, *args)
     with open(log, "w") as out:
         parent = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, env=env())
     try:
@@ -104,15 +100,46 @@ def test_3d_run_sigkilled_after_a_checkpoint_resumes_exactly(
     # killed before its next checkpoint (else this test did not test what it says)
     assert read_last(ckpt_dir) == f"step-{EVERY}", tail(log)
 
-    recipe(
-        run_dir,
-        cache_dir,
-        *RUN,
-        *LAYOUT_3D,
-        f"checkpoint.every_n_steps={EVERY}",
-        keep,
-        "checkpoint.resume=last",
-    )
+
+def kill_during_the_next_save(
+    tmp_path: Path, run_dir: Path, cache_dir: Path, kill_rank: int, *args: str
+) -> None:
+    """Resume `run_dir` from `last` (step-EVERY) with global rank `kill_rank` SIGKILLing itself at its
+    first write into checkpoint step-2*EVERY, while its peers may be further on in that save (rank 0,
+    which also writes the trainer state; or the last rank, while rank 0 may be ready to commit); the
+    launcher then stops the others. `last` must stay on step-EVERY, nothing named step-<N> half written."""
+    log, marker = tmp_path / f"killed-{kill_rank}.log", tmp_path / f"killed-{kill_rank}-at.txt"
+    ckpt_dir, second = run_dir / "checkpoints", 2 * EVERY
+    # every rank runs the wrapper (the launcher re-launches it); only `kill_rank` is armed
+    wrapper = write_kill_wrapper(tmp_path / f"kill_{kill_rank}.py", ckpt_dir, second, kill_rank, marker)
+    cmd = command(wrapper, run_dir, cache_dir, *args, "checkpoint.resume=last")
+    with open(log, "w") as out:
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, env=env(), timeout=300)
+    assert proc.returncode != 0, tail(log)
+    assert marker.exists(), f"rank {kill_rank} was not killed while saving step-{second}:\n{tail(log)}"
+    assert len(marker.read_text().splitlines()) == 1, marker.read_text()
+    assert read_last(ckpt_dir) == f"step-{EVERY}", (read_last(ckpt_dir), marker.read_text())
+    assert step_dirs(ckpt_dir) == [f"step-{EVERY}"], sorted(p.name for p in ckpt_dir.iterdir())
+
+
+@pytest.mark.slow
+def test_3d_run_killed_from_outside_and_during_saves_resumes_exactly(
+    tmp_path: Path, cache_dir: Path, reference: Path
+) -> None:
+    """One 3D run, four launches: SIGKILLed from outside after its first checkpoint (a node dying);
+    resumed, rank 0 killed midway through the next save; resumed, the last rank killed midway
+    through it; resumed to the end. Each kill leaves `last` on step-EVERY, and the last launch
+    continues from it, next to whatever temporary files the kills left behind, with the
+    uninterrupted run's losses; `keep_last_n` prunes across all of it."""
+    run_dir = tmp_path / "run"
+    ckpt_dir = run_dir / "checkpoints"
+    keep = "checkpoint.keep_last_n=2"  # the newest 2 survive, across the kills and the resumes
+    args = (*RUN, *LAYOUT_3D, f"checkpoint.every_n_steps={EVERY}", keep)
+    sigkill_after_the_first_checkpoint(tmp_path, run_dir, cache_dir, *args)
+    for kill_rank in (0, 7):
+        kill_during_the_next_save(tmp_path, run_dir, cache_dir, kill_rank, *args)
+
+    recipe(run_dir, cache_dir, *args, "checkpoint.resume=last")
     assert_losses_match(run_dir, reference, EVERY + 1, rel=1e-6)
     assert read_last(ckpt_dir) == f"step-{STEPS}"
     assert step_dirs(ckpt_dir) == [f"step-{STEPS - EVERY}", f"step-{STEPS}"]  # step-2 pruned
@@ -129,40 +156,6 @@ def test_3d_checkpoint_resumes_at_another_topology(
     recipe(run_dir, cache_dir, *RUN, *overrides, "checkpoint.every_n_steps=3", "checkpoint.resume=last")
     assert sorted(losses(run_dir)) == [4, 5, 6]
     assert_losses_match(run_dir, reference, 4, rel=1e-5)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kill_rank", [0, 7], ids=["rank0", "rank7"])
-def test_kill_during_a_save_leaves_last_on_the_previous_checkpoint(
-    tmp_path: Path, cache_dir: Path, reference: Path, kill_rank: int
-) -> None:
-    run_dir, log, marker = tmp_path / "run", tmp_path / "killed.log", tmp_path / "killed-at.txt"
-    ckpt_dir = run_dir / "checkpoints"
-    second = 2 * EVERY
-    # every rank runs the wrapper (the launcher re-launches it); one SIGKILLs itself at its first
-    # write into checkpoint `second`, while its peers may be further on in that save (rank 0, which
-    # also writes the trainer state; or the last rank, while rank 0 may be ready to commit); the
-    # launcher then stops the others
-    wrapper = write_kill_wrapper(tmp_path / "kill_during_save.py", ckpt_dir, second, kill_rank, marker)
-    cmd = command(wrapper, run_dir, cache_dir, *RUN, *LAYOUT_3D, f"checkpoint.every_n_steps={EVERY}")
-    with open(log, "w") as out:
-        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, env=env(), timeout=300)
-    assert proc.returncode != 0, tail(log)
-    assert marker.exists(), f"no rank was killed while saving step-{second}:\n{tail(log)}"
-    assert len(marker.read_text().splitlines()) == 1, marker.read_text()
-
-    # the previous checkpoint is still `last`, and nothing named step-<N> is half written
-    assert read_last(ckpt_dir) == f"step-{EVERY}", (read_last(ckpt_dir), marker.read_text())
-    assert step_dirs(ckpt_dir) == [f"step-{EVERY}"], sorted(p.name for p in ckpt_dir.iterdir())
-
-    # `last` loads: the run continues from it as if it had never been interrupted, and its own
-    # saves succeed next to whatever temporary files the kill left behind
-    recipe(
-        run_dir, cache_dir, *RUN, *LAYOUT_3D, f"checkpoint.every_n_steps={EVERY}", "checkpoint.resume=last"
-    )
-    assert_losses_match(run_dir, reference, EVERY + 1, rel=1e-6)
-    assert read_last(ckpt_dir) == f"step-{STEPS}"
-    assert {f"step-{second}", f"step-{STEPS}"} <= set(step_dirs(ckpt_dir))
 
 
 @pytest.mark.slow

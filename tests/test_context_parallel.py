@@ -58,9 +58,11 @@ def test_pp2_cp2_equals_one_process(tmp_path: Path, schedule: str) -> None:
 
 
 # ---- checkpoints: cp2·dp2 -> one process -> cp4, and back ------------------------------------------
-def _train(strategy: Any, dp: int, steps: int, root: str, load: str | None, save: str) -> list[float]:
-    """Train to `steps` (from checkpoint `load`), the last step's checkpoint saved in the loop (as a
-    run's ModelCheckpoint does) to `root`/`save`; the losses of the steps run."""
+def _train(
+    strategy: Any, dp: int, steps: int, root: str, load: str | None, save: str, keep: int = 1
+) -> list[float]:
+    """Train to `steps` (from the earliest checkpoint in `load`), each step's checkpoint saved in the loop
+    (as a run's ModelCheckpoint does) to `root`/`save`, the newest `keep` kept; the losses of the steps run."""
     from _tiny import StepLosses
 
     from nanolight import NanoTrainer
@@ -68,24 +70,28 @@ def _train(strategy: Any, dp: int, steps: int, root: str, load: str | None, save
 
     record, micro = StepLosses(), 1 if dp > 1 else 2
     rank = 0 if strategy.parallel.context is None else strategy.parallel.context.dp_rank
-    saving = ModelCheckpoint(dirpath=Path(root) / save, every_n_train_steps=1, save_last=False, keep_last_n=1)
+    saving = ModelCheckpoint(
+        dirpath=Path(root) / save, every_n_train_steps=1, save_last=False, keep_last_n=keep
+    )
     trainer = NanoTrainer(
         use_distributed_sampler=False, max_steps=steps, accumulate_grad_batches=GLOBAL // (dp * micro),
         gradient_clip_val=1.0, strategy=strategy, seed=SEED, logger=False, callbacks=[record, saving],
         enable_progress_bar=False,
     )  # fmt: skip
-    load_path = None if load is None else str(next((Path(root) / load).iterdir()))
+    load_path = None if load is None else str(min((Path(root) / load).iterdir()))
     trainer.fit(_module(), train_dataloaders=_loader(micro, dp, rank), ckpt_path=load_path)
     return record.losses
 
 
-def _leg(rank: int, world: int, cp: int, steps: int, root: str, load: str | None, save: str) -> Any:
+def _leg(
+    rank: int, world: int, cp: int, steps: int, root: str, load: str | None, save: str, keep: int = 1
+) -> Any:
     from nanolight.strategies.parallel3d import Parallel3DStrategy
 
     dp = world // cp
     strategy = Parallel3DStrategy(dp=dp, cp=cp, zero_stage=1 if dp > 1 else 0)
     strategy.setup_environment()
-    losses = _train(strategy, dp, steps, root, load, save)
+    losses = _train(strategy, dp, steps, root, load, save, keep)
     return losses if rank == 0 else None
 
 
@@ -99,14 +105,14 @@ def test_checkpoints_cross_cp_layouts_and_resume_bit_exactly(tmp_path: Path) -> 
     from nanolight.strategies.base import SingleDeviceStrategy
 
     reference = _single(2)[0].losses
-    first = run_distributed(_leg, 4, 2, 1, str(tmp_path), None, "a", timeout=600, pg_timeout=90)[0]
+    # the uninterrupted cp2·dp2 run, every step's checkpoint kept: its step 1 is where the others start
+    whole = run_distributed(_leg, 4, 2, STEPS, str(tmp_path), None, "a", STEPS, timeout=600, pg_timeout=90)[0]
     second = _train(SingleDeviceStrategy("cpu"), 1, 2, str(tmp_path), "a", "b")
     third = run_distributed(_leg, 4, 4, STEPS, str(tmp_path), "b", "c", timeout=600, pg_timeout=90)[0]
     torch.testing.assert_close(
-        torch.tensor(first + second + third), torch.tensor(reference), rtol=1e-6, atol=0
+        torch.tensor(whole[:1] + second + third), torch.tensor(reference), rtol=1e-6, atol=0
     )
 
-    whole = run_distributed(_leg, 4, 2, STEPS, str(tmp_path), None, "d", timeout=600, pg_timeout=90)[0]
     resumed = run_distributed(_leg, 4, 2, STEPS, str(tmp_path), "a", "e", timeout=600, pg_timeout=90)[0]
     assert resumed == whole[1:]  # the same layout: bit-exact
 

@@ -67,6 +67,10 @@ def test_finite_run_is_untouched(tmp_path: Path) -> None:
 
 
 # ---- through the recipe ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The recipe's data cache (corpus, tokenizer, tokens), built by the first run, read by the second."""
+    return tmp_path_factory.mktemp("nanolight-cache")
 
 
 def _recipe(run_dir: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -82,10 +86,12 @@ def _finite(step_dir: Path) -> bool:
 
 
 @pytest.mark.slow
-def test_recipe_diverging_run_stops_and_keeps_the_last_finite_checkpoint(tmp_path: Path) -> None:
+def test_recipe_diverging_run_stops_and_keeps_the_last_finite_checkpoint(
+    tmp_path: Path, cache_dir: Path
+) -> None:
     run = tmp_path / "run"
     proc = _recipe(
-        run, tmp_path / "cache", "trainer.max_steps=16", "checkpoint.every_n_steps=2", "checkpoint.keep_last_n=2",
+        run, cache_dir, "trainer.max_steps=16", "checkpoint.every_n_steps=2", "checkpoint.keep_last_n=2",
         "optim.lr=20", "trainer.log_every_n_steps=4",
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -101,10 +107,10 @@ def test_recipe_diverging_run_stops_and_keeps_the_last_finite_checkpoint(tmp_pat
 
 
 @pytest.mark.slow
-def test_recipe_nan_from_the_first_step_saves_nothing(tmp_path: Path) -> None:
+def test_recipe_nan_from_the_first_step_saves_nothing(tmp_path: Path, cache_dir: Path) -> None:
     run = tmp_path / "run"
     # one token per row: no position has a target, the token mean is 0/0
-    proc = _recipe(run, tmp_path / "cache", "trainer.max_steps=4", "checkpoint.every_n_steps=2", "trainer.seq_len=1",
+    proc = _recipe(run, cache_dir, "trainer.max_steps=4", "checkpoint.every_n_steps=2", "trainer.seq_len=1",
                    "optim.lr=1e9")  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
     (line,) = [line for line in proc.stderr.splitlines() if line.startswith("nanolight: error:")]

@@ -52,10 +52,14 @@ def _recipe(run: Path, cache: Path, *overrides: str, env: dict | None = None) ->
     )
 
 
-def _training(proc: subprocess.Popen, run: Path, ranks: int, deadline: float = 180) -> list[int]:
-    """Wait until the run logs steps with all its ranks alive; returns the ranks' pids."""
+def _training(
+    proc: subprocess.Popen, run: Path, ranks: int, deadline: float = 180, ready: Path | None = None
+) -> list[int]:
+    """Wait until the run logs steps (and has written `ready`) with all its ranks alive; returns the
+    ranks' pids."""
     end = time.monotonic() + deadline
-    while not ((run / "metrics.csv").exists() and len(_children(proc.pid)) == ranks):
+    ready = ready or run / "metrics.csv"
+    while not ((run / "metrics.csv").exists() and ready.exists() and len(_children(proc.pid)) == ranks):
         assert proc.poll() is None and time.monotonic() < end, (
             proc.stderr.read() if proc.poll() else "never trained"
         )
@@ -241,26 +245,16 @@ def _flip(file: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_damaged_rank_file_is_the_first_line_at_cp2(tmp_path: Path, cache_dir: Path) -> None:
+def test_a_killed_rank_is_named_dead_and_a_damaged_rank_file_is_the_first_line_at_cp2(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """A cp2 run's rank 1 SIGKILLed once it has saved a checkpoint: the launcher names it dead. Then
+    rank 1's file of that checkpoint damaged: resuming, the first line names the file."""
     run = tmp_path / "run"
     cp2 = ("+parallel.cp=2", "checkpoint.every_n_steps=2")
-    proc = _recipe(run, cache_dir, "trainer.max_steps=2", *cp2)
-    assert proc.wait(timeout=240) == 0, proc.stderr.read()
-    _flip(run / "checkpoints" / "step-2" / "rank-00001.pt")
-    proc = _recipe(run, cache_dir, "trainer.max_steps=4", "checkpoint.resume=last", *cp2)
-    _, err = proc.communicate(timeout=240)
-    errors = [line for line in err.splitlines() if line.startswith(("nanolight: error", "[nanolight"))]
-    assert proc.returncode == 1 and errors, err
-    assert errors[0].startswith("nanolight: error: rank 1: checkpoint file"), err
-    assert "rank-00001.pt is damaged" in errors[0] and "Traceback" not in err
-
-
-@pytest.mark.slow
-def test_a_killed_rank_is_named_dead(tmp_path: Path, cache_dir: Path) -> None:
-    run = tmp_path / "run"
-    proc = _recipe(run, cache_dir, "trainer.max_steps=100000", "+parallel.cp=2")
+    proc = _recipe(run, cache_dir, "trainer.max_steps=100000", *cp2)
     try:
-        pids = _training(proc, run, 2)
+        pids = _training(proc, run, 2, ready=run / "checkpoints" / "last")
         os.kill(pids[1], signal.SIGKILL)
         _, err = proc.communicate(timeout=90)
     finally:
@@ -271,6 +265,17 @@ def test_a_killed_rank_is_named_dead(tmp_path: Path, cache_dir: Path) -> None:
     assert f"rank 1 (pid {pids[1]}) was killed by SIGKILL" in err, err
     errors = [line for line in err.splitlines() if line.startswith("nanolight: error")]
     assert all(line.startswith(f"nanolight: error: rank 1 (pid {pids[1]}) died") for line in errors), err
+
+    last = (run / "checkpoints" / "last").read_text().strip()  # a whole checkpoint, whenever the kill came
+    _flip(run / "checkpoints" / last / "rank-00001.pt")
+    proc = _recipe(
+        run, cache_dir, f"trainer.max_steps={int(last.split('-')[1]) + 2}", "checkpoint.resume=last", *cp2
+    )
+    _, err = proc.communicate(timeout=240)
+    errors = [line for line in err.splitlines() if line.startswith(("nanolight: error", "[nanolight"))]
+    assert proc.returncode == 1 and errors, err
+    assert errors[0].startswith("nanolight: error: rank 1: checkpoint file"), err
+    assert "rank-00001.pt is damaged" in errors[0] and "Traceback" not in err
 
 
 def _unwritable(rank: int, world: int, root: str) -> str:

@@ -218,10 +218,18 @@ def test_pp2_1f1b_tied_matches_single_process() -> None:
     assert out[0]["max_live"] <= 2  # 1F1B: at most pp micro-batches in flight on stage 0
 
 
+# (tp, pp, schedule, tied); pp2-1f1b-tied is test_pp2_1f1b_tied_matches_single_process, in the default suite
+PP_MATRIX = {
+    f"{name}-{schedule}-{'tied' if tied else 'untied'}": (tp, pp, schedule, tied)
+    for name, tp, pp in (("pp2", 1, 2), ("pp4", 1, 4), ("pp2xtp2", 2, 2))
+    for schedule in ("1f1b", "afab")
+    for tied in (True, False)
+    if (name, schedule, tied) != ("pp2", "1f1b", True)
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-@pytest.mark.parametrize("schedule", ["1f1b", "afab"])
-@pytest.mark.parametrize(("tp", "pp"), [(1, 2), (1, 4), (2, 2)], ids=["pp2", "pp4", "pp2xtp2"])
+@pytest.mark.parametrize(("tp", "pp", "schedule", "tied"), PP_MATRIX.values(), ids=PP_MATRIX.keys())
 def test_pp_matrix(tp: int, pp: int, schedule: str, tied: bool) -> None:
     out = _check(tp, pp, schedule, tied)
     first_stage_live = out[0]["max_live"]

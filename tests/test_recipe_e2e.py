@@ -99,11 +99,18 @@ def test_recipe_runs_and_resumes_exactly(tmp_path: Path, cache_dir: Path) -> Non
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(full / "checkpoints" / "step-6", resumed / "checkpoints" / "step-6")
     (resumed / "checkpoints" / "last").write_text("step-6\n")
-    recipe(resumed, cache_dir, "trainer.max_steps=12", "checkpoint.every_n_steps=6", "checkpoint.resume=last")
+    again = ("trainer.max_steps=12", "checkpoint.every_n_steps=6", "checkpoint.resume=last")
+    recipe(resumed, cache_dir, *again)
     got = losses(resumed)
     assert sorted(got) == list(range(7, 13))
     for step, value in got.items():
         assert value == pytest.approx(ref[step], rel=1e-6, abs=0), (step, value, ref[step])
+
+    # resuming the run that reached max_steps: one line saying so, exit 0, and no 'directory
+    # exists and is not empty' warning (that is for a fresh run)
+    finished = recipe(resumed, cache_dir, *again)
+    assert "already reached trainer.max_steps=12 (step 12)" in finished.stdout, finished.stdout
+    assert "exists and is not empty" not in finished.stdout + finished.stderr
 
 
 def test_accumulation_logs_one_line_and_one_row_per_logged_step(tmp_path: Path, cache_dir: Path) -> None:
@@ -128,16 +135,6 @@ def test_accumulation_logs_one_line_and_one_row_per_logged_step(tmp_path: Path, 
     row = next(r for r in rows if r["step"] == "1")  # optimizer step 2 (logged at 1)
     for key in ("train/loss", "throughput/tokens_per_sec", "lr-AdamW/pg1", "val/loss", "epoch"):
         assert row[key], (key, row)
-
-
-def test_resuming_a_finished_run_says_so(tmp_path: Path, cache_dir: Path) -> None:
-    """checkpoint.resume=last on a run that reached max_steps: one line saying so, exit 0, and no
-    'directory exists and is not empty' warning (that is for a fresh run)."""
-    run_dir = tmp_path / "run"
-    recipe(run_dir, cache_dir, "logger=csv", "trainer.max_steps=2")
-    again = recipe(run_dir, cache_dir, "logger=csv", "trainer.max_steps=2", "checkpoint.resume=last")
-    assert "already reached trainer.max_steps=2 (step 2)" in again.stdout, again.stdout
-    assert "exists and is not empty" not in again.stdout + again.stderr
 
 
 def test_a_run_imports_only_what_it_uses(tmp_path: Path, cache_dir: Path) -> None:

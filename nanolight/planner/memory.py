@@ -8,11 +8,11 @@ parameters      this rank's slice: decoder blocks split by the pipeline (`pipeli
                 the first stage and the head on the last (a tied embedding is kept on both ends).
 gradients       one per parameter, in the gradient dtype (`data_parallel.py` buckets under dp: the
                 padding to dp slices is a few elements); ZeRO-1 adds this rank's reduced shard,
-                1/(dp*cp) (the replicas: cp ranks hold the same weights; at one replica the shard
-                is the buckets themselves: nothing added).
+                1/(dp*cp) (the replicas: cp ranks hold the same weights).
 optimizer_state AdamW's two moments per parameter; ZeRO-1 (`zero.py`) keeps 1/(dp*cp) of them and of
                 the fp32 master weights (fp32 whatever the parameter dtype); bf16-master keeps the
-                fp32 master copy on every rank without ZeRO.
+                fp32 master copy on every rank without ZeRO. ZeRO-1 over one replica is no ZeRO
+                (`Parallel3DStrategy.setup_optimizers`: nothing to shard).
 activations     what autograd saves per decoder block (`block_activation_bytes`, op by op below;
                 under bf16-mixed also autocast's bf16 copy of each matmul weight: `autocast_weight_bytes`),
                 times the chunk activations the schedule keeps alive at its peak (walking
@@ -40,7 +40,7 @@ GQA-expanded k and v, the (T, T) mask and the softmax (b, heads, T, T). The head
 loss (`fused_loss.py`, over this rank's vocabulary slice under tp) keeps d hidden (the whole
 sequence's: the head's input is gathered) and an fp32 d weight. `full` recompute keeps the block
 input only; `selective` keeps the input, the matmul outputs and the attention kernel's outputs
-(`recompute._keep`).
+(`blocks._keep`; under ring attention every block kernel's: `ring_kernel_output_bytes`).
 
 Context parallelism (cp > 1) gives each rank T/cp tokens of every sequence (zigzag chunks), so
 every per-token term above scales by 1/cp; ring attention (`parallel/ring_attention.py`, whatever
@@ -142,8 +142,8 @@ def block_activation_bytes(work: Workload, layout: Layout, mode: str | None = No
         return block_input
     if layout.cp > 1:  # ring attention: q, k, v, the fp32 output and lse, the output's cast
         attn_out = a * N * q if a != 4 else 0
-        kernel_outputs = 4 * N * q + 4 * b * heads * T + attn_out
-        attention = a * N * (q + 2 * kv) + kernel_outputs
+        attention = a * N * (q + 2 * kv) + 4 * N * q + 4 * b * heads * T + attn_out
+        kernel_outputs = ring_kernel_output_bytes(work, layout)
     elif c.attn_implementation == "eager":
         attn_out = a * N * q
         attention = a * N * q * 3 + T * T + a * b * heads * T * T + attn_out
@@ -159,6 +159,21 @@ def block_activation_bytes(work: Workload, layout: Layout, mode: str | None = No
     linear_inputs = 2 * a * N * h
     mlp = a * N * 2 * inter + 2 * a * N * inter
     return norms + linear_inputs + attention + mlp + autocast_weight_bytes(c, layout)
+
+
+def ring_kernel_output_bytes(work: Workload, layout: Layout) -> int:
+    """What `selective` keeps of one block's ring attention (cp > 1): the outputs of every block
+    kernel the ring calls (`blocks._keep` saves each call of the fused kernel), not the merged
+    fp32 output and lse the ring saves for its backward, which the recompute rebuilds from them.
+    A rank's two zigzag chunks of c = T/2 queries each meet every key chunk at or before them:
+    2*cp + 1 blocks per micro-batch (`RingAttention.pairs`), each a (b, heads, c, D) output in
+    the compute dtype and a (b, heads, c) fp32 lse. Counted as one fp32 output and lse, the 8B at
+    cp 4 read 4.5% under the dry run (tp 4, sp, dp 4, mbs 1; 0.9% under since)."""
+    c, tp, b = work.config, layout.tp, layout.micro_batch_size
+    a = PRECISION_BYTES[layout.precision][2]
+    rows = b * (work.seq_len // layout.cp // 2)  # one chunk's queries
+    q, heads = c.num_attention_heads * c.head_dim // tp, c.num_attention_heads // tp
+    return (2 * layout.cp + 1) * (a * rows * q + 4 * rows * heads)
 
 
 def autocast_weight_bytes(config: LlamaConfig, layout: Layout) -> int:
@@ -268,8 +283,11 @@ def rank_memory(work: Workload, layout: Layout, stage: int) -> dict[str, int]:
     """The parts (bytes) of pipeline stage `stage`'s ranks, and their `total`."""
     w_bytes, g_bytes, _, _ = PRECISION_BYTES[layout.precision]
     n = rank_parameters(work.config, layout, stage)
-    dp, zero = layout.replicas, layout.zero_stage == 1  # ZeRO-1 shards over the replicas, dp x cp
-    grads = n * g_bytes + (n // dp * g_bytes if zero and dp > 1 else 0)  # dp=1: the shard is the buckets
+    # ZeRO-1 shards over the replicas, dp x cp; over one the strategy steps the plain optimizer
+    # (bf16-master: a one-rank ZeRO optimizer, its gradient shard the buckets themselves)
+    dp = layout.replicas
+    zero = layout.zero_stage == 1 and dp > 1
+    grads = n * g_bytes + (n // dp * g_bytes if zero else 0)
     if zero:
         optimizer = 12 * n // dp  # fp32 master + two fp32 moments, 1/(dp*cp) of each
     elif layout.precision == "bf16-master":

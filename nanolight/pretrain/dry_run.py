@@ -48,6 +48,7 @@ from nanolight.errors import UsageError
 from nanolight.parallel.config import ParallelConfig
 from nanolight.parallel.launcher import join_fake_world
 from nanolight.parallel.pipeline.p2p import Shape
+from nanolight.parallel.zero import ZeroOptimizer
 from nanolight.planner.hardware import Hardware, hardware
 from nanolight.planner.timing import ring_seconds
 from nanolight.pretrain.config import PretrainConfig
@@ -186,11 +187,9 @@ class _Clock(Callback):
 
     def on_train_start(self, trainer: NanoTrainer, pl_module: Any) -> None:
         strategy = trainer.strategy
-        grads = getattr(strategy, "grads", None)
-        buffers = held_by_gradient_sync(grads) if grads is not None else ([], [])
+        buffers = held_by_gradient_sync(getattr(strategy, "grads", None), trainer.optimizers)
         inner = [o for o in trainer.optimizers if isinstance(o, torch.optim.Optimizer)]
-        if grads is not None and grads.zero is not None:
-            inner.append(grads.zero.inner)
+        inner += [o.inner for o in trainer.optimizers if isinstance(o, ZeroOptimizer)]
         stage = getattr(strategy, "stage", None)
         if stage is not None and dist.get_backend() == "fake":  # its handshakes deliver nothing
             stage.fake_world(boundary_shapes(strategy.config, pl_module))
@@ -220,17 +219,17 @@ def boundary_shapes(parallel: ParallelConfig, module: torch.nn.Module) -> Callab
     return shapes
 
 
-def held_by_gradient_sync(grads: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def held_by_gradient_sync(grads: Any, optimizers: list[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The gradient buffers (dp buckets, ZeRO-1's reduced shards) and the optimizer's own tensors
-    (ZeRO-1's fp32 masters) that `GradientSync` made at setup."""
-    gradients: list[torch.Tensor] = []
-    optimizer: list[torch.Tensor] = []
-    reducer = getattr(grads, "reducer", None)
-    if reducer is not None:
-        gradients += [b.buffer for b in reducer.buckets] + list(reducer.shard_grads)
-    if grads.zero is not None:
-        optimizer += list(grads.zero.master)
-    return gradients, optimizer
+    (ZeRO-1's fp32 masters) that setup made: `GradientSync`'s (`grads`, None on one process) and
+    each `ZeroOptimizer`'s among `optimizers`. One process under bf16-master steps a one-rank
+    `ZeroOptimizer` without a `GradientSync`: its fp32 gradients and masters once read as
+    activations (gradients 0)."""
+    reducers = [grads.reducer] if getattr(grads, "reducer", None) is not None else []
+    zeros = [o for o in optimizers if isinstance(o, ZeroOptimizer)]
+    reducers += [z.reducer for z in zeros if all(z.reducer is not r for r in reducers)]
+    gradients = [t for r in reducers for t in [b.buffer for b in r.buckets] + list(r.shard_grads)]
+    return gradients, [m for z in zeros for m in z.master]
 
 
 @dataclass

@@ -280,11 +280,13 @@ class Parallel3DStrategy(Strategy):
         ``bf16-master``: the ZeRO-1 optimizer holds the fp32 masters and main gradients (at dp=1
         too: one shard), then the model becomes bf16; with replicas the post-step all-gather of bf16
         weights is waited for bucket by bucket in the next forward (not under compile, whose
-        blocks would trace the hooks)."""
+        blocks would trace the hooks). ZeRO-1 over one replica has nothing to shard: the plain
+        optimizer, as on one process (its masters would be a second copy of the weights, 4 bytes
+        a parameter at 32-true, for the same update)."""
         cfg, master = self.config, self.precision.master_weights
         replicas = self._ctx.size("replica")  # dp x cp: the ranks the optimizer state shards over
         self.precision.check_layout(cfg.zero_stage, replicas)
-        zero, dtype = (1, torch.float32) if master else (cfg.zero_stage, None)
+        zero, dtype = (1, torch.float32) if master else (cfg.zero_stage if replicas > 1 else 0, None)
         self.grads = GradientSync(
             self.module, self.layout, self._ctx, cfg.sequence_parallel, zero, self.dp_bucket_bytes, dtype
         )

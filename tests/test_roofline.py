@@ -72,6 +72,18 @@ def test_each_tensor_is_read_or_written_once() -> None:
         assert roofline.seconds[0] == tensors * size / HW.memory_bandwidth, name
 
 
+def test_bound_bytes_are_the_memory_bound_operators_only() -> None:
+    """The planner prices matmuls by their FLOPs and the rest by `bound_bytes`: a matmul at a
+    large size (compute-bound) is not in them, one at a tiny size (memory-bound) and an add are."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    size = a.numel() * a.element_size()
+    roofline = _measured(lambda: (a @ b, a + b))
+    assert roofline.flops[0] == 2 * 1024**3
+    assert roofline.bound_bytes[0] == 3 * size  # the add's; the matmul's 3 * size are not
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    assert _measured(lambda: x @ y).bound_bytes[0] == 3 * x.numel() * x.element_size()
+
+
 def test_cpu_flash_attention_counts_the_attention_matmuls() -> None:
     q, k, v = (torch.randn(2, 4, 128, 32, requires_grad=True) for _ in range(3))
 
@@ -108,11 +120,7 @@ def _elementwise_bytes(precision: str, layers: int, seq: int, micro_batches: int
     finally:
         dist.destroy_process_group()
     assert "aten._fused_adamw_.default" in roofline.ops[STEPS - 1]  # a CUDA rank's AdamW, not the CPU's
-    return sum(
-        nbytes
-        for seconds, _, nbytes, _ in roofline.ops[STEPS - 1].values()
-        if seconds * HW.memory_bandwidth >= nbytes * 0.999
-    )
+    return roofline.bound_bytes[STEPS - 1]
 
 
 @pytest.mark.slow  # a dozen fake-tensor steps of a 2,048-wide model: about a minute on 2 shared cores

@@ -65,7 +65,9 @@ class Roofline(TorchDispatchMode):
     """Each operator's time on `hw`: its FLOPs at the peak for its dtype, or its bytes read and
     written at the memory bandwidth, whichever is longer (``RuntimeEstimator``'s roofline, priced
     for a named GPU rather than the one at hand, its bytes by `moved_bytes` and the CPU's attention
-    kernels counted as CUDA's). `ops` keeps where the estimate goes, per step and operator."""
+    kernels counted as CUDA's). `ops` keeps where the estimate goes, per step and operator;
+    `bound_bytes` the bytes of the operators priced by their bytes (memory-bound), per step: what the
+    planner's bytes terms are measured against (its matmuls are priced by their FLOPs instead)."""
 
     def __init__(self, hw: Hardware) -> None:
         super().__init__()
@@ -73,6 +75,7 @@ class Roofline(TorchDispatchMode):
         self.step = 0
         self.seconds: dict[int, float] = defaultdict(float)
         self.flops: dict[int, float] = defaultdict(float)
+        self.bound_bytes: dict[int, float] = defaultdict(float)
         # step -> operator -> [seconds, FLOPs, bytes, calls]
         self.ops: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0] * 4))
 
@@ -93,6 +96,8 @@ class Roofline(TorchDispatchMode):
             self.flops[self.step] += flops
             compute = flops / (self.hw.bf16_flops if low else self.hw.fp32_flops)
         seconds = max(compute, nbytes / self.hw.memory_bandwidth)
+        if nbytes and compute * self.hw.memory_bandwidth <= nbytes:
+            self.bound_bytes[self.step] += nbytes
         if seconds:
             self.seconds[self.step] += seconds
             row = self.ops[self.step][str(func)]

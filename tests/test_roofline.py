@@ -19,7 +19,7 @@ from nanolight.parallel.launcher import join_fake_world
 from nanolight.planner.hardware import hardware
 from nanolight.planner.layout import Layout
 from nanolight.planner.memory import Workload
-from nanolight.planner.timing import ELEMENTWISE_BYTES, elementwise_bytes
+from nanolight.planner.timing import ELEMENTWISE_BYTES, elementwise_bytes, head_bytes
 from nanolight.pretrain.auto import apply_layout
 from nanolight.pretrain.config import ClusterConfig, PretrainConfig, TrainConfig
 from nanolight.pretrain.dry_run import STEPS, measured_fit
@@ -147,3 +147,24 @@ def test_the_planner_prices_the_layers_elementwise_bytes_the_dry_run_counts(prec
         per_token * short, rel=0.01
     )
     assert weight == pytest.approx(per_weight, rel=0.01)
+
+
+@pytest.mark.slow  # a dozen fake-tensor steps of a 2,048-wide model: about a minute on 2 shared cores
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-master"])
+def test_the_planner_prices_the_bytes_outside_the_layers_the_dry_run_counts(precision: str) -> None:
+    """`planner/timing.py`'s `head_bytes` is what the code moves outside its layers (embedding, final
+    norm, fused head + loss) besides matmuls: one layer's model twice less the two-layer model's,
+    per token from two sequence lengths (the CPU's loss chunks: the workload's device), per
+    micro-batch from one more."""
+    short, long = 1024, 2048
+
+    def outside(seq: int, micro_batches: int = 1) -> float:
+        return 2 * _elementwise_bytes(precision, 1, seq, micro_batches) - _elementwise_bytes(
+            precision, 2, seq, micro_batches
+        )
+
+    model, lay = LlamaConfig.preset("smollm-1.7b"), Layout(dp=8, zero_stage=1, precision=precision)
+    planned = {seq: head_bytes(Workload(model, seq, "cpu"), lay) for seq in (short, long)}
+    base = outside(short)
+    assert planned[long] - planned[short] == pytest.approx(outside(long) - base, rel=0.01)
+    assert planned[short] == pytest.approx(outside(short, 2) - base, rel=0.01)

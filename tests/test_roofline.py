@@ -72,6 +72,22 @@ def test_each_tensor_is_read_or_written_once() -> None:
         assert roofline.seconds[0] == tensors * size / HW.memory_bandwidth, name
 
 
+def test_indexing_moves_the_addressed_elements_only() -> None:
+    """A GPU's gather, in-place scatter-add and embedding read (and write) the elements or rows
+    their index addresses, not the whole indexed tensor (the fused loss's (n, V) logits)."""
+    logits, weight = torch.randn(64, 1000), torch.randn(1000, 32)
+    index = torch.randint(0, 1000, (64, 1))
+    ids, src = index[:, 0], torch.randn(64, 1)
+    f, i = logits.element_size(), index.element_size()
+    cases = {
+        "gather": (lambda: logits.gather(1, index), 64 * i + 64 * f + 64 * f),  # index, read, out
+        "scatter_add_": (lambda: logits.scatter_add_(1, index, src), 64 * i + 64 * f + 2 * 64 * f),
+        "embedding": (lambda: F.embedding(ids, weight), 64 * i + 2 * 64 * 32 * f),  # rows read, out
+    }
+    for name, (fn, nbytes) in cases.items():
+        assert _bytes(_measured(fn)) == nbytes, name
+
+
 def test_bound_bytes_are_the_memory_bound_operators_only() -> None:
     """The planner prices matmuls by their FLOPs and the rest by `bound_bytes`: a matmul at a
     large size (compute-bound) is not in them, one at a tiny size (memory-bound) and an add are."""

@@ -102,10 +102,10 @@ ELEMENTWISE_BYTES = {
 # each chunk's fp32 d-weight update, counted from `fused_loss.py`'s chunks in `head_bytes`; per
 # vocabulary x hidden weight: the head's and the embedding's gradients, bf16-mixed's weight cast)
 HEAD_BYTES = {
-    "32-true": (70.0, 29.9),
-    "bf16-mixed": (62.2, 42.0),
-    "bf16-master": (61.6, 30.0),
-    "bf16-true": (61.6, 26.0),
+    "32-true": (58.2, 25.9),
+    "bf16-mixed": (50.4, 38.0),
+    "bf16-master": (49.7, 28.0),
+    "bf16-true": (49.7, 24.0),
 }
 # ring attention's (cp > 1) bytes besides, per token and hidden element over tp: once (its blocks
 # and merges in place of one flash call), and per ring step (cp - 1); bf16-master at cp 2 and 4

@@ -19,7 +19,7 @@ from nanolight.parallel.launcher import join_fake_world
 from nanolight.planner.hardware import hardware
 from nanolight.planner.layout import Layout
 from nanolight.planner.memory import Workload
-from nanolight.planner.timing import ELEMENTWISE_BYTES, elementwise_bytes
+from nanolight.planner.timing import ELEMENTWISE_BYTES, elementwise_bytes, head_bytes
 from nanolight.pretrain.auto import apply_layout
 from nanolight.pretrain.config import ClusterConfig, PretrainConfig, TrainConfig
 from nanolight.pretrain.dry_run import STEPS, measured_fit
@@ -72,6 +72,34 @@ def test_each_tensor_is_read_or_written_once() -> None:
         assert roofline.seconds[0] == tensors * size / HW.memory_bandwidth, name
 
 
+def test_indexing_moves_the_addressed_elements_only() -> None:
+    """A GPU's gather, in-place scatter-add and embedding read (and write) the elements or rows
+    their index addresses, not the whole indexed tensor (the fused loss's (n, V) logits)."""
+    logits, weight = torch.randn(64, 1000), torch.randn(1000, 32)
+    index = torch.randint(0, 1000, (64, 1))
+    ids, src = index[:, 0], torch.randn(64, 1)
+    f, i = logits.element_size(), index.element_size()
+    cases = {
+        "gather": (lambda: logits.gather(1, index), 64 * i + 64 * f + 64 * f),  # index, read, out
+        "scatter_add_": (lambda: logits.scatter_add_(1, index, src), 64 * i + 64 * f + 2 * 64 * f),
+        "embedding": (lambda: F.embedding(ids, weight), 64 * i + 2 * 64 * 32 * f),  # rows read, out
+    }
+    for name, (fn, nbytes) in cases.items():
+        assert _bytes(_measured(fn)) == nbytes, name
+
+
+def test_bound_bytes_are_the_memory_bound_operators_only() -> None:
+    """The planner prices matmuls by their FLOPs and the rest by `bound_bytes`: a matmul at a
+    large size (compute-bound) is not in them, one at a tiny size (memory-bound) and an add are."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    size = a.numel() * a.element_size()
+    roofline = _measured(lambda: (a @ b, a + b))
+    assert roofline.flops[0] == 2 * 1024**3
+    assert roofline.bound_bytes[0] == 3 * size  # the add's; the matmul's 3 * size are not
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    assert _measured(lambda: x @ y).bound_bytes[0] == 3 * x.numel() * x.element_size()
+
+
 def test_cpu_flash_attention_counts_the_attention_matmuls() -> None:
     q, k, v = (torch.randn(2, 4, 128, 32, requires_grad=True) for _ in range(3))
 
@@ -108,11 +136,7 @@ def _elementwise_bytes(precision: str, layers: int, seq: int, micro_batches: int
     finally:
         dist.destroy_process_group()
     assert "aten._fused_adamw_.default" in roofline.ops[STEPS - 1]  # a CUDA rank's AdamW, not the CPU's
-    return sum(
-        nbytes
-        for seconds, _, nbytes, _ in roofline.ops[STEPS - 1].values()
-        if seconds * HW.memory_bandwidth >= nbytes * 0.999
-    )
+    return roofline.bound_bytes[STEPS - 1]
 
 
 @pytest.mark.slow  # a dozen fake-tensor steps of a 2,048-wide model: about a minute on 2 shared cores
@@ -139,3 +163,24 @@ def test_the_planner_prices_the_layers_elementwise_bytes_the_dry_run_counts(prec
         per_token * short, rel=0.01
     )
     assert weight == pytest.approx(per_weight, rel=0.01)
+
+
+@pytest.mark.slow  # a dozen fake-tensor steps of a 2,048-wide model: about a minute on 2 shared cores
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-master"])
+def test_the_planner_prices_the_bytes_outside_the_layers_the_dry_run_counts(precision: str) -> None:
+    """`planner/timing.py`'s `head_bytes` is what the code moves outside its layers (embedding, final
+    norm, fused head + loss) besides matmuls: one layer's model twice less the two-layer model's,
+    per token from two sequence lengths (the CPU's loss chunks: the workload's device), per
+    micro-batch from one more."""
+    short, long = 1024, 2048
+
+    def outside(seq: int, micro_batches: int = 1) -> float:
+        return 2 * _elementwise_bytes(precision, 1, seq, micro_batches) - _elementwise_bytes(
+            precision, 2, seq, micro_batches
+        )
+
+    model, lay = LlamaConfig.preset("smollm-1.7b"), Layout(dp=8, zero_stage=1, precision=precision)
+    planned = {seq: head_bytes(Workload(model, seq, "cpu"), lay) for seq in (short, long)}
+    base = outside(short)
+    assert planned[long] - planned[short] == pytest.approx(outside(long) - base, rel=0.01)
+    assert planned[short] == pytest.approx(outside(short, 2) - base, rel=0.01)

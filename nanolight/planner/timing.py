@@ -19,7 +19,10 @@ pipeline bubble from the schedule.
                                               backward (`data_parallel.py`); what exceeds it shows,
                                               and the last bucket (25 MB) always does
          + ZeRO-1 all-gather                  after the optimizer step, nothing to hide behind
-         + optimizer step                     AdamW reads p, g, m, v and writes p, m, v: memory-bound
+         + optimizer step                     memory-bound: on a GPU every operator between backward
+                                              and the next forward (`optimizer_bytes`: zeroing,
+                                              dp's division, the norm, the clip, AdamW, ZeRO-1's
+                                              copies); on a CPU AdamW's p, g, m, v read, p, m, v written
 
 On hardware at hand (`Hardware.profiled`: this machine's CPU) the block's and the head's compute
 is timed at the rank's shapes instead (`planner/probes.py`), host cost and elementwise ops
@@ -42,7 +45,7 @@ collectives again.
 A datasheet GPU also pays the bytes of the non-matmul operators (`elementwise_bytes`): eager
 PyTorch runs each norm, RoPE, SwiGLU, residual add, cast and gradient accumulation as its own
 kernel, which reads and writes its tensors at the memory bandwidth -- in one smollm-1.7b layer at
-bf16-master, 1.1 MB a token, more than its matmuls take at the peak. `ELEMENTWISE_BYTES` holds them
+bf16-master, 0.83 MB a token, 60% of the time its matmuls take at the peak. `ELEMENTWISE_BYTES` holds them
 per token per hidden and per intermediate element and per weight per micro-batch, by precision and
 recompute mode, as the dry run's roofline (`pretrain/roofline.py`) counts them in the code's own
 layer (`tests/test_roofline.py` holds the table to it): what makes bf16-mixed slower than
@@ -74,22 +77,35 @@ from nanolight.planner.probes import MAX_RANKS, block_seconds, head_seconds, ran
 ADAMW_BYTES_PER_ELEMENT = 28  # fp32 p, g, m, v read (16) + p, m, v written (12)
 # (precision, recompute) -> bytes the non-matmul operators of one decoder layer move per micro-batch:
 # (per token and hidden element, per token and intermediate element, per weight), counted by the
-# dry run's roofline in smollm-1.7b's layer (H 2,048, I 8,192): the per-token parts from layers and
-# sequence lengths apart, the per-weight part from one micro-batch more (gradient accumulation,
-# bf16-mixed's weight casts)
+# dry run's roofline in smollm-1.7b's layer (H 2,048, I 8,192), its memory-bound operators only
+# (`Roofline.bound_bytes`: the matmuls are the FLOPs term's, and counting their bytes too had
+# overcharged bf16-master's layer by 30%): the per-token parts from layers, sequence lengths and a
+# layer of half the intermediate width apart, the per-weight part from one micro-batch more
+# (gradient accumulation, bf16-mixed's weight casts). Full recompute adds only matmuls to selective.
 ELEMENTWISE_BYTES = {
-    ("32-true", "none"): (473.4, 92.0, 24.0),
-    ("32-true", "selective"): (598.0, 112.0, 24.0),
-    ("32-true", "full"): (642.0, 120.0, 27.0),
-    ("bf16-mixed", "none"): (393.4, 46.0, 30.0),
-    ("bf16-mixed", "selective"): (508.0, 56.0, 36.0),
-    ("bf16-mixed", "full"): (530.0, 60.0, 37.5),
-    ("bf16-master", "none"): (364.8, 46.0, 16.0),
-    ("bf16-master", "selective"): (471.1, 56.0, 16.0),
-    ("bf16-master", "full"): (493.2, 60.0, 17.5),
-    ("bf16-true", "none"): (364.8, 46.0, 12.0),
-    ("bf16-true", "selective"): (471.1, 56.0, 12.0),
-    ("bf16-true", "full"): (493.2, 60.0, 13.5),
+    ("32-true", "none"): (329.4, 56.0, 12.0),
+    ("32-true", "selective"): (453.9, 76.0, 12.0),
+    ("32-true", "full"): (453.9, 76.0, 12.0),
+    ("bf16-mixed", "none"): (321.4, 28.0, 24.0),
+    ("bf16-mixed", "selective"): (435.9, 38.0, 30.0),
+    ("bf16-mixed", "full"): (435.9, 38.0, 30.0),
+    ("bf16-master", "none"): (292.8, 28.0, 10.0),
+    ("bf16-master", "selective"): (399.0, 38.0, 10.0),
+    ("bf16-master", "full"): (399.0, 38.0, 10.0),
+    ("bf16-true", "none"): (292.8, 28.0, 6.0),
+    ("bf16-true", "selective"): (399.0, 38.0, 6.0),
+    ("bf16-true", "full"): (399.0, 38.0, 6.0),
+}
+# precision -> the bytes outside the decoder layers per micro-batch (the embedding, the final norm,
+# the fused head + loss), by the same roofline in smollm-1.7b at pp 1 and tp 1 (two model depths
+# apart): (per token and vocabulary element: the loss's passes over each chunk's fp32 logits, besides
+# each chunk's fp32 d-weight update, counted from `fused_loss.py`'s chunks in `head_bytes`; per
+# vocabulary x hidden weight: the head's and the embedding's gradients, bf16-mixed's weight cast)
+HEAD_BYTES = {
+    "32-true": (58.2, 25.9),
+    "bf16-mixed": (50.4, 38.0),
+    "bf16-master": (49.7, 28.0),
+    "bf16-true": (49.7, 24.0),
 }
 # ring attention's (cp > 1) bytes besides, per token and hidden element over tp: once (its blocks
 # and merges in place of one flash call), and per ring step (cp - 1); bf16-master at cp 2 and 4
@@ -225,6 +241,22 @@ def elementwise_bytes(work: Workload, layout: Layout) -> float:
     return _local_tokens(work, layout) * width + weight * layer / tp
 
 
+def head_bytes(work: Workload, layout: Layout) -> float:
+    """Bytes the last stage's embedding, final norm, head and loss move per micro-batch outside
+    their matmuls (`HEAD_BYTES`), its vocabulary slice under tp: per logit, per chunk of tokens
+    (`fused_loss.chunk_rows` on the workload's device) the d-weight update -- in bf16, the chunk's
+    product read and added into the fp32 sum (an fp32 head accumulates inside its matmul) -- and per
+    weight. Measured at tp 1: the vocabulary-parallel loss's extra passes (its in-place softmax) are
+    not in it, and at pp > 1 the embedding's part sits on the first stage, not the last."""
+    c = work.config
+    vocab, (per_logit, per_weight) = c.vocab_size // layout.tp, HEAD_BYTES[layout.precision]
+    _, _, act, _ = PRECISION_BYTES[layout.precision]
+    tokens = _local_tokens(work, layout)
+    chunks = math.ceil(tokens / chunk_rows(vocab, c.hidden_size, torch.device(work.device)))
+    update = 8 + act if act != 4 else 0
+    return tokens * vocab * per_logit + (chunks * update + per_weight) * vocab * c.hidden_size
+
+
 def micro_batch_work(work: Workload, layout: Layout, hw: Hardware, stage: int) -> float:
     """Seconds rank `stage` spends on one micro-batch (all its chunks, forward + backward)."""
     c, tp = work.config, layout.tp
@@ -266,6 +298,7 @@ def micro_batch_work(work: Workload, layout: Layout, hw: Hardware, stage: int) -
         # a GPU's non-matmul kernels at its memory bandwidth (a CPU's are inside its calibrated rate)
         if hw.device == "cuda":
             compute += layers * elementwise_bytes(work, layout) / hw.memory_bandwidth
+            compute += head_bytes(work, layout) / hw.memory_bandwidth if last else 0.0
         seconds = max(compute, host) if hw.device == "cuda" else compute + host
     link = hw.link(tp)
     for count, nbytes, all_reduce in tp_collectives(work, layout, stage, blocks=not hw.profiled):
@@ -291,6 +324,35 @@ def step_collectives(work: Workload, layout: Layout, hw: Hardware) -> float:
         norms = (2 * c.num_hidden_layers + 1) * c.hidden_size * g_bytes // layout.pp
         seconds += ring_seconds(layout.tp, norms, hw.link(layout.tp), hw.latency)
     return seconds
+
+
+def optimizer_bytes(layout: Layout, n: int, stepped: float) -> float:
+    """Bytes a GPU rank's step moves after backward and before the next forward, for `n` weights of
+    which it steps `stepped` (all of them, or its ZeRO-1 shard), each operator as the code runs it:
+    every gradient buffer zeroed (`GradReducer.zero_grad`; ZeRO-1's shards too); the stepped
+    gradients divided by dp (`data_parallel.py`: the buckets before the all-reduce, else the reduced
+    shards), squared and summed for the norm in fp32 (`grads.global_norm`), scaled by the clip
+    (`grads.clip_`), stepped by AdamW; under ZeRO-1 or master weights the updated shard cast to the
+    weights' dtype and each bucket's gathered weights copied into the parameters (`zero.py`). For
+    smollm-1.7b on 8 (dp 8) that is 60 bytes a weight at ZeRO-0, 19.5 (bf16-mixed) and 16.25
+    (bf16-master) at ZeRO-1, where AdamW and the norm's read alone were 32 and 7.5: the dry run's
+    roofline counts 64, 20.0 and 16.7 (AdamW's schema says it writes the gradients too: 32 bytes)."""
+    w, g, _, _ = PRECISION_BYTES[layout.precision]
+    replicas = layout.dp * layout.cp
+    zero = layout.zero_stage == 1 or layout.precision == "bf16-master"
+    squares = (0 if g == 4 else g + 4) + 4 + 4 + 4  # to fp32, squared (read, written), summed
+    per_stepped = ADAMW_BYTES_PER_ELEMENT + squares + 2 * g  # + the clip's scaling in place
+    per_weight = g  # zeroed
+    if replicas > 1:
+        per_stepped += 2 * g  # divided in place by dp
+    if zero:
+        per_stepped += g if layout.zero_stage == 1 and replicas > 1 else 0  # the reduced shard zeroed
+        if replicas > 1:  # the (fp32 master's) shard cast to the weights' dtype, the bucket copied in
+            per_stepped += 4 + w if layout.precision == "bf16-master" else 0
+            per_weight += 2 * w
+        else:  # the master is the bucket: copied into the parameters, cast on the way
+            per_weight += 4 + w
+    return per_stepped * stepped + per_weight * n
 
 
 def _pipeline(works: list[float], layout: Layout, hw: Hardware) -> tuple[float, float]:
@@ -333,7 +395,10 @@ def step_time(work: Workload, layout: Layout, hw: Hardware) -> dict[str, float]:
     last_backward = max(works) * 2 / 3 if overlaps(hw, layout) else 0.0
     last_bucket = min(work.bucket_bytes, n * g_bytes) / (n * g_bytes) * reduce  # launched after backward
     exposed = max(reduce - last_backward, last_bucket) if reduce else 0.0
-    optimizer = (ADAMW_BYTES_PER_ELEMENT * stepped + n * g_bytes) / hw.memory_bandwidth  # + the norm's read
+    if hw.device == "cuda":
+        optimizer = optimizer_bytes(layout, n, stepped) / hw.memory_bandwidth
+    else:  # a CPU's: AdamW and the norm's read (its foreach kernels are not a GPU's)
+        optimizer = (ADAMW_BYTES_PER_ELEMENT * stepped + n * g_bytes) / hw.memory_bandwidth
     parts = {
         "compute": compute,
         "bubble": bubble,

@@ -30,6 +30,14 @@ CUDA_KERNEL = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward,
 }
 OVERWRITES = (aten.copy_, aten.zero_, aten.fill_)  # in-place operators that write without reading
+# indexing operators touch only the elements their index addresses in the indexed tensor, not all of
+# it (the fused loss's target logits: one of each row's 49,152, not the 3.2 GB (n, V) logits):
+# operator -> (the indexed argument, the index argument, whether each index addresses a row)
+INDEXED = {
+    aten.gather: ("self", "index", False),
+    aten.scatter_add_: ("self", "index", False),
+    aten.embedding: ("weight", "indices", True),
+}
 ALLOCATES = (aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty)  # memory, never touched
 
 
@@ -41,14 +49,23 @@ def moved_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     (``slice``; ``_unsafe_view``, whose schema does not say so), a metadata query
     (``prim::device``), an allocation (``empty``) -- moves nothing at all. torch's roofline
     sums every tensor in and out instead, which in the dry run's step charged 1.2 TB of views and
-    device queries (twenty times the step's real traffic, at smollm-1.7b) and in-place results twice."""
+    device queries (twenty times the step's real traffic, at smollm-1.7b) and in-place results twice.
+    An indexing operator (`INDEXED`) moves only what its index addresses in the indexed tensor."""
     if func._overloadpacket in _VIEW_OPS or func._overloadpacket in ALLOCATES:  # views torch's list names
         return 0
     schema = func._schema
+    values = {
+        a.name: kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
+        for i, a in enumerate(schema.arguments)
+    }
+    indexed = INDEXED.get(func._overloadpacket)
     reads = writes = 0
-    for i, a in enumerate(schema.arguments):
-        value = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
+    for a in schema.arguments:
+        value = values[a.name]
         nbytes = sum(get_num_bytes(t) for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+        if indexed is not None and a.name == indexed[0]:  # the addressed elements (or rows) only
+            row = value.numel() // value.shape[0] if indexed[2] else 1
+            nbytes = values[indexed[1]].numel() * row * value.element_size()
         if a.alias_info is None:
             reads += nbytes
         elif a.alias_info.is_write:
@@ -65,7 +82,9 @@ class Roofline(TorchDispatchMode):
     """Each operator's time on `hw`: its FLOPs at the peak for its dtype, or its bytes read and
     written at the memory bandwidth, whichever is longer (``RuntimeEstimator``'s roofline, priced
     for a named GPU rather than the one at hand, its bytes by `moved_bytes` and the CPU's attention
-    kernels counted as CUDA's). `ops` keeps where the estimate goes, per step and operator."""
+    kernels counted as CUDA's). `ops` keeps where the estimate goes, per step and operator;
+    `bound_bytes` the bytes of the operators priced by their bytes (memory-bound), per step: what the
+    planner's bytes terms are measured against (its matmuls are priced by their FLOPs instead)."""
 
     def __init__(self, hw: Hardware) -> None:
         super().__init__()
@@ -73,6 +92,7 @@ class Roofline(TorchDispatchMode):
         self.step = 0
         self.seconds: dict[int, float] = defaultdict(float)
         self.flops: dict[int, float] = defaultdict(float)
+        self.bound_bytes: dict[int, float] = defaultdict(float)
         # step -> operator -> [seconds, FLOPs, bytes, calls]
         self.ops: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0] * 4))
 
@@ -93,6 +113,8 @@ class Roofline(TorchDispatchMode):
             self.flops[self.step] += flops
             compute = flops / (self.hw.bf16_flops if low else self.hw.fp32_flops)
         seconds = max(compute, nbytes / self.hw.memory_bandwidth)
+        if nbytes and compute * self.hw.memory_bandwidth <= nbytes:
+            self.bound_bytes[self.step] += nbytes
         if seconds:
             self.seconds[self.step] += seconds
             row = self.ops[self.step][str(func)]

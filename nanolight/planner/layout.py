@@ -87,6 +87,12 @@ class Layout(ParallelConfig):
         return self.dp * self.cp
 
     @property
+    def zero_shards(self) -> bool:
+        """Whether ZeRO-1 shards the optimizer state: over one replica there is nothing to shard and
+        the strategy steps the plain optimizer (`Parallel3DStrategy.setup_optimizers`)."""
+        return self.zero_stage == 1 and self.replicas > 1
+
+    @property
     def sequences_per_step(self) -> int:
         """Sequences in one optimizer step's global batch (cp ranks share theirs)."""
         return self.micro_batch_size * self.accumulate_grad_batches * self.dp

@@ -286,9 +286,8 @@ def rank_memory(work: Workload, layout: Layout, stage: int) -> dict[str, int]:
     # ZeRO-1 shards over the replicas, dp x cp; over one the strategy steps the plain optimizer
     # (bf16-master: a one-rank ZeRO optimizer, its gradient shard the buckets themselves)
     dp = layout.replicas
-    zero = layout.zero_stage == 1 and dp > 1
-    grads = n * g_bytes + (n // dp * g_bytes if zero else 0)
-    if zero:
+    grads = n * g_bytes + (n // dp * g_bytes if layout.zero_shards else 0)
+    if layout.zero_shards:
         optimizer = 12 * n // dp  # fp32 master + two fp32 moments, 1/(dp*cp) of each
     elif layout.precision == "bf16-master":
         optimizer = 12 * n
@@ -300,7 +299,7 @@ def rank_memory(work: Workload, layout: Layout, stage: int) -> dict[str, int]:
         block_activation_bytes(work, layout, "none") if layout.activation_checkpointing != "none" else 0
     ) + ring_transient_bytes(work, layout)
     backward = max(backward, head_transient_bytes(work, layout, stage))  # the forward's last moment
-    gather = n * w_bytes if zero else 0  # after backward: no activations then
+    gather = n * w_bytes if layout.zero_shards else 0  # after backward: no activations then
     backward_end = embedding_grad_bytes(work, layout, stage)  # nor then
     parts = {
         "parameters": n * w_bytes,

@@ -338,19 +338,19 @@ def optimizer_bytes(layout: Layout, n: int, stepped: float) -> float:
     (bf16-master) at ZeRO-1, where AdamW and the norm's read alone were 32 and 7.5: the dry run's
     roofline counts 64, 20.0 and 16.7 (AdamW's schema says it writes the gradients too: 32 bytes)."""
     w, g, _, _ = PRECISION_BYTES[layout.precision]
-    replicas = layout.dp * layout.cp
-    zero = layout.zero_stage == 1 or layout.precision == "bf16-master"
+    replicas = layout.replicas
+    zero = layout.zero_shards or layout.precision == "bf16-master"  # a `ZeroOptimizer` steps
     squares = (0 if g == 4 else g + 4) + 4 + 4 + 4  # to fp32, squared (read, written), summed
     per_stepped = ADAMW_BYTES_PER_ELEMENT + squares + 2 * g  # + the clip's scaling in place
     per_weight = g  # zeroed
     if replicas > 1:
         per_stepped += 2 * g  # divided in place by dp
     if zero:
-        per_stepped += g if layout.zero_stage == 1 and replicas > 1 else 0  # the reduced shard zeroed
+        per_stepped += g if layout.zero_shards else 0  # the reduced shard zeroed
         if replicas > 1:  # the (fp32 master's) shard cast to the weights' dtype, the bucket copied in
             per_stepped += 4 + w if layout.precision == "bf16-master" else 0
             per_weight += 2 * w
-        else:  # the master is the bucket: copied into the parameters, cast on the way
+        else:  # bf16-master over one replica: the master is the bucket, copied into the parameters, cast
             per_weight += 4 + w
     return per_stepped * stepped + per_weight * n
 

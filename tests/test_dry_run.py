@@ -6,6 +6,7 @@ not fit says so in one line."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -134,6 +135,27 @@ def test_pipeline_memory_and_messages_are_a_real_runs(schedule: str) -> None:
             assert role.parts[part] == parts[part], (role.rank, part)
         p2p = [(m.step, m.op, m.peer, m.nbytes) for m in role.messages if m.peer is not None]
         assert p2p == [m for m in messages if m[2] is not None] and p2p
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-master"])
+def test_a_dry_run_prints_no_library_warning(precision: str) -> None:
+    """What a user sees is the report: every part of the program that the smollm-1.7b on 1,024
+    command runs (tp with sp, interleaved pp, dp with ZeRO-1, bf16-master's main gradients) warns
+    nothing. Two did: data parallelism read a fake tensor's data pointer (32-true), and the
+    tracker's gradient hook was handed the ``.grad`` that main gradients had already moved into
+    the bucket (bf16-master)."""
+    config = PretrainConfig(
+        trainer=TrainConfig(micro_batch_size=1, seq_len=64, accumulate_grad_batches=4, precision=precision),
+        parallel=ParallelConfig(
+            tp=2, pp=2, pp_schedule="interleaved_1f1b", pp_virtual=2, zero_stage=1, sequence_parallel=True
+        ),
+        cluster=ClusterConfig(gpu="h100-sxm", gpus=16),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = dry_run(config)
+    assert [role.rank for role in report.roles] == [0, 2]
+    assert [f"{w.filename}:{w.lineno}: {w.message}" for w in caught] == []
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])

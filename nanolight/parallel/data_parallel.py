@@ -239,7 +239,7 @@ class GradReducer:
             return
         if p.grad is None:
             view.zero_()
-        elif p.grad.data_ptr() != view.data_ptr():
+        elif p.grad is not view:  # autograd made a new tensor (identity: a fake tensor has no data pointer)
             view.copy_(p.grad)
         else:
             return

@@ -102,6 +102,15 @@ class StepsMemTracker(MemTracker):
         self._peak_mem = {device: snap["Total"] for device, snap in self._curr_mem_snap.items()}
         self._peak_mem_snap = {device: dict(snap) for device, snap in self._curr_mem_snap.items()}
 
+    def _update_and_maybe_create_winfos(
+        self, t: torch.Tensor | None, reftype: Any, update_existing: bool = False
+    ) -> set[Any]:
+        # the tracker's post-accumulate hook reads ``param.grad``; under main gradients (bf16-master)
+        # the strategy's own hook, registered first, has already moved it into the fp32 bucket
+        if t is None:
+            return set()
+        return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+
     def label(self, kind: str, tensors: list[torch.Tensor]) -> None:
         for t in tensors:
             self._update_and_maybe_create_winfos(t, _MemRefType(kind))

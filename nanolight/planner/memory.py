@@ -242,7 +242,8 @@ def recompute_transient_bytes(work: Workload, layout: Layout, stage: int) -> int
     input the checkpoint keeps (one tensor). Under `selective` the rebuilt block's qkv and o_proj
     outputs were consumed by the recompute, while down_proj's output stays in the checkpoint's
     cache until the block's backward ends: the recompute stops at its last saved tensor, before
-    that matmul. On the last stage the head's saved tensors are gone by then (`head_saved_bytes`).
+    that matmul. On the last stage the head's saved tensors are gone by then (`head_saved_bytes`;
+    interleaved too: the dry run's pp 2 v 2 peak is a backward of the last chunk).
     Measured by the dry run at tiny size (vocabulary 256, 4096 tokens): the old term, one block's
     activations rebuilt on top of everything, was +9.6% (selective) and -13.5% (full)."""
     mode = layout.activation_checkpointing

@@ -267,6 +267,19 @@ def test_a_recomputed_blocks_backward_matches_the_planner(precision: str, tp: in
 
 
 @pytest.mark.parametrize("mode", ["selective", "full"])
+def test_a_recomputed_blocks_eager_attention_backward_matches_the_planner(mode: str) -> None:
+    """Eager attention at 1024 tokens a sequence: the busiest moment of the block's backward is its
+    attention's, the probabilities' and the scores' (T, T) gradients beside the saved
+    probabilities, not the MLP's. The old planner: -27.4% (selective) and -43.6% (full)."""
+    config = _config(tp=1, cp=1, dp=2, precision="32-true")
+    trainer = dataclasses.replace(
+        config.trainer, micro_batch_size=1, seq_len=1024, activation_checkpointing=mode
+    )
+    model = dataclasses.replace(config.model, vocab_size=256, attn_implementation="eager")
+    _check_against_the_planner(dataclasses.replace(config, model=model, trainer=trainer))
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
 def test_a_recomputed_blocks_backward_under_interleaving_matches_the_planner(mode: str) -> None:
     """The same at pp 2, interleaved (v 2, one layer a chunk): each stage's peak is a backward of
     its blocks, the last stage's that of the last chunk, its head's saved tensors gone. The old

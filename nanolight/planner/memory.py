@@ -136,23 +136,12 @@ def block_activation_bytes(work: Workload, layout: Layout, mode: str | None = No
     N, h = b * T, c.hidden_size
     x = N // tp if layout.sequence_parallel else N  # tokens between tp regions
     q, kv = c.num_attention_heads * c.head_dim // tp, c.num_key_value_heads * c.head_dim // tp
-    heads, inter = c.num_attention_heads // tp, c.intermediate_size // tp
+    inter = c.intermediate_size // tp
     mode = mode or layout.activation_checkpointing
     block_input = r * x * h
     if mode == "full":
         return block_input
-    if layout.cp > 1:  # ring attention: q, k, v, the fp32 output and lse, the output's cast
-        attn_out = a * N * q if a != 4 else 0
-        attention = a * N * (q + 2 * kv) + 4 * N * q + 4 * b * heads * T + attn_out
-        kernel_outputs = ring_kernel_output_bytes(work, layout)
-    elif c.attn_implementation == "eager":
-        attn_out = a * N * q
-        attention = a * N * q * 3 + T * T + a * b * heads * T * T + attn_out
-        kernel_outputs = 0  # eager's matmuls are bmm: recomputed under `selective`
-    else:
-        attn_out = a * N * q
-        attention = a * N * (q + 2 * kv) + 4 * b * heads * T + attn_out  # q, k, v; output and lse
-        kernel_outputs = attn_out + 4 * b * heads * T
+    attention, kernel_outputs, _ = attention_bytes(work, layout)
     if mode == "selective":  # block input + matmul outputs (qkv, o, gate_up, down) + attention kernel's
         matmuls = a * N * (q + 2 * kv) + 2 * a * N * h + a * N * 2 * inter
         return block_input + matmuls + kernel_outputs + autocast_weight_bytes(c, layout)
@@ -160,6 +149,28 @@ def block_activation_bytes(work: Workload, layout: Layout, mode: str | None = No
     linear_inputs = 2 * a * N * h
     mlp = a * N * 2 * inter + 2 * a * N * inter
     return norms + linear_inputs + attention + mlp + autocast_weight_bytes(c, layout)
+
+
+def attention_bytes(work: Workload, layout: Layout) -> tuple[int, int, int]:
+    """One block's attention: (what it saves, what `selective` keeps of it, what its kernel's
+    backward makes besides the input gradients). Ring attention (cp > 1) saves q, k, v, the fp32
+    output and lse and the output's cast; its backward's buffers are `ring_transient_bytes`.
+    Eager saves q, the GQA-expanded k and v, the (T, T) mask and the probabilities, and its
+    backward makes their gradient and the scores' (b, heads, T, T each). The fused kernel saves q,
+    k, v, its output and lse."""
+    c, tp, b, T = work.config, layout.tp, layout.micro_batch_size, work.seq_len // layout.cp
+    a = PRECISION_BYTES[layout.precision][2]
+    N = b * T
+    q, kv = c.num_attention_heads * c.head_dim // tp, c.num_key_value_heads * c.head_dim // tp
+    heads = c.num_attention_heads // tp
+    if layout.cp > 1:
+        attn_out = a * N * q if a != 4 else 0
+        saved = a * N * (q + 2 * kv) + 4 * N * q + 4 * b * heads * T + attn_out
+        return saved, ring_kernel_output_bytes(work, layout), 0
+    attn_out = a * N * q
+    if c.attn_implementation == "eager":  # eager's matmuls are bmm: recomputed under `selective`
+        return a * N * q * 3 + T * T + a * b * heads * T * T + attn_out, 0, 2 * a * b * heads * T * T
+    return a * N * (q + 2 * kv) + 4 * b * heads * T + attn_out, attn_out + 4 * b * heads * T, 0
 
 
 def ring_kernel_output_bytes(work: Workload, layout: Layout) -> int:
@@ -235,30 +246,38 @@ def head_saved_bytes(work: Workload, layout: Layout) -> int:
 
 def recompute_transient_bytes(work: Workload, layout: Layout, stage: int) -> int:
     """What a recomputed block's backward holds beyond the saved activations the schedule counts
-    (`activation_checkpointing` full or selective; 0 otherwise). Its busiest moment is the MLP's
-    backward, the block's first: `_SwiGLU.backward` making d gate_up (2I) while holding the
-    incoming d product (I) and the block's output gradient (x*h), with every tensor the recompute
-    rebuilt but the product down_proj's backward consumed. The input norm's input is the block
-    input the checkpoint keeps (one tensor). Under `selective` the rebuilt block's qkv and o_proj
-    outputs were consumed by the recompute, while down_proj's output stays in the checkpoint's
-    cache until the block's backward ends: the recompute stops at its last saved tensor, before
-    that matmul. On the last stage the head's saved tensors are gone by then (`head_saved_bytes`;
-    interleaved too: the dry run's pp 2 v 2 peak is a backward of the last chunk).
-    Measured by the dry run at tiny size (vocabulary 256, 4096 tokens): the old term, one block's
-    activations rebuilt on top of everything, was +9.6% (selective) and -13.5% (full)."""
+    (`activation_checkpointing` full or selective; 0 otherwise), at the busier of two moments.
+    The MLP's backward, the block's first: `_SwiGLU.backward` making d gate_up (2I) while holding
+    the incoming d product (I) and the block's output gradient (x*h), with every tensor the
+    recompute rebuilt but the product down_proj's backward consumed. The attention's backward:
+    the MLP's and the second norm's tensors gone, the block input, rstd, qkv's input and the
+    attention's saved tensors held, with the output gradient, d attention output and what the
+    kernel's backward makes (eager's (T, T) gradients; the ring's buffers, `ring_transient_bytes`).
+    The input norm's input is the block input the checkpoint keeps (one tensor). Under `selective`
+    the rebuilt block's qkv and o_proj outputs were consumed by the recompute, while down_proj's
+    output stays in the checkpoint's cache until the block's backward ends: the recompute stops
+    at its last saved tensor, before that matmul. On the last stage the head's saved tensors are
+    gone by then (`head_saved_bytes`; interleaved too: the dry run's pp 2 v 2 peak is a backward
+    of the last chunk). Measured by the dry run at tiny size (vocabulary 256, 4096 tokens): the
+    old term, one block's activations rebuilt on top of everything, was +9.6% (selective) and
+    -13.5% (full); eager at 1024 tokens a sequence, -31% and -40% before the attention's moment."""
     mode = layout.activation_checkpointing
     if mode == "none":
         return 0
     c, tp, _, _, a, r = work.config, layout.tp, *PRECISION_BYTES[layout.precision]
     N = layout.micro_batch_size * work.seq_len // layout.cp
     x = N // tp if layout.sequence_parallel else N
-    h, inter = c.hidden_size, c.intermediate_size // tp
-    held = block_activation_bytes(work, layout, "none") - a * N * inter  # the product, consumed
-    if mode == "selective":
-        held += a * N * h  # down_proj's output, cached
-    gradients = r * x * h + a * N * inter + 2 * a * N * inter  # d output, d product, d gate_up
+    h, q, inter = c.hidden_size, c.num_attention_heads * c.head_dim // tp, c.intermediate_size // tp
+    cached = a * N * h if mode == "selective" else 0  # down_proj's output
+    # the rebuilt tensors but the product, with d product and d gate_up
+    mlp = block_activation_bytes(work, layout, "none") - a * N * inter + 3 * a * N * inter
+    # the block input, rstd, qkv's input, the attention's saved tensors, d attention output
+    saved, _, kernel_gradients = attention_bytes(work, layout)
+    attention = r * x * h + 4 * x + a * N * h + saved + a * N * q + kernel_gradients
+    attention += ring_transient_bytes(work, layout)
     released = head_saved_bytes(work, layout) if stage == layout.pp - 1 else 0
-    return held + gradients - block_activation_bytes(work, layout) - released
+    kept = block_activation_bytes(work, layout)
+    return max(mlp, attention) + cached + r * x * h - kept - released  # + the block output's gradient
 
 
 def schedule_peaks(work: Workload, layout: Layout, stage: int) -> tuple[int, int]:
@@ -331,8 +350,11 @@ def rank_memory(work: Workload, layout: Layout, stage: int) -> dict[str, int]:
     else:
         optimizer = 2 * n * w_bytes
     activations, sent = schedule_peaks(work, layout, stage)
-    # one block's backward: what a recomputed one holds, and the ring's buffers
-    backward = recompute_transient_bytes(work, layout, stage) + ring_transient_bytes(work, layout)
+    # one block's backward: what a recomputed one holds (the ring's buffers among it), or the ring's
+    if layout.activation_checkpointing != "none":
+        backward = recompute_transient_bytes(work, layout, stage)
+    else:
+        backward = ring_transient_bytes(work, layout)
     backward = max(backward, head_transient_bytes(work, layout, stage))  # the forward's last moment
     gather = n * w_bytes if layout.zero_shards else 0  # after backward: no activations then
     backward_end = embedding_grad_bytes(work, layout, stage)  # nor then

@@ -258,9 +258,8 @@ def recompute_transient_bytes(work: Workload, layout: Layout, stage: int) -> int
     output stays in the checkpoint's cache until the block's backward ends: the recompute stops
     at its last saved tensor, before that matmul. On the last stage the head's saved tensors are
     gone by then (`head_saved_bytes`; interleaved too: the dry run's pp 2 v 2 peak is a backward
-    of the last chunk). Measured by the dry run at tiny size (vocabulary 256, 4096 tokens): the
-    old term, one block's activations rebuilt on top of everything, was +9.6% (selective) and
-    -13.5% (full); eager at 1024 tokens a sequence, -31% and -40% before the attention's moment."""
+    of the last chunk). Held to the dry run where this is the peak (`tests/test_dry_run.py`); one
+    block's activations rebuilt on top of everything read +9.6% (selective), -13.5% (full) there."""
     mode = layout.activation_checkpointing
     if mode == "none":
         return 0

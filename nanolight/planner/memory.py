@@ -22,8 +22,9 @@ communication   pipeline sends: a sent activation is the chunk's output, alive u
                 micro-batch's backward (the schedule's in-flight outputs); a sent gradient is
                 held until its batch is complete: at most two, counted from the stage's
                 program (`schedules.held_sends`).
-transient       what lives only for a moment at the peak: under recompute, one block's full
-                activations rebuilt in backward; ring attention's (cp > 1) buffers of one block's
+transient       what lives only for a moment at the peak: under recompute, one block's backward
+                (`recompute_transient_bytes`: its activations rebuilt, its gradients in flight, the
+                head's already gone); ring attention's (cp > 1) buffers of one block's
                 backward (`ring_transient_bytes`); the fused head + loss at the forward's end
                 (`head_transient_bytes`); while activations are gone, the embedding's gradient
                 at the end of backward (`embedding_grad_bytes`) and after backward ZeRO-1's
@@ -135,23 +136,12 @@ def block_activation_bytes(work: Workload, layout: Layout, mode: str | None = No
     N, h = b * T, c.hidden_size
     x = N // tp if layout.sequence_parallel else N  # tokens between tp regions
     q, kv = c.num_attention_heads * c.head_dim // tp, c.num_key_value_heads * c.head_dim // tp
-    heads, inter = c.num_attention_heads // tp, c.intermediate_size // tp
+    inter = c.intermediate_size // tp
     mode = mode or layout.activation_checkpointing
     block_input = r * x * h
     if mode == "full":
         return block_input
-    if layout.cp > 1:  # ring attention: q, k, v, the fp32 output and lse, the output's cast
-        attn_out = a * N * q if a != 4 else 0
-        attention = a * N * (q + 2 * kv) + 4 * N * q + 4 * b * heads * T + attn_out
-        kernel_outputs = ring_kernel_output_bytes(work, layout)
-    elif c.attn_implementation == "eager":
-        attn_out = a * N * q
-        attention = a * N * q * 3 + T * T + a * b * heads * T * T + attn_out
-        kernel_outputs = 0  # eager's matmuls are bmm: recomputed under `selective`
-    else:
-        attn_out = a * N * q
-        attention = a * N * (q + 2 * kv) + 4 * b * heads * T + attn_out  # q, k, v; output and lse
-        kernel_outputs = attn_out + 4 * b * heads * T
+    attention, kernel_outputs, _ = attention_bytes(work, layout)
     if mode == "selective":  # block input + matmul outputs (qkv, o, gate_up, down) + attention kernel's
         matmuls = a * N * (q + 2 * kv) + 2 * a * N * h + a * N * 2 * inter
         return block_input + matmuls + kernel_outputs + autocast_weight_bytes(c, layout)
@@ -159,6 +149,28 @@ def block_activation_bytes(work: Workload, layout: Layout, mode: str | None = No
     linear_inputs = 2 * a * N * h
     mlp = a * N * 2 * inter + 2 * a * N * inter
     return norms + linear_inputs + attention + mlp + autocast_weight_bytes(c, layout)
+
+
+def attention_bytes(work: Workload, layout: Layout) -> tuple[int, int, int]:
+    """One block's attention: (what it saves, what `selective` keeps of it, what its kernel's
+    backward makes besides the input gradients). Ring attention (cp > 1) saves q, k, v, the fp32
+    output and lse and the output's cast; its backward's buffers are `ring_transient_bytes`.
+    Eager saves q, the GQA-expanded k and v, the (T, T) mask and the probabilities, and its
+    backward makes their gradient and the scores' (b, heads, T, T each). The fused kernel saves q,
+    k, v, its output and lse."""
+    c, tp, b, T = work.config, layout.tp, layout.micro_batch_size, work.seq_len // layout.cp
+    a = PRECISION_BYTES[layout.precision][2]
+    N = b * T
+    q, kv = c.num_attention_heads * c.head_dim // tp, c.num_key_value_heads * c.head_dim // tp
+    heads = c.num_attention_heads // tp
+    if layout.cp > 1:
+        attn_out = a * N * q if a != 4 else 0
+        saved = a * N * (q + 2 * kv) + 4 * N * q + 4 * b * heads * T + attn_out
+        return saved, ring_kernel_output_bytes(work, layout), 0
+    attn_out = a * N * q
+    if c.attn_implementation == "eager":  # eager's matmuls are bmm: recomputed under `selective`
+        return a * N * q * 3 + T * T + a * b * heads * T * T + attn_out, 0, 2 * a * b * heads * T * T
+    return a * N * (q + 2 * kv) + 4 * b * heads * T + attn_out, attn_out + 4 * b * heads * T, 0
 
 
 def ring_kernel_output_bytes(work: Workload, layout: Layout) -> int:
@@ -209,7 +221,6 @@ def chunk_activation_bytes(work: Workload, layout: Layout, stage: int) -> list[i
     r = PRECISION_BYTES[layout.precision][3]
     T = work.seq_len // layout.cp  # this rank's tokens of each sequence
     N, h, tp = layout.micro_batch_size * T, c.hidden_size, layout.tp
-    x = N // tp if layout.sequence_parallel else N
     block = block_activation_bytes(work, layout)
     out = []
     for ci, layers in enumerate(chunk_layers(c, layout)[stage]):
@@ -218,10 +229,54 @@ def chunk_activation_bytes(work: Workload, layout: Layout, stage: int) -> list[i
         if g == 0:
             n += 8 * N  # token ids (int64), saved by the embedding
         if g == p * v - 1:
-            n += r * x * h + 4 * x  # final norm: input, rstd
-            n += r * N * h + 4 * c.vocab_size // tp * h  # the fused head + loss: d hidden, fp32 d weight
+            n += head_saved_bytes(work, layout) + 4 * c.vocab_size // tp * h  # and the fp32 d weight
         out.append(n)
     return out
+
+
+def head_saved_bytes(work: Workload, layout: Layout) -> int:
+    """What the last stage's final norm (input, rstd) and fused head + loss (the d hidden) save
+    per micro-batch, released by the head's backward. (The head's fp32 d weight is not counted
+    here: a tied head's gradient is held until the embedding's backward.)"""
+    r = PRECISION_BYTES[layout.precision][3]
+    N = layout.micro_batch_size * work.seq_len // layout.cp
+    x = N // layout.tp if layout.sequence_parallel else N
+    return r * x * work.config.hidden_size + 4 * x + r * N * work.config.hidden_size
+
+
+def recompute_transient_bytes(work: Workload, layout: Layout, stage: int) -> int:
+    """What a recomputed block's backward holds beyond the saved activations the schedule counts
+    (`activation_checkpointing` full or selective; 0 otherwise), at the busier of two moments.
+    The MLP's backward, the block's first: `_SwiGLU.backward` making d gate_up (2I) while holding
+    the incoming d product (I) and the block's output gradient (x*h), with every tensor the
+    recompute rebuilt but the product down_proj's backward consumed. The attention's backward:
+    the MLP's and the second norm's tensors gone, the block input, rstd, qkv's input and the
+    attention's saved tensors held, with the output gradient, d attention output and what the
+    kernel's backward makes (eager's (T, T) gradients; the ring's buffers, `ring_transient_bytes`).
+    The input norm's input is the block input the checkpoint keeps (one tensor). Under `selective`
+    the rebuilt block's qkv and o_proj outputs were consumed by the recompute, while down_proj's
+    output stays in the checkpoint's cache until the block's backward ends: the recompute stops
+    at its last saved tensor, before that matmul. On the last stage the head's saved tensors are
+    gone by then (`head_saved_bytes`; interleaved too: the dry run's pp 2 v 2 peak is a backward
+    of the last chunk). Held to the dry run where this is the peak (`tests/test_dry_run.py`); one
+    block's activations rebuilt on top of everything read +9.6% (selective), -13.5% (full) there."""
+    mode = layout.activation_checkpointing
+    if mode == "none":
+        return 0
+    c, tp, _, _, a, r = work.config, layout.tp, *PRECISION_BYTES[layout.precision]
+    N = layout.micro_batch_size * work.seq_len // layout.cp
+    x = N // tp if layout.sequence_parallel else N
+    h, q, inter = c.hidden_size, c.num_attention_heads * c.head_dim // tp, c.intermediate_size // tp
+    cached = a * N * h if mode == "selective" else 0  # down_proj's output
+    # the rebuilt tensors but the product, with d product and d gate_up
+    mlp = block_activation_bytes(work, layout, "none") - a * N * inter + 3 * a * N * inter
+    # the block input, rstd, qkv's input, the attention's saved tensors, d attention output
+    saved, _, kernel_gradients = attention_bytes(work, layout)
+    attention = r * x * h + 4 * x + a * N * h + saved + a * N * q + kernel_gradients
+    attention += ring_transient_bytes(work, layout)
+    released = head_saved_bytes(work, layout) if stage == layout.pp - 1 else 0
+    kept = block_activation_bytes(work, layout)
+    return max(mlp, attention) + cached + r * x * h - kept - released  # + the block output's gradient
 
 
 def schedule_peaks(work: Workload, layout: Layout, stage: int) -> tuple[int, int]:
@@ -294,10 +349,11 @@ def rank_memory(work: Workload, layout: Layout, stage: int) -> dict[str, int]:
     else:
         optimizer = 2 * n * w_bytes
     activations, sent = schedule_peaks(work, layout, stage)
-    # one block's backward: its activations rebuilt under recompute, and the ring's buffers
-    backward = (
-        block_activation_bytes(work, layout, "none") if layout.activation_checkpointing != "none" else 0
-    ) + ring_transient_bytes(work, layout)
+    # one block's backward: what a recomputed one holds (the ring's buffers among it), or the ring's
+    if layout.activation_checkpointing != "none":
+        backward = recompute_transient_bytes(work, layout, stage)
+    else:
+        backward = ring_transient_bytes(work, layout)
     backward = max(backward, head_transient_bytes(work, layout, stage))  # the forward's last moment
     gather = n * w_bytes if layout.zero_shards else 0  # after backward: no activations then
     backward_end = embedding_grad_bytes(work, layout, stage)  # nor then

@@ -129,12 +129,18 @@ def rank_parameters(config: LlamaConfig, layout: Layout, stage: int) -> int:
     return n
 
 
+def rank_tokens(layout: Layout, seq_len: int) -> tuple[int, int]:
+    """(N, x): a micro-batch's tokens on this rank (its 1/cp of each sequence), and those between
+    tp regions (1/tp of them under sequence parallelism)."""
+    N = layout.micro_batch_size * seq_len // layout.cp
+    return N, N // layout.tp if layout.sequence_parallel else N
+
+
 def block_activation_bytes(work: Workload, layout: Layout, mode: str | None = None) -> int:
     """Bytes autograd saves for one decoder block and one micro-batch (see the module docstring)."""
-    c, tp, b, T = work.config, layout.tp, layout.micro_batch_size, work.seq_len // layout.cp
+    c, tp = work.config, layout.tp
     _, _, a, r = PRECISION_BYTES[layout.precision]
-    N, h = b * T, c.hidden_size
-    x = N // tp if layout.sequence_parallel else N  # tokens between tp regions
+    (N, x), h = rank_tokens(layout, work.seq_len), c.hidden_size
     q, kv = c.num_attention_heads * c.head_dim // tp, c.num_key_value_heads * c.head_dim // tp
     inter = c.intermediate_size // tp
     mode = mode or layout.activation_checkpointing
@@ -239,8 +245,7 @@ def head_saved_bytes(work: Workload, layout: Layout) -> int:
     per micro-batch, released by the head's backward. (The head's fp32 d weight is not counted
     here: a tied head's gradient is held until the embedding's backward.)"""
     r = PRECISION_BYTES[layout.precision][3]
-    N = layout.micro_batch_size * work.seq_len // layout.cp
-    x = N // layout.tp if layout.sequence_parallel else N
+    N, x = rank_tokens(layout, work.seq_len)
     return r * x * work.config.hidden_size + 4 * x + r * N * work.config.hidden_size
 
 
@@ -263,9 +268,9 @@ def recompute_transient_bytes(work: Workload, layout: Layout, stage: int) -> int
     mode = layout.activation_checkpointing
     if mode == "none":
         return 0
-    c, tp, _, _, a, r = work.config, layout.tp, *PRECISION_BYTES[layout.precision]
-    N = layout.micro_batch_size * work.seq_len // layout.cp
-    x = N // tp if layout.sequence_parallel else N
+    c, tp = work.config, layout.tp
+    _, _, a, r = PRECISION_BYTES[layout.precision]
+    N, x = rank_tokens(layout, work.seq_len)
     h, q, inter = c.hidden_size, c.num_attention_heads * c.head_dim // tp, c.intermediate_size // tp
     cached = a * N * h if mode == "selective" else 0  # down_proj's output
     # the rebuilt tensors but the product, with d product and d gate_up

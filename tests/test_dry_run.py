@@ -137,6 +137,42 @@ def test_pipeline_memory_and_messages_are_a_real_runs(schedule: str) -> None:
         assert p2p == [m for m in messages if m[2] is not None] and p2p
 
 
+# the layout kinds besides pipelines (above), each as two real gloo ranks of one role
+LAYOUTS = {
+    "dp2-zero1": ParallelConfig(dp=2, zero_stage=1),
+    "tp2-sp": ParallelConfig(tp=2, sequence_parallel=True),
+    "cp2": ParallelConfig(cp=2),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_memory_and_traffic_are_a_real_runs(name: str) -> None:
+    """dp with ZeRO-1, tp with sequence parallelism, context parallelism: the dry run's peak within
+    5% of a real two-process CPU run's (real tensors, gloo, the same measurement), weights, gradients
+    and optimizer state to the byte, and the same collectives and messages with the same bytes."""
+    config = PretrainConfig(
+        trainer=TrainConfig(micro_batch_size=2, seq_len=64, accumulate_grad_batches=2),
+        parallel=LAYOUTS[name],
+        cluster=ClusterConfig(gpu="h100-sxm"),
+    )
+    real = run_distributed(_real_stage, 2, config, timeout=180)
+    (role,) = dry_run(config).roles  # both ranks play the same role
+    parts, messages = real[role.rank]
+    peak = sum(parts.values())
+    assert abs(role.peak - peak) <= 0.05 * peak, (role.parts, parts)
+    for part in ("weights", "gradients", "optimizer_state"):
+        assert role.parts[part] == parts[part], part
+    ours = [(m.step, m.op, m.peer, m.nbytes) for m in role.messages]
+    assert _tensor_traffic(ours) == _tensor_traffic(messages) and ours
+
+
+def _tensor_traffic(messages: list[tuple]) -> list[tuple]:
+    """Messages without the host objects' broadcasts (`broadcast_object`'s sizes and pickles): a real
+    world's rank 0 also shares its agreement store's address (`parallel/agreement.py`), a fake one
+    has no store to share."""
+    return [m for m in messages if not (m[1] == "broadcast_" and m[3] < 1024)]
+
+
 @pytest.mark.parametrize("precision", ["32-true", "bf16-master"])
 def test_a_dry_run_prints_no_library_warning(precision: str) -> None:
     """What a user sees is the report: every part of the program that the smollm-1.7b on 1,024

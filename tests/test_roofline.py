@@ -100,6 +100,18 @@ def test_bound_bytes_are_the_memory_bound_operators_only() -> None:
     assert _measured(lambda: x @ y).bound_bytes[0] == 3 * x.numel() * x.element_size()
 
 
+def test_table_seconds_price_matmuls_at_the_tables_rate_and_bytes_alike() -> None:
+    """`seconds` is RuntimeEstimator's roofline (matmuls at the peak); `table_seconds` the same with
+    matmuls at `Hardware.efficiency` of it: a compute-bound bf16 matmul takes 1/efficiency as long,
+    a memory-bound add the same in both."""
+    a, b = torch.randn(2048, 2048, dtype=torch.bfloat16), torch.randn(2048, 2048, dtype=torch.bfloat16)
+    matmul, add = _measured(lambda: a @ b), _measured(lambda: a + b)
+    hw = HW
+    assert matmul.seconds[0] == pytest.approx(2 * 2048**3 / hw.bf16_flops)
+    assert matmul.table_seconds[0] == pytest.approx(matmul.seconds[0] / hw.efficiency) and hw.efficiency < 1
+    assert add.table_seconds[0] == add.seconds[0] == pytest.approx(3 * a.numel() * 2 / hw.memory_bandwidth)
+
+
 def test_cpu_flash_attention_counts_the_attention_matmuls() -> None:
     q, k, v = (torch.randn(2, 4, 128, 32, requires_grad=True) for _ in range(3))
 

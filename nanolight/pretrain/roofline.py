@@ -84,13 +84,19 @@ class Roofline(TorchDispatchMode):
     for a named GPU rather than the one at hand, its bytes by `moved_bytes` and the CPU's attention
     kernels counted as CUDA's). `ops` keeps where the estimate goes, per step and operator;
     `bound_bytes` the bytes of the operators priced by their bytes (memory-bound), per step: what the
-    planner's bytes terms are measured against (its matmuls are priced by their FLOPs instead)."""
+    planner's bytes terms are measured against (its matmuls are priced by their FLOPs instead).
+
+    `table_seconds` prices the same operators with their FLOPs at the rate the hardware table says
+    matmuls reach (`Hardware.efficiency` of the peak), which the planner's compute uses: no GPU runs
+    its matmuls at the datasheet's peak, and an order of layouts that weighs compute against
+    communication moves with that rate, so a comparison shows both."""
 
     def __init__(self, hw: Hardware) -> None:
         super().__init__()
         self.hw = hw
         self.step = 0
         self.seconds: dict[int, float] = defaultdict(float)
+        self.table_seconds: dict[int, float] = defaultdict(float)
         self.flops: dict[int, float] = defaultdict(float)
         self.bound_bytes: dict[int, float] = defaultdict(float)
         # step -> operator -> [seconds, FLOPs, bytes, calls]
@@ -113,6 +119,7 @@ class Roofline(TorchDispatchMode):
             self.flops[self.step] += flops
             compute = flops / (self.hw.bf16_flops if low else self.hw.fp32_flops)
         seconds = max(compute, nbytes / self.hw.memory_bandwidth)
+        self.table_seconds[self.step] += max(compute / self.hw.efficiency, nbytes / self.hw.memory_bandwidth)
         if nbytes and compute * self.hw.memory_bandwidth <= nbytes:
             self.bound_bytes[self.step] += nbytes
         if seconds:

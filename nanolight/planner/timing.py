@@ -300,14 +300,25 @@ def micro_batch_work(work: Workload, layout: Layout, hw: Hardware, stage: int) -
             compute += layers * elementwise_bytes(work, layout) / hw.memory_bandwidth
             compute += head_bytes(work, layout) / hw.memory_bandwidth if last else 0.0
         seconds = max(compute, host) if hw.device == "cuda" else compute + host
+    return seconds + micro_batch_communication(work, layout, hw, stage)
+
+
+def micro_batch_communication(work: Workload, layout: Layout, hw: Hardware, stage: int) -> float:
+    """Seconds of rank `stage`'s communication inside one micro-batch (part of `micro_batch_work`):
+    its tp collectives (on hardware at hand the blocks' are timed with the block), the ring's
+    exposed exchanges, its pipeline messages."""
+    c, tp = work.config, layout.tp
+    tokens = _local_tokens(work, layout)
+    layers = sum(len(r) for r in chunk_layers(c, layout)[stage])
+    attention = 12 * work.seq_len * c.head_dim * c.num_attention_heads  # FLOPs per token per block
+    seconds = 0.0
     link = hw.link(tp)
     for count, nbytes, all_reduce in tp_collectives(work, layout, stage, blocks=not hw.profiled):
         seconds += count * ring_seconds(tp, nbytes, link, hw.latency, all_reduce)
-    seconds += layers * _ring_attention(work, layout, hw, tokens * attention / tp / rate)
+    seconds += layers * _ring_attention(work, layout, hw, tokens * attention / tp / rank_rate(hw, layout))
     _, _, _, r = PRECISION_BYTES[layout.precision]
     boundary = r * tokens * c.hidden_size // (tp if layout.sequence_parallel else 1)
-    seconds += pipeline_messages(layout, stage) * (hw.latency + boundary / hw.link(tp * layout.pp))
-    return seconds
+    return seconds + pipeline_messages(layout, stage) * (hw.latency + boundary / hw.link(tp * layout.pp))
 
 
 def step_collectives(work: Workload, layout: Layout, hw: Hardware) -> float:

@@ -8,11 +8,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _dist import run_distributed
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from nanolight.parallel.launcher import join_fake_world
 from nanolight.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    comm,
     gather_full,
     take_shard,
     vocab_parallel_cross_entropy,
@@ -28,8 +31,9 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 
 
 def _seq(x: torch.Tensor, rank: int, size: int, sp: bool) -> torch.Tensor:
-    """This rank's sequence chunk when sequence parallel, else the full tensor."""
-    return x.chunk(size, dim=1)[rank] if sp else x
+    """This rank's share when sequence parallel (the r-th contiguous 1/size of the B*T tokens, in
+    memory order, shaped (B, T/size, ...)), else the full tensor."""
+    return x.reshape(B * T, -1).chunk(size)[rank].reshape(B, T // size, -1) if sp else x
 
 
 def _check_column(rank: int, size: int, sp: bool, gather_output: bool) -> None:
@@ -182,3 +186,42 @@ def _check_cross_entropy_world_one(rank: int, size: int) -> bool:
     torch.manual_seed(0)
     _check_cross_entropy(rank, size)
     return True
+
+
+class _Copies(TorchDispatchMode):
+    """Bytes written by copying operators (a clone, a copy into a buffer, `contiguous`'s clone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        if func._overloadpacket in (torch.ops.aten.clone, torch.ops.aten.copy_, torch.ops.aten._to_copy):
+            self.nbytes += out.numel() * out.element_size()
+        return out
+
+
+def _sp_region_copies(rows: int, seq: int) -> tuple[int, bool]:
+    """Bytes copied by a sequence-parallel gather and reduce-scatter, forward and backward, of
+    (rows, seq) tokens on rank 0 of 2; and whether every output is contiguous (else its consumer
+    copies it)."""
+    group = dist.group.WORLD
+    x = torch.randn(rows, seq // 2, H, requires_grad=True)
+    with _Copies() as copies:
+        full = comm.gather_from_sp(x, group)
+        part = comm.reduce_scatter_to_sp(full * 2, group)
+        part.backward(torch.ones_like(part))
+    return copies.nbytes, all(t.is_contiguous() for t in (full, part, x.grad))
+
+
+def test_sequence_parallel_bytes_depend_on_tokens_not_rows() -> None:
+    """The same 64 tokens as one row or as four: a (B, T, H) shard of each row's T/tp positions
+    had the collectives copy the whole tensor to and from (T, B, H) once B > 1; token chunks of
+    the flattened rows copy nothing, and hand on contiguous tensors."""
+    join_fake_world(0, 2)  # collectives return at once: the copies around them are what is counted
+    try:
+        assert _sp_region_copies(1, 64) == (0, True)
+        assert _sp_region_copies(4, 16) == (0, True)
+    finally:
+        dist.destroy_process_group()

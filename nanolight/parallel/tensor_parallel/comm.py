@@ -8,11 +8,18 @@ The four tensor-parallel regions (Megatron-LM's f / g operators and their gather
     scatter_to_tp     forward split           backward all-gather      (last dim)
 
 and the sequence-parallel pair, which replaces copy/reduce around the same layers when the
-activations between them are sharded along the sequence (dim 1 of (B, T, H)):
+activations between them are sharded by token:
 
-    gather_from_sp        forward all-gather(T)       backward reduce-scatter(T)
-    reduce_scatter_to_sp  forward reduce-scatter(T)   backward all-gather(T)
-    scatter_to_sp         forward split(T)            backward all-gather(T)
+    gather_from_sp        forward all-gather          backward reduce-scatter
+    reduce_scatter_to_sp  forward reduce-scatter      backward all-gather
+    scatter_to_sp         forward split               backward all-gather
+
+A sequence-parallel shard is `token_chunk`: rank r holds the r-th contiguous 1/tp of the
+micro-batch's B*T tokens in memory order, presented as (B, T/tp, H). Every operator between the
+regions (norms, residual adds, casts, a pipeline boundary) works token by token, so which tokens a
+rank holds is the collectives' business alone; holding memory-contiguous rows lets them gather and
+scatter in place. A shard of each row's T/tp positions (Megatron's, whose activations are (T, B, H))
+would copy the whole (B, T, H) tensor around every collective once B > 1.
 
 All exchanges are among the ranks of one tensor-parallel group (same dp and pp coordinates).
 """
@@ -51,9 +58,7 @@ def _all_reduce(x: Tensor, group: Any) -> Tensor:
 def _split(x: Tensor, dim: int, group: Any) -> Tensor:
     rank, size = tp_world(group)
     if x.shape[dim] % size != 0:
-        raise ValueError(
-            f"cannot split dim {dim} of size {x.shape[dim]} into {size} equal tp shards{_SP_HINT}"
-        )
+        raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} into {size} equal tp shards")
     return x.chunk(size, dim=dim)[rank].contiguous()
 
 
@@ -69,18 +74,22 @@ def all_gather_tensor(x: Tensor, dim: int, group: Any) -> Tensor:
     return out.movedim(0, dim)
 
 
-def _reduce_scatter(x: Tensor, dim: int, group: Any) -> Tensor:
-    size = dist.get_world_size(group)
-    if size == 1:
-        return x
-    if x.shape[dim] % size != 0:
+def _chunk_shape(x: Tensor, size: int) -> tuple[int, ...]:
+    """(B, T/size, ...): the shape of one of `size` sequence-parallel shards of a (B, T, ...) `x`."""
+    if x.shape[1] % size != 0:
         raise ValueError(
-            f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over {size} tp ranks{_SP_HINT}"
+            f"cannot split a sequence of {x.shape[1]} tokens into {size} equal tp shards{_SP_HINT}"
         )
-    x = x.movedim(dim, 0).contiguous()
-    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    _reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group)
-    return out.movedim(0, dim)
+    return (x.shape[0], x.shape[1] // size, *x.shape[2:])
+
+
+def token_chunk(x: Tensor, rank: int, size: int) -> Tensor:
+    """Rank `rank`'s sequence-parallel shard of a contiguous (B, T, ...) tensor: the rows
+    [rank * n, (rank + 1) * n) of its B*T tokens (n = B*T / size), as a (B, T/size, ...) view."""
+    shape = _chunk_shape(x, size)
+    rows = x.view(-1, *x.shape[2:])  # (B*T, ...)
+    n = rows.shape[0] // size
+    return rows[rank * n : (rank + 1) * n].view(shape)
 
 
 class _Region(torch.autograd.Function):
@@ -114,15 +123,33 @@ def _split_last(x: Tensor, group: Any) -> Tensor:
 
 
 def _gather_seq(x: Tensor, group: Any) -> Tensor:
-    return all_gather_tensor(x, 1, group)  # tp ranks: exchange sequence chunks
+    """Every rank's `token_chunk` -> the whole (B, T, ...), gathered straight into place."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return x
+    out = x.new_empty((x.shape[0], x.shape[1] * size, *x.shape[2:]))
+    # tp ranks: exchange their token chunks (rank r's lands in rows r*n:(r+1)*n of the flat out)
+    _all_gather_single(out.view(-1, *x.shape[2:]), x.reshape(-1, *x.shape[2:]).contiguous(), group=group)
+    return out
 
 
 def _reduce_scatter_seq(x: Tensor, group: Any) -> Tensor:
-    return _reduce_scatter(x, 1, group)  # tp ranks: sum partials, each keeps its sequence chunk
+    """A partial (B, T, ...) -> this rank's `token_chunk` of the sum over the tp ranks."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return x
+    x = x.contiguous()  # a matmul's output: already
+    out = x.new_empty(_chunk_shape(x, size))
+    # tp ranks: sum their partial tensors, each keeping its token chunk's rows
+    _reduce_scatter_single(
+        out.view(-1, *x.shape[2:]), x.view(-1, *x.shape[2:]), op=dist.ReduceOp.SUM, group=group
+    )
+    return out
 
 
 def _split_seq(x: Tensor, group: Any) -> Tensor:
-    return _split(x, 1, group)
+    rank, size = tp_world(group)
+    return token_chunk(x.contiguous(), rank, size)
 
 
 def copy_to_tp(x: Tensor, group: Any) -> Tensor:
@@ -148,7 +175,7 @@ def scatter_to_tp(x: Tensor, group: Any) -> Tensor:
 
 
 def gather_from_sp(x: Tensor, group: Any) -> Tensor:
-    """(B, T/tp, H) chunks -> (B, T, H) before a column-parallel layer; its full-sequence input
+    """(B, T/tp, H) token chunks -> (B, T, H) before a column-parallel layer; its full input
     gradient is a partial sum (this rank's column shard), reduce-scattered back to the chunks."""
     return _Region.apply(x, group, _gather_seq, _reduce_scatter_seq)
 
@@ -160,5 +187,5 @@ def reduce_scatter_to_sp(x: Tensor, group: Any) -> Tensor:
 
 
 def scatter_to_sp(x: Tensor, group: Any) -> Tensor:
-    """A replicated (B, T, H) -> this rank's sequence chunk; chunk gradients are all-gathered."""
+    """A replicated (B, T, H) -> this rank's token chunk; chunk gradients are all-gathered."""
     return _Region.apply(x, group, _split_seq, _gather_seq)

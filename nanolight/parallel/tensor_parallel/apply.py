@@ -16,7 +16,7 @@ Parameter names do not change, so checkpoints, the optimizer and pipeline split 
 keys; `shard_dims` tells which dim of each parameter is split, `shard_chunks` into how many
 blocks. Everything else (norms) is replicated over tp.
 
-Sequence parallelism: activations between TP regions are (B, T/tp, H). The sequence is
+Sequence parallelism: activations between TP regions are (B, T/tp, H) (`comm.token_chunk`). The tokens are
 all-gathered on entry to the *parent* of each column layer (`self_attn`, `mlp`) rather than in
 the layer, because the parent reads `T` from its input's shape (attention reshapes by it) and
 must see the full sequence; the column layer then does no entry collective itself. (The
@@ -137,7 +137,7 @@ def _copy_slice(dense: nn.Module, parallel: nn.Module, rank: int, size: int) -> 
 
 
 class _GatherSequence:
-    """Forward pre-hook: gather the sequence chunks of the first positional input (B, T/tp, H)."""
+    """Forward pre-hook: gather the token chunks of the first positional input (B, T/tp, H)."""
 
     def __init__(self, group: Any) -> None:
         self.group = group

@@ -12,10 +12,11 @@ A column layer whose output is several tensors side by side (the MLP's [gate | u
 of its `tp_chunks` equal row blocks over tp, so shard k = [gate_k | up_k] and every rank holds
 matching halves (nanotron's ``contiguous_chunks``); `shard_of` / `unshard` are that rule.
 
-With `sequence_parallel=True` the activations *between* TP regions are split along the
-sequence (dim 1 of (B, T, H)): a column layer all-gathers the sequence first, a row layer
-(and the embedding) reduce-scatters its output instead of all-reducing it. Same bytes on the
-wire as all-reduce, but norms, residuals and dropout run on T/tp tokens per rank.
+With `sequence_parallel=True` the activations *between* TP regions are split by token (each rank
+1/tp of the B*T tokens, shaped (B, T/tp, H): `comm.token_chunk`): a column layer all-gathers the
+tokens first, a row layer (and the embedding) reduce-scatters its output instead of all-reducing
+it. Same bytes on the wire as all-reduce, but norms, residuals and dropout run on 1/tp of the
+tokens per rank.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ class RowParallelLinear(_ParallelLinear):
 
     Its input is the sharded output of a column-parallel layer (`input_is_parallel=True`), so
     each rank computes a partial sum of the output; the partials are all-reduced (or, with
-    sequence parallelism, reduce-scattered along the sequence).
+    sequence parallelism, reduce-scattered by token).
     """
 
     tp_shard_dim = 1
@@ -173,7 +174,7 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding whose vocabulary rows are split over the tp group.
 
     Each rank looks up the ids it owns and writes zeros for the others; summing over the group
-    (all-reduce, or reduce-scatter along the sequence with sequence parallelism) then gives
+    (all-reduce, or reduce-scatter by token with sequence parallelism) then gives
     every rank the full embedding. Rank r owns ids [r * V/tp, (r + 1) * V/tp).
     """
 

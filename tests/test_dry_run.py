@@ -14,6 +14,7 @@ import torch.distributed as dist
 from _dist import run_distributed
 from _nccl_emulation import assert_nccl_safe, install, take_recording
 
+from nanolight.errors import UsageError
 from nanolight.models.llama import LlamaConfig, LlamaForCausalLM
 from nanolight.parallel.config import PP_SCHEDULES, ParallelConfig
 from nanolight.parallel.launcher import join_fake_world
@@ -24,6 +25,7 @@ from nanolight.planner.memory import Workload, rank_memory
 from nanolight.planner.search import predict
 from nanolight.pretrain.config import ClusterConfig, PretrainConfig, TrainConfig
 from nanolight.pretrain.dry_run import DryRunReport, StepsMemTracker, dry_run, measured_fit, run_role
+from nanolight.pretrain.module import CausalLMPretrain
 from nanolight.pretrain.run import build_strategy
 
 pytestmark = pytest.mark.slow  # three fake ranks of 8: about a minute on 2 shared cores
@@ -94,12 +96,32 @@ def test_does_not_fit_names_rank_part_and_amount(report: DryRunReport) -> None:
 
 
 def test_fake_memory_equals_a_real_runs() -> None:
-    """One process, real tensors, the same measurement: the dry run's parts are the real run's."""
+    """One process, real tensors, the same measurement: the dry run's parts are the real run's, and
+    neither step reads a value on the host (the real run could: its tensors have values)."""
     config = _config(tp=1, cp=1, dp=1)
     hw = hardware("h100-sxm")
-    memory, _, _ = measured_fit(config, build_strategy(config), hw, {})
+    memory, _, roofline = measured_fit(config, build_strategy(config), hw, {})
     (role,) = dry_run(config).roles
     assert role.parts == memory.peak_parts()
+    assert sum(roofline.host_syncs.values()) == role.host_syncs == 0
+
+
+def test_a_host_read_in_the_step_stops_the_dry_run_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A training step that reads a value (here `.item()` on the loss) would stall a GPU run on every
+    step; a fake tensor has no value, and the dry run says so in one line naming the operator."""
+
+    def reads_the_loss(self: CausalLMPretrain, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = self(batch)
+        if loss.item() > 1e9:  # a host sync
+            raise AssertionError("unreachable")
+        return loss
+
+    monkeypatch.setattr(CausalLMPretrain, "training_step", reads_the_loss)
+    with pytest.raises(
+        UsageError,
+        match=r"rank 0: the training step reads a tensor's value on the host \(aten\._local_scalar_dense",
+    ):
+        dry_run(_config(tp=1, cp=1, dp=1))
 
 
 def _pp_config(schedule: str) -> PretrainConfig:

@@ -112,6 +112,15 @@ def test_table_seconds_price_matmuls_at_the_tables_rate_and_bytes_alike() -> Non
     assert add.table_seconds[0] == add.seconds[0] == pytest.approx(3 * a.numel() * 2 / hw.memory_bandwidth)
 
 
+def test_host_syncs_are_the_operators_that_read_a_value() -> None:
+    """`.item()`, `bool()`, `float()` and a data-dependent shape (`nonzero`) each hand the host a
+    value, where a GPU run waits; arithmetic does not."""
+    x = torch.randn(8)
+    reads = _measured(lambda: (x.sum().item(), bool(x.sum() > 0), float(x[0]), x.nonzero()))
+    assert reads.host_syncs[0] == 4
+    assert _measured(lambda: (x * 2 + x).sum()).host_syncs[0] == 0
+
+
 def test_cpu_flash_attention_counts_the_attention_matmuls() -> None:
     q, k, v = (torch.randn(2, 4, 128, 32, requires_grad=True) for _ in range(3))
 

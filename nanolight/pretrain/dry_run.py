@@ -16,6 +16,8 @@ and dp ranks hold shards of the same shapes, so one of them runs):
   state: the optimizer's state and ZeRO-1's fp32 masters; communication: buffers a collective or
   message writes into; activations and backward temporaries: the rest), at the peak;
 - traffic: every collective and point-to-point message of each step, its group and bytes;
+- host syncs: reads of a device value on the host (`.item()`, `bool()`, a data-dependent shape),
+  where a GPU run waits; a fake tensor has no value, so the dry run stops there and names it;
 - time: each operator's roofline on the named GPU (`pretrain/roofline.py`: its FLOPs -- torch's
   ``flop_registry``, the counts behind ``RuntimeEstimator`` -- at the table's peak, or the bytes a
   GPU run moves at the memory bandwidth, whichever is longer) and each collective by the
@@ -37,7 +39,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -254,6 +260,7 @@ class RoleReport:
     table_compute_s: float  # the same, matmuls at the table's rate (`Roofline.table_seconds`)
     comm_s: float  # the last step's collectives, one after another
     flops: float
+    host_syncs: int = 0  # the last step's reads of a device value on the host (`Roofline.host_syncs`)
 
     @property
     def peak(self) -> int:
@@ -323,7 +330,7 @@ class DryRunReport:
             out.append(
                 f"  step time: compute {r.compute_s * 1e3:.1f} ms (roofline, {r.flops / 1e12:.2f} TFLOP; "
                 f"{r.table_compute_s * 1e3:.1f} ms with matmuls at the table's rate) + "
-                f"communication {r.comm_s * 1e3:.1f} ms (ring model, not overlapped)"
+                f"communication {r.comm_s * 1e3:.1f} ms (ring model, not overlapped); {r.host_syncs} host syncs"
             )
         out += self.misfits()
         return "\n".join(out)
@@ -388,7 +395,16 @@ def run_role(config: PretrainConfig, rank: int, world: int, hw: Hardware) -> Rol
             roofline.table_seconds[last],
             traffic.seconds(last),
             roofline.flops[last],
+            roofline.host_syncs[last],
         )
+    except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+        # a fake tensor has no value to give: the program read one on the host, where a GPU run waits
+        raise UsageError(
+            f"the dry run stopped on rank {rank}: the training step reads a tensor's value on the host "
+            f"({exc.func}: `.item()`, `bool()`, `.tolist()` or a data-dependent shape), which a GPU run "
+            "waits for the device to reach and a fake tensor does not have; read values only on logging "
+            "steps (every `trainer.log_every_n_steps`)"
+        ) from exc
     finally:
         dist.destroy_process_group()
 

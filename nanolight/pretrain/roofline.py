@@ -39,6 +39,9 @@ INDEXED = {
     aten.embedding: ("weight", "indices", True),
 }
 ALLOCATES = (aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty)  # memory, never touched
+# operators that hand the host a tensor's value, or a shape that depends on one (`.item()`, `bool()`,
+# `nonzero`): on a GPU the host waits there for the device to finish everything queued before
+HOST_SYNCS = (aten._local_scalar_dense, aten.nonzero, aten.is_nonzero, aten.equal)
 
 
 def moved_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
@@ -89,7 +92,8 @@ class Roofline(TorchDispatchMode):
     `table_seconds` prices the same operators with their FLOPs at the rate the hardware table says
     matmuls reach (`Hardware.efficiency` of the peak), which the planner's compute uses: no GPU runs
     its matmuls at the datasheet's peak, and an order of layouts that weighs compute against
-    communication moves with that rate, so a comparison shows both."""
+    communication moves with that rate, so a comparison shows both. `host_syncs` counts the
+    `HOST_SYNCS` per step."""
 
     def __init__(self, hw: Hardware) -> None:
         super().__init__()
@@ -97,6 +101,7 @@ class Roofline(TorchDispatchMode):
         self.step = 0
         self.seconds: dict[int, float] = defaultdict(float)
         self.table_seconds: dict[int, float] = defaultdict(float)
+        self.host_syncs: dict[int, int] = defaultdict(int)
         self.flops: dict[int, float] = defaultdict(float)
         self.bound_bytes: dict[int, float] = defaultdict(float)
         # step -> operator -> [seconds, FLOPs, bytes, calls]
@@ -104,6 +109,8 @@ class Roofline(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func._overloadpacket in HOST_SYNCS:
+            self.host_syncs[self.step] += 1
         out = func(*args, **kwargs)
         if func in collective_ops:
             return out

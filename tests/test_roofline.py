@@ -141,12 +141,23 @@ def test_cpu_flash_attention_counts_the_attention_matmuls() -> None:
     assert roofline.flops[0] == counter.get_total_flops() + recompute.get_total_flops() > 0
 
 
-def _elementwise_bytes(precision: str, layers: int, seq: int, micro_batches: int) -> float:
+def _elementwise_bytes(
+    precision: str, layers: int, seq: int, micro_batches: int, tp: int = 1, rows: int = 1
+) -> float:
     """Bytes of the operators the roofline prices by their bytes, in the second step of smollm-1.7b's
-    real program cut to `layers` layers (one rank of 8, dp + ZeRO-1) under fake tensors."""
+    real program cut to `layers` layers (one rank of 8, dp + ZeRO-1; tp > 1 with sequence
+    parallelism, micro-batches of `rows` sequences) under fake tensors."""
     model = LlamaConfig.preset("smollm-1.7b", num_hidden_layers=layers)
     base = PretrainConfig(model=model, trainer=TrainConfig(seq_len=seq), cluster=ClusterConfig(gpus=8))
-    layout = Layout(dp=8, zero_stage=1, accumulate_grad_batches=micro_batches, precision=precision)
+    layout = Layout(
+        tp=tp,
+        dp=8 // tp,
+        zero_stage=1,
+        sequence_parallel=tp > 1,
+        micro_batch_size=rows,
+        accumulate_grad_batches=micro_batches,
+        precision=precision,
+    )
     config = apply_layout(base, layout)
     join_fake_world(0, 8)
     try:
@@ -205,3 +216,27 @@ def test_the_planner_prices_the_bytes_outside_the_layers_the_dry_run_counts(prec
     base = outside(short)
     assert planned[long] - planned[short] == pytest.approx(outside(long) - base, rel=0.01)
     assert planned[short] == pytest.approx(outside(short, 2) - base, rel=0.01)
+
+
+@pytest.mark.slow  # eight fake-tensor steps of a 2,048-wide model: about a minute on 2 shared cores
+def test_sequence_parallel_layers_move_what_the_planner_prices() -> None:
+    """Under sequence parallelism every operator between the tp regions runs on 1/tp of the tokens
+    and the collectives gather and scatter in place (`comm.token_chunk`): the dry run's tp 2 layer
+    moves per token what the planner prices, a tp-1 layer's bytes over tp, within 5% (it measures
+    0.96: sp also drops plain tp's copies before each all-reduce), and two rows of 1,024 tokens move
+    what one of 2,048 does (a shard of each row's positions had copied the whole (B, T, H) around
+    every collective: 20% more at two rows)."""
+    short, long = 1024, 2048
+
+    def layer(seq: int, rows: int = 1) -> float:
+        return _elementwise_bytes("bf16-master", 2, seq, 1, tp=2, rows=rows) - _elementwise_bytes(
+            "bf16-master", 1, seq, 1, tp=2, rows=rows
+        )
+
+    model, lay = (
+        LlamaConfig.preset("smollm-1.7b"),
+        Layout(tp=2, dp=4, sequence_parallel=True, precision="bf16-master"),
+    )
+    planned = {seq: elementwise_bytes(Workload(model, seq, "cuda"), lay) for seq in (short, long)}
+    assert planned[long] - planned[short] == pytest.approx(layer(long) - layer(short), rel=0.05)
+    assert layer(short, rows=2) == pytest.approx(layer(long), rel=0.005)

@@ -110,9 +110,6 @@ HEAD_BYTES = {
 # ring attention's (cp > 1) bytes besides, per token and hidden element over tp: once (its blocks
 # and merges in place of one flash call), and per ring step (cp - 1); bf16-master at cp 2 and 4
 RING_BYTES = (287.0, 207.5)
-# sequence parallelism's gathers and scatters, per token and hidden element over tp: about 30 copies of the
-# residual stream's element (tp 4: 29 at bf16-master, 31 at bf16-mixed's fp32 stream)
-SP_STREAM_COPIES = 30
 
 
 def ring_seconds(n: int, nbytes: float, bandwidth: float, latency: float, all_reduce: bool = True) -> float:
@@ -224,16 +221,16 @@ def _ring_attention(work: Workload, layout: Layout, hw: Hardware, attention_s: f
 def elementwise_bytes(work: Workload, layout: Layout) -> float:
     """Bytes one rank's non-matmul operators move in one decoder layer and micro-batch
     (`ELEMENTWISE_BYTES`): the hidden-wide ones split tp ways only under sequence parallelism, the
-    intermediate-wide ones and the weights always; sequence parallelism's copies (`SP_STREAM_COPIES`)
-    and ring attention's (`RING_BYTES`) besides."""
+    intermediate-wide ones and the weights always; ring attention's (`RING_BYTES`) besides. Sequence
+    parallelism's collectives gather and scatter in place (`comm.token_chunk`): it adds no copies, and
+    the dry run counts its layer at 0.96 of a tp-1 layer's bytes over tp (smollm-1.7b, tp 2,
+    bf16-master; 0.88 at tp 4). Plain tp splits some hidden-wide operators too (RoPE's, the heads'),
+    which this leaves whole: 1.10 of the dry run's at tp 2."""
     c, tp = work.config, layout.tp
     hidden, inter, weight = ELEMENTWISE_BYTES[layout.precision, layout.activation_checkpointing]
     width = (
         hidden * c.hidden_size / (tp if layout.sequence_parallel else 1) + inter * c.intermediate_size / tp
     )
-    if tp > 1 and layout.sequence_parallel:
-        _, _, _, stream = PRECISION_BYTES[layout.precision]
-        width += SP_STREAM_COPIES * stream * c.hidden_size / tp
     if layout.cp > 1:
         once, per_step = RING_BYTES
         width += (once + per_step * (layout.cp - 1)) * c.hidden_size / tp

@@ -97,15 +97,17 @@ ELEMENTWISE_BYTES = {
     ("bf16-true", "full"): (399.0, 38.0, 6.0),
 }
 # precision -> the bytes outside the decoder layers per micro-batch (the embedding, the final norm,
-# the fused head + loss), by the same roofline in smollm-1.7b at pp 1 and tp 1 (two model depths
-# apart): (per token and vocabulary element: the loss's passes over each chunk's fp32 logits, besides
-# each chunk's fp32 d-weight update, counted from `fused_loss.py`'s chunks in `head_bytes`; per
-# vocabulary x hidden weight: the head's and the embedding's gradients, bf16-mixed's weight cast)
+# the fused head + loss), by the same roofline in smollm-1.7b (two model depths apart, pp 1):
+# (per token and vocabulary-slice element: the loss's passes over each chunk's fp32 logits, besides
+# each chunk's fp32 d-weight update, counted from `fused_loss.py`'s chunks in `head_bytes`; per token
+# and hidden element, whole at any tp: the embedding's and the final norm's full-width rows, from tp 1
+# and 2 with sp (tp 4 then within 1%); per vocabulary-slice x hidden weight: the head's and the
+# embedding's gradients, bf16-mixed's weight cast)
 HEAD_BYTES = {
-    "32-true": (58.2, 25.9),
-    "bf16-mixed": (50.4, 38.0),
-    "bf16-master": (49.7, 28.0),
-    "bf16-true": (49.7, 24.0),
+    "32-true": (56.5, 41.5, 25.9),
+    "bf16-mixed": (48.5, 45.4, 38.0),
+    "bf16-master": (48.9, 19.0, 28.0),
+    "bf16-true": (48.9, 19.0, 24.0),
 }
 # ring attention's (cp > 1) bytes besides, per token and hidden element over tp: once (its blocks
 # and merges in place of one flash call), and per ring step (cp - 1); bf16-master at cp 2 and 4
@@ -243,15 +245,18 @@ def head_bytes(work: Workload, layout: Layout) -> float:
     their matmuls (`HEAD_BYTES`), its vocabulary slice under tp: per logit, per chunk of tokens
     (`fused_loss.chunk_rows` on the workload's device) the d-weight update -- in bf16, the chunk's
     product read and added into the fp32 sum (an fp32 head accumulates inside its matmul) -- and per
-    weight. Measured at tp 1: the vocabulary-parallel loss's extra passes (its in-place softmax) are
-    not in it, and at pp > 1 the embedding's part sits on the first stage, not the last."""
+    hidden element per token, and per weight. Held to the dry run at tp 1 and 2 (within 1.5% at tp 4);
+    at pp > 1 the embedding's part sits on the first stage, not the last (not yet split here)."""
     c = work.config
-    vocab, (per_logit, per_weight) = c.vocab_size // layout.tp, HEAD_BYTES[layout.precision]
+    vocab, (per_logit, per_hidden, per_weight) = c.vocab_size // layout.tp, HEAD_BYTES[layout.precision]
     _, _, act, _ = PRECISION_BYTES[layout.precision]
     tokens = _local_tokens(work, layout)
     chunks = math.ceil(tokens / chunk_rows(vocab, c.hidden_size, torch.device(work.device)))
     update = 8 + act if act != 4 else 0
-    return tokens * vocab * per_logit + (chunks * update + per_weight) * vocab * c.hidden_size
+    return (
+        tokens * (vocab * per_logit + c.hidden_size * per_hidden)
+        + (chunks * update + per_weight) * vocab * c.hidden_size
+    )
 
 
 def micro_batch_work(work: Workload, layout: Layout, hw: Hardware, stage: int) -> float:

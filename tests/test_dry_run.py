@@ -6,7 +6,12 @@ not fit says so in one line."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +33,7 @@ from nanolight.pretrain.dry_run import DryRunReport, StepsMemTracker, dry_run, m
 from nanolight.pretrain.module import CausalLMPretrain
 from nanolight.pretrain.run import build_strategy
 
+REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # three fake ranks of 8: about a minute on 2 shared cores
 
 TP_SPLIT = (
@@ -417,3 +423,38 @@ def test_llama3_8b_preset_plans_and_dry_runs() -> None:
     assert role.parts["gradients"] == planned["gradients"]
     assert role.parts["optimizer_state"] == pytest.approx(planned["optimizer_state"], abs=512)
     assert {m.group for m in role.messages} >= {"tp", "dp"}  # dp: the replicas at cp = 1
+
+
+SIGNALLED_DRY_RUN = """
+import os, signal
+from nanolight.parallel.config import ParallelConfig
+from nanolight.pretrain.config import ClusterConfig, PretrainConfig, TrainConfig
+from nanolight.pretrain.dry_run import dry_run
+from nanolight.pretrain.module import CausalLMPretrain
+
+step = CausalLMPretrain.training_step
+
+def signalled(self, batch, batch_idx):
+    os.kill(os.getpid(), signal.SIGTERM)  # as a job scheduler's time limit would
+    return step(self, batch, batch_idx)
+
+CausalLMPretrain.training_step = signalled
+dry_run(PretrainConfig(trainer=TrainConfig(micro_batch_size=2, seq_len=64), cluster=ClusterConfig(gpu="h100-sxm")))
+"""
+
+
+def test_a_signal_ends_a_dry_run_and_writes_nothing(tmp_path: Path) -> None:
+    """SIGTERM asks a training run to finish its step and save (`trainer/preemption.py`); a dry run
+    has nothing to save (a fake tensor has no value: the save failed with safetensors' traceback)
+    and writes nothing, so the signal ends it as it ends any process."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGNALLED_DRY_RUN],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == -signal.SIGTERM, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []

@@ -438,6 +438,7 @@ def measured_fit(
         num_sanity_val_steps=0,
         seed=config.seed,
     )
+    trainer.preemption.save_on_signal = False  # SIGTERM ends a dry run: no fake checkpoint to save
     with memory, traffic, roofline:
         trainer.fit(module, batches)
     return memory, traffic, roofline

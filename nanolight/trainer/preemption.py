@@ -49,11 +49,14 @@ class Preemption:
 
     Ctrl-C (SIGINT) keeps Lightning's meaning (``KeyboardInterrupt``: ``on_exception``, nothing
     saved) unless `save_on_interrupt` is set (the recipe sets it: "nothing lost"): then it is a
-    pre-emption too, and a second one stops the process at once, unsaved, with status 130."""
+    pre-emption too, and a second one stops the process at once, unsaved, with status 130.
+    `save_on_signal=False` leaves SIGTERM/SIGUSR1 their default meaning too, for a run with nothing
+    to save (the dry run: its tensors are fake, and it writes nothing)."""
 
     def __init__(self, trainer: NanoTrainer) -> None:
         self.trainer = trainer
         self.save_on_interrupt = False
+        self.save_on_signal = True
         self.received: str | None = None  # name of the first signal this process got
         self._previous: dict[int, Any] = {}
         self._pending: Any = None  # the agreement started at the last check, read at the next
@@ -62,7 +65,8 @@ class Preemption:
         self.received = self.trainer.preempted_by = None
         self._pending = None
         if threading.current_thread() is threading.main_thread():
-            for name in SIGNALS + (("SIGINT",) if self.save_on_interrupt else ()):
+            names = SIGNALS if self.save_on_signal else ()
+            for name in names + (("SIGINT",) if self.save_on_interrupt else ()):
                 sig = getattr(signal, name, None)
                 if sig is not None:
                     self._previous[sig] = signal.signal(sig, self._record)

@@ -93,10 +93,8 @@ def describe(lay: Layout) -> str:
     )
 
 
-PRICINGS = (
-    "peak",
-    "table",
-)  # the roofline's matmuls at the GPU's peak (RuntimeEstimator's), at the table's rate
+# the roofline's matmuls at the GPU's peak (RuntimeEstimator's), at the table's rate (the planner's)
+PRICINGS = ("peak", "table")
 ORDERS = ("step", "compute", "+comm")  # the three measures compared, by the names the summary prints
 
 

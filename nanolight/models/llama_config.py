@@ -377,10 +377,16 @@ def num_params(config: LlamaConfig) -> int:
     return matmul_params(config) - c.hidden_size * c.vocab_size + lm_head + embed + norms
 
 
+def attention_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+    """Training FLOPs of one layer's score matmuls per token (the attention term above, one layer)."""
+    return float(12 * seq_len * config.head_dim * config.num_attention_heads)
+
+
 def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
     """Training (forward + backward) FLOPs per token at sequence length `seq_len`."""
-    attention = 12 * config.num_hidden_layers * seq_len * config.head_dim * config.num_attention_heads
-    return float(6 * matmul_params(config) + attention)
+    return float(
+        6 * matmul_params(config) + config.num_hidden_layers * attention_flops_per_token(config, seq_len)
+    )
 
 
 def stage_costs(config: LlamaConfig) -> tuple[float, float, float]:

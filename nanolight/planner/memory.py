@@ -91,6 +91,11 @@ def chunk_layers(config: LlamaConfig, layout: Layout) -> list[list[range]]:
     return _chunk_layers(config.num_hidden_layers, stage_costs(config), layout.pp, layout.pp_virtual)
 
 
+def stage_layers(config: LlamaConfig, layout: Layout, stage: int) -> int:
+    """Decoder layers pipeline rank `stage` holds, over all its chunks."""
+    return sum(len(r) for r in chunk_layers(config, layout)[stage])
+
+
 @cache
 def _chunk_layers(layers: int, costs: tuple[float, float, float], p: int, v: int) -> list[list[range]]:
     if p == 1:
@@ -118,7 +123,7 @@ def rank_parameters(config: LlamaConfig, layout: Layout, stage: int) -> int:
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     block = (c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size) // tp
     block += 2 * c.hidden_size  # the two norms, replicated over tp
-    layers = sum(len(r) for r in chunk_layers(config, layout)[stage])
+    layers = stage_layers(config, layout, stage)
     vocab = c.vocab_size * c.hidden_size // tp
     first, last = stage == 0, stage == layout.pp - 1
     n = layers * block

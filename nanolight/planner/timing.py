@@ -67,11 +67,11 @@ import math
 import torch
 
 from nanolight.models.fused_loss import chunk_rows
-from nanolight.models.llama_config import stage_costs
+from nanolight.models.llama_config import attention_flops_per_token, stage_costs
 from nanolight.parallel.pipeline.schedules import bubble_fraction
 from nanolight.planner.hardware import Hardware
 from nanolight.planner.layout import PRECISION_BYTES, Layout
-from nanolight.planner.memory import Workload, chunk_layers, rank_parameters
+from nanolight.planner.memory import Workload, rank_parameters, stage_layers
 from nanolight.planner.probes import MAX_RANKS, block_seconds, head_seconds, rank_block_seconds
 
 ADAMW_BYTES_PER_ELEMENT = 28  # fp32 p, g, m, v read (16) + p, m, v written (12)
@@ -168,7 +168,7 @@ def tp_collectives(
     stream = tokens * c.hidden_size * act  # one (B, T, H) activation: what every block collective moves
     forward = 4 if sp else 2
     per_block = 2 * forward + (forward if layout.activation_checkpointing != "none" else 0)
-    layers = sum(len(r) for r in chunk_layers(c, layout)[stage])
+    layers = stage_layers(c, layout, stage)
     out = [(layers * per_block, stream, not sp)] if blocks else []
     if stage == 0:
         out.append((1, stream, not sp))  # the embedding's partial sums (reduce-scattered under sp)
@@ -265,9 +265,9 @@ def micro_batch_work(work: Workload, layout: Layout, hw: Hardware, stage: int) -
     tokens = _local_tokens(work, layout)
     layer, _, head = stage_costs(c)  # matmul weights per block, and the head's
     # attention FLOPs per token per block: each of the rank's tokens attends over the sequence
-    attention = 12 * work.seq_len * c.head_dim * c.num_attention_heads
+    attention = attention_flops_per_token(c, work.seq_len)
     mode = layout.activation_checkpointing
-    layers = sum(len(r) for r in chunk_layers(c, layout)[stage])
+    layers = stage_layers(c, layout, stage)
     last = stage == layout.pp - 1
     rate = rank_rate(hw, layout)
     if hw.profiled:
@@ -311,8 +311,8 @@ def micro_batch_communication(work: Workload, layout: Layout, hw: Hardware, stag
     exposed exchanges, its pipeline messages."""
     c, tp = work.config, layout.tp
     tokens = _local_tokens(work, layout)
-    layers = sum(len(r) for r in chunk_layers(c, layout)[stage])
-    attention = 12 * work.seq_len * c.head_dim * c.num_attention_heads  # FLOPs per token per block
+    layers = stage_layers(c, layout, stage)
+    attention = attention_flops_per_token(c, work.seq_len)
     seconds = 0.0
     link = hw.link(tp)
     for count, nbytes, all_reduce in tp_collectives(work, layout, stage, blocks=not hw.profiled):
